@@ -1,0 +1,22 @@
+"""cukv: GPU attention kernels over paged KV caches, compiled at run time (Jinja2 -> NVRTC -> cubin).
+
+Quick tour::
+
+    cache = cukv.PagedKVCache(num_pages, page_size, num_kv_heads, head_dim, dtype="bfloat16")
+    seqs = cukv.SequenceTable(cache, max_batch, max_pages_per_seq)
+    cukv.append_kv(cache, k_new, v_new, cupy.asarray(seqs.extend(counts)))
+    dec = cukv.BatchDecode(num_qo_heads, num_kv_heads, head_dim, page_size).plan(batch, max_len)
+    out, lse = dec.run(q, cache, seqs.page_table(), return_lse=True)
+
+``cukv.reference`` holds the float64 NumPy definitions every kernel is tested against.
+"""
+from ._version import __version__
+from .append import AppendConfig, append_kv
+from .cache import PageAllocator, PagedKVCache, PageTable, SequenceTable
+from .decode import BatchDecode, DecodeConfig, decode
+from .errors import CompileError, CompileForbidden, CukvError, NoGPUError
+
+__all__ = [
+    "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",
+    "BatchDecode", "DecodeConfig", "decode", "CompileError", "CompileForbidden", "CukvError", "NoGPUError",
+]

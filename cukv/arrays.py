@@ -1,0 +1,98 @@
+"""Accepting arrays from users: CuPy, anything with __cuda_array_interface__, DLPack producers
+(PyTorch, JAX), all without copies, and the checks that turn a wrong argument into a clear error."""
+from __future__ import annotations
+
+import numpy as np
+
+#: dtype names users may pass, mapped to the template's element type and NumPy/CuPy dtype
+DTYPES = {
+    "float16": ("half", np.dtype(np.float16)),
+    "bfloat16": ("bf16", None),  # CuPy has no bfloat16: stored as uint16 bits, see as_device
+}
+DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "float16": "float16",
+                 "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def canonical_dtype(dtype, arg: str = "dtype") -> str:
+    """Map a user's dtype (string, NumPy dtype, torch dtype) to 'float16' or 'bfloat16'."""
+    name = getattr(dtype, "name", None) or str(dtype)
+    name = name.replace("torch.", "")
+    if name in DTYPE_ALIASES:
+        return DTYPE_ALIASES[name]
+    raise TypeError(f"{arg}={dtype!r} is not supported; accepted: 'float16' or 'bfloat16'")
+
+
+def _torch_dtype_name(x) -> str | None:
+    dt = getattr(x, "dtype", None)
+    s = str(dt)
+    return s.replace("torch.", "") if s.startswith("torch.") else None
+
+
+def as_device(x, arg: str):
+    """Return (cupy_array, dtype_name) without copying.
+
+    bfloat16 arrays from PyTorch/JAX arrive through DLPack; CuPy has no bfloat16 type, so they are viewed
+    as uint16 bit patterns and the dtype name travels beside them. A CuPy array of uint16 is taken as
+    bfloat16 bits only when the caller says so (``dtype=`` on the op), else it is rejected.
+    """
+    import cupy as cp
+
+    if isinstance(x, cp.ndarray):
+        return x, None
+    tname = _torch_dtype_name(x)
+    if tname == "bfloat16":
+        # DLPack of bf16 is not importable by CuPy: reinterpret the storage as int16 first (no copy)
+        import torch  # only reached when the caller passed a torch tensor
+
+        return cp.from_dlpack(x.view(torch.int16)).view(cp.uint16), "bfloat16"
+    if hasattr(x, "__cuda_array_interface__"):
+        return cp.asarray(x), None
+    if hasattr(x, "__dlpack__"):
+        try:
+            return cp.from_dlpack(x), None
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(f"{arg}: could not import {type(x).__name__} through DLPack without a copy: {e}") from e
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{arg} is a NumPy (host) array; pass a device array (cupy.asarray({arg}) copies it over)")
+    raise TypeError(f"{arg} must be a CuPy array, a DLPack producer or expose __cuda_array_interface__; "
+                    f"got {type(x).__name__}")
+
+
+def element_dtype(a, declared: str | None, arg: str) -> str:
+    """The float dtype name of a device array (uint16 means bf16 bits)."""
+    import cupy as cp
+
+    if declared:
+        return declared
+    if a.dtype == cp.float16:
+        return "float16"
+    if a.dtype == cp.uint16:
+        return "bfloat16"
+    raise TypeError(f"{arg} has dtype {a.dtype}; accepted: float16, or bfloat16 (as a torch/JAX bf16 tensor "
+                    "or CuPy uint16 holding bf16 bits)")
+
+
+def check_shape(a, shape: tuple, arg: str) -> None:
+    """shape entries may be None (any size)."""
+    ok = a.ndim == len(shape) and all(s is None or s == d for s, d in zip(shape, a.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{arg} has shape {tuple(a.shape)}; expected {want}")
+
+
+def check_int_array(a, arg: str, ndim: int) -> None:
+    import cupy as cp
+
+    if a.dtype != cp.int32:
+        raise TypeError(f"{arg} has dtype {a.dtype}; expected int32")
+    if a.ndim != ndim:
+        raise ValueError(f"{arg} has {a.ndim} dimensions (shape {tuple(a.shape)}); expected {ndim}")
+
+
+def check_contiguous(a, arg: str) -> None:
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{arg} must be C-contiguous (strides {a.strides}); use cupy.ascontiguousarray({arg})")
+
+
+def elem_strides(a) -> tuple[int, ...]:
+    return tuple(s // a.itemsize for s in a.strides)

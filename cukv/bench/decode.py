@@ -1,0 +1,199 @@
+"""``python -m cukv bench decode``: cukv paged decode beside PyTorch SDPA (cuDNN, flash) on the same K/V.
+
+bf16, 32 query / 8 KV heads, d=128, page 16 in random physical order. Every call is timed with CUDA events
+after an L2 flush; medians of 30. Effective TB/s counts the K and V bytes read once. The peers see the
+same values laid out contiguously ``[B, H_kv, L, D]`` (their best case).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+GRID_BATCH = (1, 8, 32, 128)
+GRID_CTX = (512, 2048, 8192, 32768)
+EXTRA = ((64, 4096), (16, 32768))  # the issue's bandwidth-bar cells
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - peers are optional
+        return None
+
+
+def _build(batch, ctx, hq, hkv, d, page_size, rng_seed=0):
+    import cupy as cp
+
+    import cukv
+
+    pages_per = -(-ctx // page_size)
+    num_pages = batch * pages_per
+    cache = cukv.PagedKVCache(num_pages, page_size, hkv, d, dtype="bfloat16", layout="combined")
+    rs = cp.random.RandomState(rng_seed)
+    # random bf16 bit patterns of N(0,1) values, generated in slabs to bound float32 scratch
+    flat = cache.storage.reshape(num_pages, -1)
+    slab = max(1, (64 << 20) // flat.shape[1])
+    for i in range(0, num_pages, slab):
+        x = rs.standard_normal((min(slab, num_pages - i), flat.shape[1]), dtype=cp.float32)
+        flat[i: i + slab] = (x.view(cp.uint32) >> 16).astype(cp.uint16)
+    perm = np.random.default_rng(rng_seed).permutation(num_pages).astype(np.int32)
+    table = perm.reshape(batch, pages_per)
+    lengths = np.full(batch, ctx, np.int32)
+    pt = cukv.PageTable(cp.asarray(table), cp.asarray(lengths), page_size)
+    q = (rs.standard_normal((batch, hq, d), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    return cache, pt, q, table
+
+
+def _contiguous(cache, table, ctx):
+    """[B, H_kv, L, D] copies of K and V in sequence order (for the peers)."""
+    import cupy as cp
+
+    pos = np.arange(ctx)
+    rows = cp.asarray(table[:, pos // cache.page_size])           # [B, L]
+    offs = cp.asarray(np.broadcast_to(pos % cache.page_size, rows.shape))
+    k = cp.ascontiguousarray(cache.k[rows, offs].transpose(0, 2, 1, 3))
+    v = cp.ascontiguousarray(cache.v[rows, offs].transpose(0, 2, 1, 3))
+    return k, v
+
+
+def run(out_dir: str | None = None, quick: bool = False, reps: int = 30) -> dict:
+    import cupy as cp
+
+    import cukv
+    from .timing import Timer, read_ceiling_tbs
+
+    torch = _torch()
+    hq, hkv, d, ps = 32, 8, 128, 16
+    timer = Timer()
+    ceiling = read_ceiling_tbs(timer)
+    cells = [(b, c) for b in GRID_BATCH for c in GRID_CTX] + list(EXTRA)
+    if quick:
+        cells = [(1, 512), (64, 4096), (16, 32768), (128, 8192)]
+    rows = []
+    for batch, ctx in cells:
+        cache, pt, q, table = _build(batch, ctx, hq, hkv, d, ps)
+        nbytes = 2 * batch * ctx * hkv * d * 2
+        dec = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16").plan(batch, ctx)
+        out = cp.empty_like(q)
+        ms = timer.median_ms(lambda: dec.run(q, cache, pt, out=out), reps=reps)
+        row = {"batch": batch, "ctx": ctx, "splits": dec.num_splits, "cukv_ms": ms, "cukv_tbs": nbytes / ms / 1e9,
+               "pct_ceiling": 100 * nbytes / ms / 1e9 / ceiling}
+        if torch is not None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            import torch.nn.functional as F
+
+            kc, vc = _contiguous(cache, table, ctx)
+            tk = torch.from_dlpack(kc).view(torch.bfloat16)
+            tv = torch.from_dlpack(vc).view(torch.bfloat16)
+            tq = torch.from_dlpack(q).view(torch.bfloat16).reshape(batch, hq, 1, d)
+            ref = torch.from_dlpack(out).view(torch.bfloat16).float()
+            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+                try:
+                    with sdpa_kernel(backend):
+                        fn = lambda: F.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)  # noqa: E731
+                        peer_out = fn()
+                        torch.cuda.synchronize()
+                        pms = timer.median_ms(fn, reps=reps)
+                    row[f"{name}_ms"] = pms
+                    row[f"ratio_{name}"] = pms / ms  # > 1: cukv faster
+                    row[f"maxdiff_{name}"] = float((peer_out.float().reshape(batch, hq, d) - ref).abs().max())
+                except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported, not fatal
+                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            del kc, vc, tk, tv
+        rows.append(row)
+        del cache, pt, q, out, dec
+        cp.get_default_memory_pool().free_all_blocks()
+        print(_fmt_row(row), flush=True)
+    grid = [r for r in rows if (r["batch"], r["ctx"]) not in EXTRA or (r["batch"] in GRID_BATCH and r["ctx"] in GRID_CTX)]
+    summary = {"device": _device_name(), "date": time.strftime("%Y-%m-%d"), "read_ceiling_tbs": ceiling}
+    ratios = [r["ratio_cudnn"] for r in grid if "ratio_cudnn" in r]
+    if ratios:
+        summary["geomean_ratio_cudnn"] = float(math.exp(np.mean(np.log(ratios))))
+        summary["min_ratio_cudnn"] = float(min(ratios))
+    summary["load_ms"] = warm_load_ms()
+    result = {"summary": summary, "rows": rows}
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        _plot(rows, ceiling, os.path.join(out_dir, "bench_decode.png"))
+    print(table(result))
+    return result
+
+
+def _device_name() -> str:
+    import cupy as cp
+
+    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+
+
+def warm_load_ms() -> float:
+    """Milliseconds for a fresh process to get decode ready from the disk cache (CUKV_NO_COMPILE=1)."""
+    code = ("import time,cupy;cupy.cuda.runtime.getDeviceCount();cupy.zeros(1);import cukv;t=time.perf_counter();"
+            "cukv.BatchDecode(32,8,128,16,'bfloat16').plan(64,4096);cupy.cuda.Device().synchronize();"
+            "print((time.perf_counter()-t)*1e3)")
+    env = dict(os.environ, CUKV_NO_COMPILE="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    try:
+        return float(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return float("nan")
+
+
+def _fmt_row(r) -> str:
+    s = f"{r['batch']:>5} x {r['ctx']:<6} splits {r['splits']:>2}  cukv {r['cukv_ms'] * 1e3:8.1f} us {r['cukv_tbs']:5.2f} TB/s ({r['pct_ceiling']:5.1f}%)"
+    for p in ("cudnn", "flash"):
+        if f"{p}_ms" in r:
+            s += f"  {p} {r[f'{p}_ms'] * 1e3:8.1f} us x{r[f'ratio_{p}']:.2f}"
+        elif f"{p}_error" in r:
+            s += f"  {p} n/a"
+    return s
+
+
+def table(result) -> str:
+    s = result["summary"]
+    lines = [f"decode bf16 32q/8kv d128 page16 on {s['device']} ({s['date']}); read ceiling {s['read_ceiling_tbs']:.2f} TB/s",
+             "| batch x ctx | splits | cukv us | TB/s | % ceiling | cuDNN us | cuDNN/cukv | flash us | flash/cukv |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        def f(k, fmt):
+            return format(r[k], fmt) if k in r else "n/a"
+        lines.append(f"| {r['batch']} x {r['ctx']} | {r['splits']} | {r['cukv_ms'] * 1e3:.1f} | {r['cukv_tbs']:.2f} | "
+                     f"{r['pct_ceiling']:.1f} | {f('cudnn_ms', '.4f')} | {f('ratio_cudnn', '.2f')} | "
+                     f"{f('flash_ms', '.4f')} | {f('ratio_flash', '.2f')} |")
+    if "geomean_ratio_cudnn" in s:
+        lines.append(f"geomean(cuDNN time / cukv time) over the 4x4 grid = {s['geomean_ratio_cudnn']:.3f}, "
+                     f"min {s['min_ratio_cudnn']:.3f}")
+    lines.append(f"warm process: decode ready from the disk cache in {s['load_ms']:.1f} ms")
+    return "\n".join(lines)
+
+
+def _plot(rows, ceiling, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001 - plots are a convenience
+        return
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [f"{r['batch']}x{r['ctx']}" for r in rows]
+    x = np.arange(len(rows))
+    for i, (key, name) in enumerate((("cukv_ms", "cukv"), ("cudnn_ms", "SDPA cuDNN"), ("flash_ms", "SDPA flash"))):
+        tb = [2 * r["batch"] * r["ctx"] * 8 * 128 * 2 / r[key] / 1e9 if key in r else 0 for r in rows]
+        ax.bar(x + (i - 1) * 0.27, tb, 0.27, label=name)
+    ax.axhline(ceiling, color="k", ls="--", lw=1, label="read ceiling")
+    ax.set_xticks(x, labels, rotation=60, fontsize=8)
+    ax.set_ylabel("effective TB/s (K+V bytes / time)")
+    ax.set_title("paged decode, bf16, 32q/8kv, d128, page 16")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

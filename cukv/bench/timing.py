@@ -1,0 +1,48 @@
+"""CUDA-event timing with an L2 flush before every call, medians, and the measured read ceiling."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Timer:
+    def __init__(self, flush_bytes: int = 256 << 20):
+        import cupy as cp
+
+        self._flush = cp.empty(flush_bytes // 4, cp.int32)
+        self._start, self._end = cp.cuda.Event(), cp.cuda.Event()
+
+    def median_ms(self, fn, reps: int = 30, warmup: int = 5) -> float:
+        """Median of ``reps`` timed calls; L2 is flushed (outside the timed region) before each."""
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            self._flush.fill(1)
+            self._start.record()
+            fn()
+            self._end.record()
+            self._end.synchronize()
+            times.append(self._start_end())
+        return float(np.median(times))
+
+    def _start_end(self) -> float:
+        import cupy as cp
+
+        return cp.cuda.get_elapsed_time(self._start, self._end)
+
+
+def read_ceiling_tbs(timer: Timer, nbytes: int = 4 << 30) -> float:
+    """TB/s of a kernel that reads nbytes once with 16-byte streaming loads."""
+    import cupy as cp
+
+    from .. import compiler
+    from ..device import sm_count
+
+    mod = compiler.build("read_ceiling.cu.j2", "cukv_read_ceiling", name="cukv_read_ceiling")
+    fn = mod.function("cukv_read_ceiling")
+    buf = cp.ones(nbytes // 4, cp.int32)
+    out = cp.zeros(1, cp.uint32)
+    n = np.int64(nbytes // 16)
+    ms = timer.median_ms(lambda: fn((sm_count() * 8,), (256,), (buf, n, out)), reps=10, warmup=3)
+    del buf
+    return nbytes / (ms * 1e-3) / 1e12

@@ -1,0 +1,314 @@
+"""The paged KV cache, its page allocator and page tables.
+
+Layouts are all views over one rule: K and V element ``(page, token_in_page, kv_head, dim)`` sits at
+``base + dot(strides, index)`` (64-bit element offsets). So the separate ``[pages, page_size, H, D]``
+pair, the combined ``[pages, 2, page_size, H, D]`` tensor and MAX's multi-layer
+``[pages, 2, layers, page_size, H, D]`` tensor (one layer at a time) are the same thing to a kernel.
+
+Examples
+--------
+>>> import cukv
+>>> cache = cukv.PagedKVCache(num_pages=64, page_size=16, num_kv_heads=8, head_dim=128)  # doctest: +SKIP
+>>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=8)                     # doctest: +SKIP
+>>> slots = seqs.extend([20, 5])   # 20 tokens for sequence 0, 5 for sequence 1: pages get allocated
+>>> table = seqs.page_table()      # block_table [2, 8] int32 and lengths [25 -> 20, 5] on the device
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .arrays import as_device, canonical_dtype, element_dtype, elem_strides
+from .dtypes import nan_bits, storage_dtype
+
+LAYOUTS = ("separate", "combined", "layers")
+
+
+class PageAllocator:
+    """A free list of physical page ids ``0 .. num_pages-1`` (host side, O(1) alloc and free)."""
+
+    def __init__(self, num_pages: int):
+        if int(num_pages) < 1:
+            raise ValueError(f"num_pages={num_pages} must be >= 1")
+        self.num_pages = int(num_pages)
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._used = np.zeros(self.num_pages, bool)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise MemoryError(f"asked for {n} pages, {len(self._free)} of {self.num_pages} are free")
+        out = [self._free.pop() for _ in range(n)]
+        self._used[out] = True
+        return out
+
+    def free(self, pages) -> None:
+        for p in pages:
+            p = int(p)
+            if not (0 <= p < self.num_pages) or not self._used[p]:
+                raise ValueError(f"page {p} is not allocated (valid: allocated ids in 0..{self.num_pages - 1})")
+            self._used[p] = False
+            self._free.append(p)
+
+
+class PagedKVCache:
+    """Pages of K and V for one attention layer (or one layer view of a multi-layer tensor).
+
+    Parameters
+    ----------
+    num_pages, page_size, num_kv_heads, head_dim : int
+        Geometry. Any page size from 1 up; head_dim a multiple of 8 (16-byte rows).
+    dtype : {'bfloat16', 'float16'}
+        Element type (bf16 is held as uint16 bit patterns in CuPy).
+    layout : {'combined', 'separate', 'layers'}
+        ``combined``: one ``[pages, 2, page_size, H, D]`` array; ``separate``: two ``[pages, page_size, H, D]``;
+        ``layers``: ``[pages, 2, num_layers, page_size, H, D]`` and this object views ``layer``.
+    fill : float or None
+        ``'nan'`` poisons every slot (tests do this so unwritten slots cannot pass unnoticed).
+    """
+
+    def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype="bfloat16",
+                 layout: str = "combined", num_layers: int = 1, layer: int = 0, fill=None):
+        import cupy as cp
+
+        for name, val in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
+                          ("head_dim", head_dim), ("num_layers", num_layers)):
+            if not isinstance(val, (int, np.integer)) or int(val) < 1:
+                raise ValueError(f"{name}={val!r} must be a positive integer")
+        if head_dim % 8:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 8 (kernels move 16-byte rows)")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r}; accepted: {', '.join(LAYOUTS)}")
+        if not (0 <= layer < num_layers):
+            raise ValueError(f"layer={layer} must be in 0..{num_layers - 1}")
+        self.dtype = canonical_dtype(dtype)
+        self.num_pages, self.page_size = int(num_pages), int(page_size)
+        self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
+        self.layout = layout
+        st = storage_dtype(self.dtype)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        if layout == "separate":
+            self.storage = (cp.empty(shape, st), cp.empty(shape, st))
+            self.k, self.v = self.storage
+        elif layout == "combined":
+            self.storage = cp.empty((num_pages, 2) + shape[1:], st)
+            self.k, self.v = self.storage[:, 0], self.storage[:, 1]
+        else:
+            self.storage = cp.empty((num_pages, 2, num_layers) + shape[1:], st)
+            self.k, self.v = self.storage[:, 0, layer], self.storage[:, 1, layer]
+        if fill is not None:
+            self.fill(fill)
+
+    @classmethod
+    def from_arrays(cls, k, v, dtype=None) -> "PagedKVCache":
+        """Wrap existing ``[pages, page_size, H, D]`` K and V arrays (any strides with a unit dim stride,
+        e.g. views of a FlashInfer or vLLM cache, or torch tensors through DLPack) without copying."""
+        kd, kdt = as_device(k, "k")
+        vd, vdt = as_device(v, "v")
+        dt = canonical_dtype(dtype) if dtype is not None else element_dtype(kd, kdt, "k")
+        if element_dtype(vd, vdt or (dt if vd.dtype == kd.dtype else None), "v") != dt:
+            raise TypeError(f"k and v dtypes differ ({kd.dtype} vs {vd.dtype})")
+        if kd.ndim != 4 or kd.shape != vd.shape:
+            raise ValueError(f"k and v must both be [pages, page_size, heads, dim]; got {kd.shape} and {vd.shape}")
+        self = cls.__new__(cls)
+        self.dtype = dt
+        self.num_pages, self.page_size, self.num_kv_heads, self.head_dim = map(int, kd.shape)
+        self.layout = "external"
+        self.storage = (kd, vd)
+        self.k, self.v = kd, vd
+        self._check_alignment()
+        return self
+
+    def _check_alignment(self) -> None:
+        for name, a in (("k", self.k), ("v", self.v)):
+            s = elem_strides(a)
+            if s[3] != 1:
+                raise ValueError(f"{name} must have a unit stride over head_dim; strides (elements) are {s}")
+            if any(x % 8 for x in s[:3]) or a.data.ptr % 16:
+                raise ValueError(f"{name} rows must be 16-byte aligned: strides (elements) {s} must be multiples "
+                                 f"of 8 and the base address a multiple of 16")
+        if self.head_dim % 8:
+            raise ValueError(f"head_dim={self.head_dim} must be a multiple of 8")
+
+    @property
+    def k_strides(self) -> tuple[int, int, int, int]:
+        return elem_strides(self.k)
+
+    @property
+    def v_strides(self) -> tuple[int, int, int, int]:
+        return elem_strides(self.v)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def fill(self, value) -> None:
+        """Fill every slot (``'nan'`` writes NaN bit patterns)."""
+        val = nan_bits(self.dtype) if (isinstance(value, str) and value.lower() == "nan") else value
+        for a in (self.storage if isinstance(self.storage, tuple) else (self.storage,)):
+            a.fill(val)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, num_kv_heads="
+                f"{self.num_kv_heads}, head_dim={self.head_dim}, dtype='{self.dtype}', layout='{self.layout}')")
+
+
+class PageTable:
+    """What attention kernels read: ``block_table[B, max_pages]`` int32 (logical -> physical page) and
+    ``lengths[B]`` int32 (tokens to attend to, new ones included). Both are device arrays; a CUDA graph
+    captured over a PageTable replays with whatever the arrays hold at replay time."""
+
+    def __init__(self, block_table, lengths, page_size: int):
+        import cupy as cp
+
+        bt, _ = as_device(block_table, "block_table")
+        ln, _ = as_device(lengths, "lengths")
+        if bt.dtype != cp.int32 or bt.ndim != 2:
+            raise TypeError(f"block_table must be a 2-D int32 array; got {bt.dtype} with shape {tuple(bt.shape)}")
+        if bt.strides[1] != 4:
+            raise ValueError(f"block_table rows must be contiguous; strides {bt.strides}")
+        if ln.dtype != cp.int32 or ln.shape != (bt.shape[0],):
+            raise TypeError(f"lengths must be int32 of shape ({bt.shape[0]},); got {ln.dtype} {tuple(ln.shape)}")
+        if not ln.flags.c_contiguous:
+            raise ValueError("lengths must be contiguous")
+        if int(page_size) < 1:
+            raise ValueError(f"page_size={page_size} must be >= 1")
+        self.block_table, self.lengths, self.page_size = bt, ln, int(page_size)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.block_table.shape[0])
+
+    @property
+    def max_pages(self) -> int:
+        return int(self.block_table.shape[1])
+
+    @classmethod
+    def from_flashinfer(cls, indptr, indices, last_page_len, page_size: int, max_pages: int | None = None):
+        """FlashInfer's CSR page table: pages of sequence b are ``indices[indptr[b]:indptr[b+1]]`` and its
+        last page holds ``last_page_len[b]`` tokens (1..page_size)."""
+        indptr = np.asarray(_host(indptr), np.int64)
+        indices = np.asarray(_host(indices), np.int64)
+        last = np.asarray(_host(last_page_len), np.int64)
+        if indptr.ndim != 1 or indptr.size < 1 or indptr[0] != 0 or np.any(np.diff(indptr) < 0):
+            raise ValueError("indptr must be 1-D, start at 0 and never decrease")
+        b = indptr.size - 1
+        if last.shape != (b,):
+            raise ValueError(f"last_page_len has shape {last.shape}; expected ({b},)")
+        if indptr[-1] > indices.size:
+            raise ValueError(f"indptr[-1]={indptr[-1]} exceeds len(indices)={indices.size}")
+        npages = np.diff(indptr)
+        bad = (npages > 0) & ((last < 1) | (last > page_size))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"last_page_len[{i}]={last[i]} must be in 1..{page_size} for a non-empty sequence")
+        lengths = np.where(npages > 0, (npages - 1) * page_size + last, 0)
+        width = max(1, int(npages.max(initial=0))) if max_pages is None else int(max_pages)
+        table = np.zeros((b, width), np.int32)
+        for i in range(b):
+            table[i, : npages[i]] = indices[indptr[i]: indptr[i + 1]]
+        return cls._upload(table, lengths, page_size)
+
+    @classmethod
+    def from_vllm(cls, block_table, seq_lens, page_size: int):
+        """vLLM's ``block_table[B, max_blocks]`` and ``seq_lens[B]`` (the slot mapping goes to append_kv)."""
+        bt = np.asarray(_host(block_table))
+        sl = np.asarray(_host(seq_lens))
+        if bt.ndim != 2:
+            raise ValueError(f"block_table must be 2-D; got shape {bt.shape}")
+        if sl.shape != (bt.shape[0],):
+            raise ValueError(f"seq_lens has shape {sl.shape}; expected ({bt.shape[0]},)")
+        need = -(-sl // page_size)
+        if np.any(need > bt.shape[1]):
+            i = int(np.argmax(need > bt.shape[1]))
+            raise ValueError(f"seq_lens[{i}]={sl[i]} needs {need[i]} pages; block_table has {bt.shape[1]} columns")
+        return cls._upload(bt.astype(np.int32), sl, page_size)
+
+    @classmethod
+    def _upload(cls, table, lengths, page_size):
+        import cupy as cp
+
+        return cls(cp.asarray(np.ascontiguousarray(table, np.int32)), cp.asarray(np.asarray(lengths, np.int32)), page_size)
+
+    def validate(self, cache: PagedKVCache) -> None:
+        """Check on the host that every page a length reaches is a valid physical page (syncs the GPU)."""
+        bt, ln = self.block_table.get(), self.lengths.get()
+        check_table(bt, ln, self.page_size, cache.num_pages)
+
+
+def check_table(block_table: np.ndarray, lengths: np.ndarray, page_size: int, num_pages: int) -> None:
+    if np.any(lengths < 0):
+        i = int(np.argmax(lengths < 0))
+        raise ValueError(f"lengths[{i}]={lengths[i]} is negative")
+    need = -(-lengths // page_size)
+    if np.any(need > block_table.shape[1]):
+        i = int(np.argmax(need > block_table.shape[1]))
+        raise ValueError(f"lengths[{i}]={lengths[i]} needs {need[i]} pages; block_table has {block_table.shape[1]}")
+    cols = np.arange(block_table.shape[1])[None, :]
+    used = cols < need[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bad.any():
+        b, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"block_table[{b}, {j}]={block_table[b, j]} is not a page of the cache (0..{num_pages - 1})")
+
+
+def _host(x):
+    if hasattr(x, "get") and not isinstance(x, np.ndarray):
+        return x.get()
+    if hasattr(x, "cpu"):
+        return x.cpu().numpy()
+    return x
+
+
+class SequenceTable:
+    """Host-side book-keeping for a batch of sequences over a :class:`PagedKVCache`: grows each sequence
+    page by page from a shared :class:`PageAllocator` and hands out slot mappings and page tables.
+
+    Slot ``s`` of the cache is token ``s % page_size`` of physical page ``s // page_size``.
+    """
+
+    def __init__(self, cache: PagedKVCache, max_batch: int, max_pages_per_seq: int,
+                 allocator: PageAllocator | None = None):
+        self.cache = cache
+        self.allocator = allocator or PageAllocator(cache.num_pages)
+        self.pages = [[] for _ in range(max_batch)]
+        self.lengths = np.zeros(max_batch, np.int64)
+        self.max_pages_per_seq = int(max_pages_per_seq)
+
+    def extend(self, counts) -> np.ndarray:
+        """Reserve ``counts[b]`` new tokens at the end of sequence b; returns their slots (int64, in batch
+        order, sequence by sequence) for :func:`cukv.append_kv`."""
+        counts = np.asarray(counts, np.int64)
+        if counts.shape != self.lengths.shape or np.any(counts < 0):
+            raise ValueError(f"counts must be {self.lengths.shape[0]} non-negative integers; got {counts.tolist()}")
+        ps = self.cache.page_size
+        slots = []
+        for b, n in enumerate(counts):
+            new_len = self.lengths[b] + n
+            need = -(-new_len // ps) - len(self.pages[b])
+            if len(self.pages[b]) + need > self.max_pages_per_seq:
+                raise ValueError(f"sequence {b} would need {len(self.pages[b]) + need} pages; "
+                                 f"max_pages_per_seq={self.max_pages_per_seq}")
+            if need > 0:
+                self.pages[b].extend(self.allocator.alloc(int(need)))
+            pos = np.arange(self.lengths[b], new_len)
+            pages = np.asarray(self.pages[b], np.int64)
+            slots.append(pages[pos // ps] * ps + pos % ps if pos.size else np.zeros(0, np.int64))
+            self.lengths[b] = new_len
+        return np.concatenate(slots) if slots else np.zeros(0, np.int64)
+
+    def release(self, b: int) -> None:
+        self.allocator.free(self.pages[b])
+        self.pages[b] = []
+        self.lengths[b] = 0
+
+    def block_table(self) -> np.ndarray:
+        t = np.zeros((len(self.pages), self.max_pages_per_seq), np.int32)
+        for b, p in enumerate(self.pages):
+            t[b, : len(p)] = p
+        return t
+
+    def page_table(self) -> PageTable:
+        return PageTable._upload(self.block_table(), self.lengths, self.cache.page_size)

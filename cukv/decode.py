@@ -1,0 +1,264 @@
+"""Paged GQA decode: one query token per sequence, split over the context when the batch is small.
+
+``plan`` runs on the host once per batch shape (split count, partial buffers); ``run`` reads only
+fixed-capacity device buffers, so it can be captured in a CUDA graph and replayed after the page table's
+lengths change (within the planned capacity).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import cached_property
+
+import numpy as np
+
+from . import compiler
+from .arrays import as_device, check_contiguous, element_dtype
+from .config import CTYPES, SHORT, check_in, check_range, check_rule
+from .device import sm_count
+from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
+
+HEAD_DIMS = (64, 96, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Template parameters of the decode kernel (one compiled specialization).
+
+    The derived sizes are MAX ``DecodeStreamingKVBuffer``'s comptime members for cukv's register-staged
+    strip (mma shape 16x8x16, BN=16 tokens, BK=32 dims), rendered into the source and re-checked there by
+    ``static_assert``.
+    """
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    group: int = 4
+    page_size: int = 16
+    num_warps: int = 4
+    BN: int = 16
+    BK: int = 32
+
+    def __post_init__(self):
+        c = "DecodeConfig"
+        check_in(c, "dtype", self.dtype, tuple(CTYPES))
+        check_range(c, "head_dim", self.head_dim, 32, 256, "a multiple of 32")
+        check_rule(c, "head_dim", self.head_dim, self.head_dim % 32 == 0, "must be a multiple of 32 (64, 96, 128, 256 ship)")
+        check_range(c, "group", self.group, 1, 16, "query heads per KV head")
+        check_range(c, "page_size", self.page_size, 1, 4096)
+        check_in(c, "num_warps", self.num_warps, (1, 2, 4, 8))
+        check_in(c, "BN", self.BN, (16,))
+        check_in(c, "BK", self.BK, (32,))
+
+    # --- the seed's comptime members
+    mma_shape = (16, 8, 16)
+
+    @property
+    def MMA_N(self) -> int:
+        return self.mma_shape[1]
+
+    @property
+    def MMA_K(self) -> int:
+        return self.mma_shape[2]
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def num_k_strips(self) -> int:
+        return self.head_dim // self.BK
+
+    @property
+    def num_k_mmas2(self) -> int:
+        return math.ceil(self.BK / self.MMA_K)
+
+    @property
+    def num_v_groups(self) -> int:
+        return math.ceil(self.head_dim / 64)
+
+    @property
+    def num_mmas(self) -> int:
+        """Output n-tiles of P.V (8 per 64-dim V group)."""
+        return self.num_v_groups * (64 // self.MMA_N)
+
+    @property
+    def input_frag_size(self) -> int:
+        return self.MMA_K * self.MMA_N // 32
+
+    @property
+    def smem_bytes(self) -> int:
+        """Static shared memory: per-warp (m, l), block (M, L), the [group, depth] merge sum, and Q when
+        head_dim > 128 (its registers go to the output accumulator)."""
+        q_smem = 2 * 16 * self.head_dim if self.head_dim > 128 else 16  # Q moves to shared memory past 128
+        return 4 * (2 * 16 * self.num_warps + 2 * 16 + self.group * self.head_dim) + q_smem
+
+    @property
+    def name(self) -> str:
+        return f"cukv_decode_{SHORT[self.dtype]}_d{self.head_dim}_g{self.group}_p{self.page_size}_w{self.num_warps}"
+
+    def render(self) -> str:
+        return compiler.render(
+            "decode.cu.j2", name=self.name, ctype=CTYPES[self.dtype], page_size=self.page_size,
+            head_dim=self.head_dim, group=self.group, num_warps=self.num_warps,
+            num_k_strips=self.num_k_strips, num_k_mmas2=self.num_k_mmas2, num_mmas=self.num_mmas,
+            input_frag_size=self.input_frag_size, smem_bytes=self.smem_bytes, args_bytes=DECODE_ARGS.itemsize)
+
+    @cached_property
+    def compiled(self) -> compiler.CompiledModule:
+        return compiler.compile_source(self.name, self.render())
+
+
+def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int, blocks_per_sm: int = 4) -> int:
+    """Enough blocks for about two waves, no split shorter than 64 tokens, at most 64 splits."""
+    blocks = max(1, batch_size * num_kv_heads)
+    want = math.ceil(2 * num_sms * blocks_per_sm / blocks)
+    most = max(1, math.ceil(max_kv_len / 64))
+    return int(max(1, min(want, most, 64)))
+
+
+class BatchDecode:
+    """Batch decode over a paged KV cache (FlashInfer-style plan/run).
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads : int
+        Query heads and KV heads; ``num_qo_heads / num_kv_heads`` (the group) must be 1..16.
+    head_dim : int
+        64, 96, 128 or 256.
+    page_size : int
+        Tokens per page, 1..4096 (each page size is its own specialization).
+    dtype : {'bfloat16', 'float16'}
+
+    Examples
+    --------
+    >>> import cupy as cp, numpy as np, cukv                                        # doctest: +SKIP
+    >>> cache = cukv.PagedKVCache(num_pages=32, page_size=16, num_kv_heads=2, head_dim=64, dtype="float16")
+    >>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=16)
+    >>> slots = cp.asarray(seqs.extend([40, 7]))                  # prompts of 40 and 7 tokens
+    >>> kv = cp.random.randn(47, 2, 64).astype(cp.float16)
+    >>> cukv.append_kv(cache, kv, kv, slots)
+    >>> dec = cukv.BatchDecode(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")
+    >>> dec.plan(batch_size=2, max_kv_len=256)
+    >>> q = cp.random.randn(2, 8, 64).astype(cp.float16)
+    >>> out, lse = dec.run(q, cache, seqs.page_table(), return_lse=True)   # out [2, 8, 64], lse [2, 8]
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 dtype="bfloat16", num_warps: int = 4):
+        from .arrays import canonical_dtype
+
+        for n, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{n}={v!r} must be a positive integer")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
+        self.config = DecodeConfig(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
+                                   int(page_size), int(num_warps))
+        self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
+        self._planned = None
+
+    def plan(self, batch_size: int, max_kv_len: int, num_splits: int | None = None) -> "BatchDecode":
+        """Fix the split count and allocate the partial buffers for up to ``batch_size`` sequences of up to
+        ``max_kv_len`` tokens. Compiles the kernel (or loads it from the disk cache)."""
+        import cupy as cp
+
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
+        if not isinstance(max_kv_len, (int, np.integer)) or max_kv_len < 1:
+            raise ValueError(f"max_kv_len={max_kv_len!r} must be a positive integer")
+        if num_splits is None:
+            num_splits = choose_splits(batch_size, self.num_kv_heads, max_kv_len, sm_count())
+        elif not isinstance(num_splits, (int, np.integer)) or not (1 <= num_splits <= 1024):
+            raise ValueError(f"num_splits={num_splits!r} must be an integer in 1..1024")
+        self.batch_size, self.max_kv_len, self.num_splits = int(batch_size), int(max_kv_len), int(num_splits)
+        cfg = self.config
+        if self.num_splits > 1:
+            self._part_o = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads, cfg.head_dim), cp.float32)
+            self._part_lse = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads), cp.float32)
+        else:
+            self._part_o = self._part_lse = None
+        mod = cfg.compiled
+        self._fn = mod.function(cfg.name)
+        self._merge = mod.function(cfg.name + "_merge")
+        self._planned = True
+        return self
+
+    def run(self, q, cache, table, out=None, lse=None, *, return_lse: bool = False, sink=None,
+            window: int | None = None, softcap: float | None = None, sm_scale: float | None = None, stream=None):
+        """Attend ``q[B, num_qo_heads, head_dim]`` to the cache through ``table`` (a :class:`PageTable`).
+
+        Returns ``out`` (and ``lse[B, num_qo_heads]`` float32, natural log, without the sink, when
+        ``return_lse``). ``sink[num_qo_heads]`` float32 logits join the softmax denominator; ``window``
+        keeps keys in ``(p - window, p]`` for the query at position ``p = length - 1``; ``softcap`` applies
+        ``cap * tanh(s / cap)`` to the scaled scores. Pass ``out``/``lse`` to run inside CUDA graph capture.
+        """
+        import cupy as cp
+
+        if not self._planned:
+            raise RuntimeError("call plan(batch_size, max_kv_len) before run()")
+        cfg = self.config
+        qd, qdt = as_device(q, "q")
+        dt = element_dtype(qd, qdt or (cfg.dtype if qd.dtype == cp.uint16 else None), "q")
+        if dt != cfg.dtype:
+            raise TypeError(f"q is {dt}; this BatchDecode was built for {cfg.dtype}")
+        if qd.ndim != 3 or qd.shape[1:] != (self.num_qo_heads, cfg.head_dim):
+            raise ValueError(f"q has shape {tuple(qd.shape)}; expected [batch, {self.num_qo_heads}, {cfg.head_dim}]")
+        check_contiguous(qd, "q")
+        b = qd.shape[0]
+        if not (1 <= b <= self.batch_size):
+            raise ValueError(f"q has batch {b}; plan() allowed 1..{self.batch_size}")
+        if cache.dtype != cfg.dtype or cache.head_dim != cfg.head_dim or cache.num_kv_heads != self.num_kv_heads \
+                or cache.page_size != cfg.page_size:
+            raise ValueError(f"cache {cache!r} does not match this BatchDecode (dtype {cfg.dtype}, "
+                             f"{self.num_kv_heads} KV heads, head_dim {cfg.head_dim}, page_size {cfg.page_size})")
+        if table.page_size != cfg.page_size:
+            raise ValueError(f"table.page_size={table.page_size}; the cache uses {cfg.page_size}")
+        if table.batch_size < b:
+            raise ValueError(f"table covers {table.batch_size} sequences; q has {b}")
+        if out is None:
+            out = cp.empty(qd.shape, qd.dtype)
+        else:
+            out, _ = as_device(out, "out")
+            if out.shape != qd.shape or out.dtype != qd.dtype or not out.flags.c_contiguous:
+                raise ValueError(f"out must be a contiguous {qd.dtype} array of shape {tuple(qd.shape)}")
+        if lse is None and return_lse:
+            lse = cp.empty((b, self.num_qo_heads), cp.float32)
+        elif lse is not None:
+            lse, _ = as_device(lse, "lse")
+            if lse.shape != (b, self.num_qo_heads) or lse.dtype != cp.float32 or not lse.flags.c_contiguous:
+                raise ValueError(f"lse must be a contiguous float32 array of shape ({b}, {self.num_qo_heads})")
+        if sink is not None:
+            sink, _ = as_device(sink, "sink")
+            if sink.shape != (self.num_qo_heads,) or sink.dtype != cp.float32:
+                raise ValueError(f"sink must be float32 of shape ({self.num_qo_heads},); got {sink.dtype} {tuple(sink.shape)}")
+        if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
+            raise ValueError(f"window={window!r} must be a positive integer (or None for no window)")
+        if softcap is not None and not (float(softcap) > 0):
+            raise ValueError(f"softcap={softcap!r} must be > 0 (or None for no soft-cap)")
+        scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+
+        rec = np.zeros((), DECODE_ARGS)
+        rec["kv"] = kv_params(cache, table)
+        rec["kv"]["batch_size"] = b
+        rec["q"], rec["out"], rec["lse"] = ptr(qd), ptr(out), ptr(lse)
+        rec["part_o"], rec["part_lse"], rec["sink"] = ptr(self._part_o), ptr(self._part_lse), ptr(sink)
+        rec["sm_scale"], rec["softcap"] = scale, float(softcap or 0.0)
+        rec["window"], rec["num_splits"], rec["num_qo_heads"] = int(window or 0), self.num_splits, self.num_qo_heads
+        arg = as_kernel_arg(rec)
+        with (stream or cp.cuda.get_current_stream()):
+            self._fn((self.num_splits, self.num_kv_heads, b), (cfg.num_threads,), (arg,))
+            if self.num_splits > 1:
+                self._merge((b, self.num_qo_heads), (128,), (arg, np.int32(b)))
+        return (out, lse) if return_lse else out
+
+
+def decode(q, cache, table, **kwargs):
+    """One-shot convenience: plan for this batch and run (use :class:`BatchDecode` in a loop)."""
+    qd, _ = as_device(q, "q")
+    if qd.ndim != 3:
+        raise ValueError(f"q has shape {tuple(qd.shape)}; expected [batch, num_qo_heads, head_dim]")
+    lens = table.lengths.get()
+    dec = BatchDecode(qd.shape[1], cache.num_kv_heads, cache.head_dim, cache.page_size, cache.dtype)
+    dec.plan(qd.shape[0], max(1, int(lens.max(initial=1))))
+    return dec.run(q, cache, table, **kwargs)

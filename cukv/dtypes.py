@@ -1,0 +1,40 @@
+"""bfloat16 on the host: CuPy and NumPy have no bfloat16, so cukv stores bf16 as uint16 bit patterns."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def bf16_bits(x) -> np.ndarray:
+    """float array -> uint16 bf16 bits, rounding to nearest even (NaN stays NaN)."""
+    f = np.ascontiguousarray(x, dtype=np.float32)
+    u = f.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(f)
+    if nan.any():
+        rounded = np.where(nan, np.uint16(0x7FC0), rounded)
+    return rounded
+
+
+def bf16_to_float(bits) -> np.ndarray:
+    b = np.ascontiguousarray(bits, dtype=np.uint16)
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def to_storage(x, dtype: str) -> np.ndarray:
+    """float host array -> the host array cukv stores for dtype ('float16' or 'bfloat16')."""
+    return bf16_bits(x) if dtype == "bfloat16" else np.asarray(x, dtype=np.float16)
+
+
+def from_storage(x, dtype: str) -> np.ndarray:
+    """stored host array -> float64 values."""
+    x = np.asarray(x)
+    return (bf16_to_float(x) if dtype == "bfloat16" else x.astype(np.float32)).astype(np.float64)
+
+
+def storage_dtype(dtype: str):
+    return np.uint16 if dtype == "bfloat16" else np.float16
+
+
+def nan_bits(dtype: str):
+    """A NaN in storage form, for poisoning buffers."""
+    return np.uint16(0x7FC0) if dtype == "bfloat16" else np.float16(np.nan)

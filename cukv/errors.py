@@ -1,0 +1,38 @@
+"""Exceptions that carry what a user needs to act on them."""
+from __future__ import annotations
+
+
+class CukvError(Exception):
+    """Base class of cukv's own errors."""
+
+
+class CompileError(CukvError):
+    """NVRTC rejected a rendered kernel.
+
+    Attributes
+    ----------
+    name : str
+        The kernel's readable name.
+    log : str
+        The NVRTC log.
+    source : str
+        The rendered source, with line numbers, so the log's line references can be read directly.
+    """
+
+    def __init__(self, name: str, log: str, source: str):
+        self.name = name
+        self.log = log
+        self.source = "\n".join(f"{i + 1:5d}  {line}" for i, line in enumerate(source.splitlines()))
+        super().__init__(
+            f"NVRTC failed to compile {name}:\n{log.strip()}\n"
+            "(set CUKV_DUMP_SOURCE=DIR to write the source and its headers to DIR; "
+            "the numbered source is in this exception's .source)"
+        )
+
+
+class CompileForbidden(CukvError):
+    """CUKV_NO_COMPILE is set and a kernel was missing from the disk cache."""
+
+
+class NoGPUError(CukvError):
+    """The operation needs a CUDA GPU and none is usable."""

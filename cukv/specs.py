@@ -1,0 +1,26 @@
+"""The specializations cukv ships: what `python -m cukv compile` builds and CI checks for spills."""
+from __future__ import annotations
+
+from .append import AppendConfig
+from .decode import HEAD_DIMS, DecodeConfig
+
+DTYPES = ("bfloat16", "float16")
+GROUPS = (1, 2, 4, 8, 16)
+PAGE_SIZES = (16,)
+
+
+def shipped():
+    """Every config object cukv compiles ahead of time (others compile on first use)."""
+    out = []
+    for dt in DTYPES:
+        for d in HEAD_DIMS:
+            for ps in PAGE_SIZES:
+                out.append(AppendConfig(dt, d, ps))
+                for g in GROUPS:
+                    out.append(DecodeConfig(dt, d, g, ps))
+    return out
+
+
+def select(pattern: str | None):
+    cfgs = shipped()
+    return [c for c in cfgs if not pattern or pattern in c.name]

@@ -1,0 +1,109 @@
+"""Helpers for checking kernels: tolerances that explain themselves and random paged batches.
+
+Used by cukv's tests, examples and benchmarks; handy for users who fuzz their own shapes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference
+from .dtypes import from_storage, to_storage
+
+#: (atol, rtol) of a kernel output in dtype against the float64 reference
+TOLERANCE = {"bfloat16": (2e-2, 2e-2), "float16": (4e-3, 4e-3), "float32": (1e-4, 1e-4)}
+
+
+def assert_close(actual, expected, dtype: str = "bfloat16", *, atol=None, rtol=None, name: str = "output"):
+    """Fail with the worst coordinates when ``|actual - expected| > atol + rtol * |expected|`` anywhere.
+
+    NaN never passes; matching infinities (LSE of an empty row) do.
+    """
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    if a.shape != e.shape:
+        raise AssertionError(f"{name}: shape {a.shape} != expected {e.shape}")
+    d_atol, d_rtol = TOLERANCE[dtype]
+    atol = d_atol if atol is None else atol
+    rtol = d_rtol if rtol is None else rtol
+    same_inf = np.isinf(a) & np.isinf(e) & (np.sign(a) == np.sign(e))
+    err = np.where(same_inf, 0.0, np.abs(a - e))
+    err = np.where(np.isnan(err), np.inf, err)
+    bad = err > atol + rtol * np.abs(np.where(same_inf, 0.0, e))
+    if bad.any():
+        idx = np.argsort(np.where(bad, err, -1).ravel())[::-1][:5]
+        worst = "\n".join(f"  at {np.unravel_index(i, a.shape)}: got {a.ravel()[i]:.6g}, want {e.ravel()[i]:.6g}, "
+                          f"|diff| {err.ravel()[i]:.3g}" for i in idx)
+        raise AssertionError(f"{name}: {int(bad.sum())} of {bad.size} elements outside atol={atol}, rtol={rtol}; "
+                             f"worst:\n{worst}")
+    finite = np.isfinite(e)
+    rel = np.linalg.norm((a - e)[finite]) / max(np.linalg.norm(e[finite]), 1e-30)
+    return float(rel)
+
+
+def random_decode_case(rng, *, batch, lengths, num_qo_heads, num_kv_heads, head_dim, page_size, dtype="bfloat16",
+                       layout="combined", extra_pages=3, shuffle=True, big_page_ids=False):
+    """A NaN-poisoned paged cache filled through :func:`cukv.append_kv`, a page table in random page order,
+    and a query batch. Returns a dict with device objects and host float64 copies for the reference."""
+    import cupy as cp
+
+    from .append import append_kv
+    from .cache import PagedKVCache, PageTable
+
+    lengths = np.asarray(lengths, np.int64)
+    pages_per = -(-lengths // page_size)
+    max_pages = max(1, int(pages_per.max(initial=0)))
+    base = 65536 + 7 if big_page_ids else 0  # physical ids above 65536 exercise 64-bit offsets
+    num_pages = int(pages_per.sum()) + extra_pages + base
+    cache = PagedKVCache(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, layout=layout, fill="nan")
+    ids = np.arange(base, num_pages)
+    if shuffle:
+        rng.shuffle(ids)
+    table = np.zeros((batch, max_pages), np.int32)
+    slots, cursor = [], 0
+    for b in range(batch):
+        n = int(pages_per[b])
+        table[b, :n] = ids[cursor: cursor + n]
+        cursor += n
+        pos = np.arange(lengths[b])
+        slots.append(table[b, pos // page_size].astype(np.int64) * page_size + pos % page_size)
+    slots = np.concatenate(slots) if slots else np.zeros(0, np.int64)
+    total = int(lengths.sum())
+    k_new = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
+    v_new = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
+    kd, vd = cp.asarray(to_storage(k_new, dtype)), cp.asarray(to_storage(v_new, dtype))
+    append_kv(cache, kd, vd, cp.asarray(slots))
+    q = rng.standard_normal((batch, num_qo_heads, head_dim)).astype(np.float32)
+    pt = PageTable(cp.asarray(table), cp.asarray(lengths.astype(np.int32)), page_size)
+    return {
+        "cache": cache, "table": pt, "q": cp.asarray(to_storage(q, dtype)),
+        "q_host": from_storage(to_storage(q, dtype), dtype),
+        "k_new": from_storage(to_storage(k_new, dtype), dtype), "v_new": from_storage(to_storage(v_new, dtype), dtype),
+        "slots": slots, "block_table": table, "lengths": lengths,
+    }
+
+
+def cache_pages_host(cache):
+    """Host float64 copies of K and V pages ``[num_pages, page_size, H, D]``."""
+    return from_storage(cache.k.get(), cache.dtype), from_storage(cache.v.get(), cache.dtype)
+
+
+def reference_decode(case, **kw):
+    """float64 decode of a :func:`random_decode_case`, reading back only the slots the table reaches
+    (gathered on the device, so a cache of 100k pages costs no more than a small one)."""
+    import cupy as cp
+
+    cache, table, lengths = case["cache"], case["block_table"], case["lengths"]
+    ps = cache.page_size
+    rows_p, rows_o = [], []
+    for b, n in enumerate(lengths):
+        pos = np.arange(int(n))
+        rows_p.append(table[b, pos // ps])
+        rows_o.append(pos % ps)
+    rp, ro = np.concatenate(rows_p).astype(np.int64), np.concatenate(rows_o).astype(np.int64)
+    k = from_storage(cache.k[cp.asarray(rp), cp.asarray(ro)].get(), cache.dtype)[:, None]
+    v = from_storage(cache.v[cp.asarray(rp), cp.asarray(ro)].get(), cache.dtype)[:, None]
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    compact = np.zeros((len(lengths), max(1, int(lengths.max(initial=1)))), np.int64)
+    for b, n in enumerate(lengths):
+        compact[b, : int(n)] = np.arange(starts[b], starts[b] + int(n))
+    return reference.decode(case["q_host"], k, v, compact, lengths, **kw)

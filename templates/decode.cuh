@@ -1,0 +1,285 @@
+// Split-KV paged decode: one query token per sequence, GQA groups of 1..16 query heads per KV head.
+//
+// Grid (num_splits, num_kv_heads, batch); NUM_WARPS warps per block. Rows of the m16n8k16 tile are the
+// group's query heads (zero rows pad groups under 16), columns are 16-token strips of the context.
+// Each warp streams its strips straight into registers (DecodeStreamingKVBuffer), keeps an online
+// softmax per row, and the block merges its warps in shared memory in warp order (deterministic).
+// One split writes the final output; several write fp32 partials that decode_merge combines by LSE.
+#pragma once
+#include "decode_streaming.cuh"
+
+namespace cukv {
+
+struct alignas(8) DecodeArgs {
+  KVCacheParams kv;
+  const void* q;        // [batch, num_qo_heads, depth], contiguous
+  void* out;            // [batch, num_qo_heads, depth]
+  float* lse;           // [batch, num_qo_heads] natural log, or nullptr
+  float* part_o;        // [num_splits, batch, num_qo_heads, depth] (num_splits > 1)
+  float* part_lse;      // [num_splits, batch, num_qo_heads] base 2
+  const float* sink;    // [num_qo_heads] logits, or nullptr
+  float sm_scale;       // softmax scale
+  float softcap;        // 0: off
+  int window;           // 0: off; else keys in (p - window, p]
+  int num_splits;
+  int num_qo_heads;
+  int pad_;
+};
+
+template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS>
+struct DecodeKernel {
+  typedef KVCacheOperand<T, PAGE_SIZE> Op;
+  typedef DecodeStreamingKVBuffer<Op, DEPTH> Buf;
+  static constexpr int BN = 16;
+  static constexpr bool TWO_ROWS = GROUP > 8;       // rows g+8 carry heads too
+  static constexpr int NK = Buf::num_k_strips;
+  static constexpr int NO = Buf::num_mmas;           // output n-tiles
+  static constexpr bool Q_IN_SMEM = DEPTH > 128;     // registers go to the output accumulator instead
+  static constexpr bool V_LATE = DEPTH > 128;        // V loads wait until K's registers are free
+  static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
+  static_assert(PAGE_SIZE >= 1, "page size must be positive");
+
+  struct Smem {
+    float m[NUM_WARPS][16];
+    float l[NUM_WARPS][16];
+    float M[16], L[16];
+    float o[GROUP][DEPTH];
+    alignas(16) T q[Q_IN_SMEM ? 16 : 1][Q_IN_SMEM ? DEPTH : 8];
+  };
+
+  static __device__ __forceinline__ void run(const DecodeArgs& a) {
+    __shared__ Smem sm;
+    const Op op(a.kv);
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+
+    const int len = op.cache_length(b);
+    const int start = a.window > 0 ? max(0, len - a.window) : 0;
+    // Chunks are 16-token strips aligned to absolute positions (so a strip never straddles a page whose
+    // size is a multiple of 16); splits take contiguous runs of chunks.
+    const int c_lo = start / BN, c_hi = (len + BN - 1) / BN;
+    const int per = (c_hi - c_lo + a.num_splits - 1) / a.num_splits;
+    const int my_lo = c_lo + split * per, my_hi = min(c_hi, my_lo + per);
+
+    // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
+    // in shared memory: its registers go to the wider output accumulator.
+    uint4 qa[Q_IN_SMEM ? 1 : NK], qb[Q_IN_SMEM ? 1 : NK];
+    {
+      const T* q = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
+      if constexpr (Q_IN_SMEM) {
+        for (int i = threadIdx.x; i < 16 * DEPTH / 8; i += NUM_WARPS * 32) {
+          const int row = i / (DEPTH / 8), col = (i % (DEPTH / 8)) * 8;
+          reinterpret_cast<uint4*>(&sm.q[row][col])[0] =
+              row < GROUP ? *reinterpret_cast<const uint4*>(q + (i64)row * DEPTH + col) : make_uint4(0, 0, 0, 0);
+        }
+        __syncthreads();
+      } else {
+#pragma unroll
+        for (int s = 0; s < NK; ++s) {
+          qa[s] = g < GROUP ? *reinterpret_cast<const uint4*>(q + (i64)g * DEPTH + s * 32 + 8 * c) : make_uint4(0, 0, 0, 0);
+          qb[s] = (TWO_ROWS && g + 8 < GROUP) ? *reinterpret_cast<const uint4*>(q + (i64)(g + 8) * DEPTH + s * 32 + 8 * c)
+                                               : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    const float scale_log2 = a.sm_scale * kLog2e;
+
+    float o[NO][4];
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
+
+    Buf buf;
+    for (int ch = my_lo + warp; ch < my_hi; ch += NUM_WARPS) {
+      const int t0 = ch * BN;
+      const i64 base = (PAGE_SIZE % BN == 0) ? Buf::rows_base(op, b, t0) : (i64)0;
+      buf.load_k(op, b, hk, t0, start, len, base);
+      if constexpr (!V_LATE) buf.load_v(op, b, hk, t0, start, len, base);
+
+      float s[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < NK; ++ks) {
+          uint4 xa, xb;
+          if constexpr (Q_IN_SMEM) {
+            xa = *reinterpret_cast<const uint4*>(&sm.q[g][ks * 32 + 8 * c]);
+            xb = TWO_ROWS ? *reinterpret_cast<const uint4*>(&sm.q[g + 8][ks * 32 + 8 * c]) : make_uint4(0, 0, 0, 0);
+          } else {
+            xa = qa[ks];
+            xb = qb[ks];
+          }
+          u32 b0, b1;
+          buf.k_frag(nt, ks, 0, b0, b1);
+          mma_16816<T>(s[nt], xa.x, xb.x, xa.y, xb.y, b0, b1);
+          buf.k_frag(nt, ks, 1, b0, b1);
+          mma_16816<T>(s[nt], xa.z, xb.z, xa.w, xb.w, b0, b1);
+        }
+      }
+      // scores -> base-2 logits; masked columns become -inf by selection, never by arithmetic
+      float mx0 = -CUKV_INF, mx1 = -CUKV_INF;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + nt * 8 + 2 * c + (e & 1);
+          float x = s[nt][e];
+          if (a.softcap > 0.f) x = a.softcap * tanhf(x * a.sm_scale / a.softcap) * kLog2e;
+          else x *= scale_log2;
+          x = (t >= start && t < len) ? x : -CUKV_INF;
+          s[nt][e] = x;
+          if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+        }
+      mx0 = quad_max(mx0);
+      const float mn0 = fmaxf(m0, mx0);
+      const float mu0 = mn0 == -CUKV_INF ? 0.f : mn0;  // a row with nothing yet must not make NaN
+      const float al0 = fast_exp2(m0 - mu0);
+      m0 = mn0;
+      float mu1 = 0.f, al1 = 1.f;
+      if constexpr (TWO_ROWS) {
+        mx1 = quad_max(mx1);
+        const float mn1 = fmaxf(m1, mx1);
+        mu1 = mn1 == -CUKV_INF ? 0.f : mn1;
+        al1 = fast_exp2(m1 - mu1);
+        m1 = mn1;
+      }
+      float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        s[nt][0] = fast_exp2(s[nt][0] - mu0);
+        s[nt][1] = fast_exp2(s[nt][1] - mu0);
+        ps0 += s[nt][0] + s[nt][1];
+        if constexpr (TWO_ROWS) {
+          s[nt][2] = fast_exp2(s[nt][2] - mu1);
+          s[nt][3] = fast_exp2(s[nt][3] - mu1);
+          ps1 += s[nt][2] + s[nt][3];
+        }
+      }
+      if constexpr (V_LATE) buf.load_v(op, b, hk, t0, start, len, base);
+      l0 = l0 * al0 + ps0;
+      if constexpr (TWO_ROWS) l1 = l1 * al1 + ps1;
+      const u32 pa0 = ElemTraits<T>::pack(s[0][0], s[0][1]);
+      const u32 pa2 = ElemTraits<T>::pack(s[1][0], s[1][1]);
+      const u32 pa1 = TWO_ROWS ? ElemTraits<T>::pack(s[0][2], s[0][3]) : 0u;
+      const u32 pa3 = TWO_ROWS ? ElemTraits<T>::pack(s[1][2], s[1][3]) : 0u;
+#pragma unroll
+      for (int j = 0; j < NO; ++j) {
+        o[j][0] *= al0;
+        o[j][1] *= al0;
+        if constexpr (TWO_ROWS) {
+          o[j][2] *= al1;
+          o[j][3] *= al1;
+        }
+        u32 b0, b1;
+        buf.v_frag(j / 8, j % 8, b0, b1);
+        mma_16816<T>(o[j], pa0, pa1, pa2, pa3, b0, b1);
+      }
+    }
+
+    // ---- merge the warps of this block: max, rescale, sum in warp order
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+    if (c == 0) {
+      sm.m[warp][g] = m0;
+      sm.l[warp][g] = l0;
+      sm.m[warp][g + 8] = m1;
+      sm.l[warp][g + 8] = l1;
+    }
+    __syncthreads();
+    float M[2], L[2], f[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = g + 8 * r;
+      float mm = -CUKV_INF;
+#pragma unroll
+      for (int w = 0; w < NUM_WARPS; ++w) mm = fmaxf(mm, sm.m[w][row]);
+      float ll = 0.f, mine = 0.f;
+#pragma unroll
+      for (int w = 0; w < NUM_WARPS; ++w) {
+        const float mw = sm.m[w][row];
+        const float fw = mw == -CUKV_INF ? 0.f : fast_exp2(mw - mm);
+        ll += fw * sm.l[w][row];
+        if (w == warp) mine = fw;
+      }
+      M[r] = mm;
+      L[r] = ll;
+      f[r] = mine;
+    }
+#pragma unroll 1
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      if (w == warp) {
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+          const int dim0 = (j / 8) * 64 + 16 * c + (j % 8);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = g + 8 * (e >> 1);
+            const int dim = dim0 + 8 * (e & 1);
+            if (row < GROUP && dim < DEPTH) {
+              const float val = o[j][e] * f[e >> 1];
+              sm.o[row][dim] = w == 0 ? val : sm.o[row][dim] + val;
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+
+    // ---- write: final output (one split) or fp32 partial + base-2 LSE
+    if (warp == 0 && c == 0) {
+      sm.M[g] = M[0];
+      sm.L[g] = L[0];
+      sm.M[g + 8] = M[1];
+      sm.L[g + 8] = L[1];
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < GROUP * DEPTH; idx += NUM_WARPS * 32) {
+      const int row = idx / DEPTH, dim = idx % DEPTH;
+      const int hq = hk * GROUP + row;
+      const float mm = sm.M[row], ll = sm.L[row];
+      const i64 oi = ((i64)b * a.num_qo_heads + hq) * DEPTH + dim;
+      if (a.num_splits == 1) {
+        float denom = ll;  // ll > 0 implies mm is finite
+        if (a.sink != nullptr && ll > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
+        const float val = ll > 0.f ? sm.o[row][dim] / denom : 0.f;
+        static_cast<T*>(a.out)[oi] = ElemTraits<T>::from_float(val);
+        if (dim == 0 && a.lse != nullptr)
+          a.lse[(i64)b * a.num_qo_heads + hq] = ll > 0.f ? (mm + __log2f(ll)) * kLn2 : -CUKV_INF;
+      } else {
+        const i64 pi = (i64)split * gridDim.z * a.num_qo_heads * DEPTH + oi;
+        a.part_o[pi] = ll > 0.f ? sm.o[row][dim] / ll : 0.f;
+        if (dim == 0)
+          a.part_lse[((i64)split * gridDim.z + b) * a.num_qo_heads + hq] = ll > 0.f ? mm + __log2f(ll) : -CUKV_INF;
+      }
+    }
+  }
+};
+
+// Combine num_splits partials per (batch, query head) by their LSE; empty partitions (LSE -inf) are skipped.
+template <typename T, int DEPTH>
+__device__ __forceinline__ void decode_merge(const DecodeArgs& a, int batch) {
+  const int b = blockIdx.x, hq = blockIdx.y;
+  const i64 bh = (i64)b * a.num_qo_heads + hq;
+  const i64 split_stride_lse = (i64)batch * a.num_qo_heads;
+  float mm = -CUKV_INF;
+  for (int s = 0; s < a.num_splits; ++s) mm = fmaxf(mm, a.part_lse[s * split_stride_lse + bh]);
+  float wsum = 0.f;
+  for (int s = 0; s < a.num_splits; ++s) {
+    const float x = a.part_lse[s * split_stride_lse + bh];
+    wsum += x == -CUKV_INF ? 0.f : fast_exp2(x - mm);
+  }
+  float denom = wsum;
+  if (a.sink != nullptr) denom += mm == -CUKV_INF ? 1.f : fast_exp2(a.sink[hq] * kLog2e - mm);
+  for (int d = threadIdx.x; d < DEPTH; d += blockDim.x) {
+    float acc = 0.f;
+    for (int s = 0; s < a.num_splits; ++s) {
+      const float x = a.part_lse[s * split_stride_lse + bh];
+      if (x != -CUKV_INF) acc += fast_exp2(x - mm) * a.part_o[(s * split_stride_lse + bh) * DEPTH + d];
+    }
+    static_cast<T*>(a.out)[bh * DEPTH + d] = ElemTraits<T>::from_float(wsum > 0.f ? acc / denom : 0.f);
+  }
+  if (threadIdx.x == 0 && a.lse != nullptr) a.lse[bh] = wsum > 0.f ? (mm + __log2f(wsum)) * kLn2 : -CUKV_INF;
+}
+
+}  // namespace cukv

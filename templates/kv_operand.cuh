@@ -1,0 +1,81 @@
+// KVCacheOperand: the kernel-side view of a paged (or contiguous) KV cache, after MAX's KVCacheMHAOperand.
+//
+// The Python twin (cukv/operand.py) packs KVCacheParams field by field; every field is 8 bytes so the
+// two layouts cannot drift apart. A contiguous cache is a paged one whose block table is the identity and
+// whose page is the whole sequence.
+#pragma once
+#include "common.cuh"
+
+namespace cukv {
+
+struct alignas(8) KVCacheParams {
+  const void* k;              // element (page, tok, head, dim) at k + dot(k_stride, idx)
+  const void* v;
+  const float* k_scales;      // FP8 caches only (nullptr otherwise); strided like k, dim index = block
+  const float* v_scales;
+  const int* block_table;     // [batch, bt_stride]: logical page -> physical page
+  const int* cache_lengths;   // [batch]: tokens visible to the kernel
+  i64 k_stride[4];            // elements: page, token-in-page, kv head, dim
+  i64 v_stride[4];
+  i64 ks_stride[4];
+  i64 vs_stride[4];
+  i64 bt_stride;              // elements between block_table rows
+  i64 max_pages_per_seq;      // columns of block_table that may be read
+  i64 num_pages;              // physical pages in the cache; larger ids are treated as holes
+  i64 batch_size;
+};
+static_assert(sizeof(KVCacheParams) == 8 * 6 + 8 * 16 + 8 * 4, "KVCacheParams layout is fixed by cukv/operand.py");
+
+template <typename T, int PAGE_SIZE, bool QUANTIZED = false>
+struct KVCacheOperand {
+  static constexpr int page_size = PAGE_SIZE;
+  static constexpr bool quantization_enabled = QUANTIZED;
+  typedef T dtype;
+  KVCacheParams p;
+
+  __device__ __forceinline__ explicit KVCacheOperand(const KVCacheParams& params) : p(params) {}
+
+  __device__ __forceinline__ int cache_length(int batch_idx) const { return p.cache_lengths[batch_idx]; }
+
+  __device__ __forceinline__ i64 num_kv_rows() const { return p.num_pages * (i64)PAGE_SIZE; }
+
+  // Physical page of a token, or -1 when the table points outside the cache (never dereferenced).
+  __device__ __forceinline__ int physical_page(int batch_idx, int tok_idx) const {
+    int lp = tok_idx / PAGE_SIZE;
+    if (lp >= p.max_pages_per_seq) return -1;
+    int pg = __ldg(p.block_table + (i64)batch_idx * p.bt_stride + lp);
+    return (pg >= 0 && (i64)pg < p.num_pages) ? pg : -1;
+  }
+
+  // Row index when the cache is viewed as a [num_pages * PAGE_SIZE, ...] matrix (-1: hole).
+  __device__ __forceinline__ i64 row_idx(int batch_idx, int tok_idx) const {
+    int pg = physical_page(batch_idx, tok_idx);
+    return pg < 0 ? (i64)-1 : (i64)pg * PAGE_SIZE + tok_idx % PAGE_SIZE;
+  }
+
+  __device__ __forceinline__ static i64 offset(const i64 (&s)[4], i64 row, int head, int dim) {
+    return (row / PAGE_SIZE) * s[0] + (row % PAGE_SIZE) * s[1] + (i64)head * s[2] + (i64)dim * s[3];
+  }
+
+  // Pointer to K (is_k) or V at a physical row; callers get rows from row_idx.
+  __device__ __forceinline__ const T* row_ptr(bool is_k, i64 row, int head, int dim = 0) const {
+    return is_k ? static_cast<const T*>(p.k) + offset(p.k_stride, row, head, dim)
+                : static_cast<const T*>(p.v) + offset(p.v_stride, row, head, dim);
+  }
+
+  __device__ __forceinline__ const T* block_paged_ptr(bool is_k, int batch_idx, int start_tok_idx, int head_idx,
+                                                      int head_dim_idx = 0) const {
+    i64 row = row_idx(batch_idx, start_tok_idx);
+    return row < 0 ? nullptr : row_ptr(is_k, row, head_idx, head_dim_idx);
+  }
+
+  // Scale of the granule holding (row, head, dim); `block` is the granule width in dims.
+  template <int BLOCK>
+  __device__ __forceinline__ float load_scale(bool is_k, i64 row, int head, int dim) const {
+    const float* base = is_k ? p.k_scales : p.v_scales;
+    const i64(&s)[4] = is_k ? p.ks_stride : p.vs_stride;
+    return __ldg(base + offset(s, row, head, dim / BLOCK));
+  }
+};
+
+}  // namespace cukv

@@ -1,0 +1,131 @@
+"""Decode on the GPU against the float64 reference (NaN-poisoned caches, random page order)."""
+import numpy as np
+import pytest
+
+import cukv
+from cukv.dtypes import from_storage
+from cukv.testing import assert_close, random_decode_case, reference_decode
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(case, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, num_splits=None, **kw):
+    import cupy as cp
+
+    b = len(case["lengths"])
+    dec = cukv.BatchDecode(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+    dec.plan(b, max(1, int(case["lengths"].max())), num_splits=num_splits)
+    out = cp.full(case["q"].shape, np.float16(np.nan) if dtype == "float16" else np.uint16(0x7FC0), case["q"].dtype)
+    lse = cp.full((b, num_qo_heads), np.nan, cp.float32)
+    dec.run(case["q"], case["cache"], case["table"], out=out, lse=lse, **kw)
+    return from_storage(out.get(), dtype), lse.get()
+
+
+def _check(rng, batch, lengths, hq, hkv, d, ps, dtype="bfloat16", num_splits=None, **kw):
+    case = random_decode_case(rng, batch=batch, lengths=lengths, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                              page_size=ps, dtype=dtype)
+    out, lse = _run(case, hq, hkv, d, ps, dtype, num_splits=num_splits, **kw)
+    ref_o, ref_lse = reference_decode(case, **{k: v for k, v in kw.items() if k != "sink"},
+                                      **({"sink": kw["sink"].get()} if "sink" in kw else {}))
+    assert_close(out, ref_o, dtype, name="out")
+    assert_close(lse, ref_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 4, 6, 8, 16])
+def test_head_dims_and_groups(rng, d, group):
+    _check(rng, 3, [1, 517, 1100], group * 2, 2, d, 16)
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64, 256, 48, 1024])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_page_sizes(rng, ps, dtype):
+    _check(rng, 4, [17, 1, 300, 2049], 32, 8, 128, ps, dtype)
+
+
+@pytest.mark.parametrize("batch,ctx", [(1, 1), (7, 17), (64, 512), (1, 33000), (257, 17)])
+def test_batch_context(rng, batch, ctx):
+    lengths = rng.integers(max(1, ctx // 2), ctx + 1, size=batch)
+    lengths[0] = ctx
+    _check(rng, batch, lengths, 32, 8, 128, 16)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 64])
+def test_forced_splits(rng, splits):
+    _check(rng, 2, [4099, 3], 8, 2, 128, 16, num_splits=splits)
+
+
+def test_sink_window_softcap(rng):
+    import cupy as cp
+
+    sink = cp.asarray(rng.standard_normal(16).astype(np.float32) * 3)
+    _check(rng, 3, [700, 5, 64], 16, 2, 128, 16, sink=sink)
+    _check(rng, 3, [700, 5, 64], 16, 2, 128, 16, window=100)
+    _check(rng, 3, [700, 5, 64], 16, 2, 128, 16, softcap=5.0)
+    _check(rng, 3, [700, 5, 64], 16, 2, 128, 16, sink=sink, window=33, softcap=3.0, num_splits=4)
+
+
+def test_empty_sequence_gives_zero_and_neg_inf(rng):
+    case = random_decode_case(rng, batch=2, lengths=[0, 40], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    for splits in (1, 3):
+        out, lse = _run(case, 8, 2, 64, 16, "bfloat16", num_splits=splits)
+        assert np.all(out[0] == 0) and np.all(np.isneginf(lse[0]))
+        assert np.all(np.isfinite(out[1]))
+
+
+def test_big_page_ids(rng):
+    _check_big = random_decode_case(rng, batch=2, lengths=[300, 41], num_qo_heads=4, num_kv_heads=1, head_dim=64,
+                                    page_size=1, big_page_ids=True)
+    out, lse = _run(_check_big, 4, 1, 64, 1, "bfloat16")
+    ref_o, ref_lse = reference_decode(_check_big)
+    assert_close(out, ref_o, "bfloat16")
+
+
+def test_repeat_runs_bit_identical(rng):
+    case = random_decode_case(rng, batch=5, lengths=[3000, 20, 900, 1, 4099], num_qo_heads=32, num_kv_heads=8,
+                              head_dim=128, page_size=16)
+    a = _run(case, 32, 8, 128, 16, "bfloat16")
+    b = _run(case, 32, 8, 128, 16, "bfloat16")
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def test_append_exact(rng):
+    import cupy as cp
+
+    case = random_decode_case(rng, batch=3, lengths=[40, 1, 17], num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                              page_size=16)
+    cache, slots = case["cache"], case["slots"]
+    k = from_storage(cache.k.get(), "bfloat16")
+    ps = cache.page_size
+    got = k[slots // ps, slots % ps]
+    assert np.array_equal(got, case["k_new"])
+    # slot -1 and out-of-range slots are skipped: nothing else changes
+    before = cache.k.get().copy()
+    kn = cp.asarray(np.full((2, 2, 128), 0x3F80, np.uint16))
+    cukv.append_kv(cache, kn, kn, cp.asarray(np.array([-1, cache.num_slots + 5], np.int64)))
+    assert np.array_equal(before.view(np.uint16), cache.k.get().view(np.uint16))
+
+
+def test_graph_capture_replay(rng):
+    import cupy as cp
+
+    case = random_decode_case(rng, batch=4, lengths=[600, 1000, 33, 999], num_qo_heads=16, num_kv_heads=4,
+                              head_dim=128, page_size=16)
+    dec = cukv.BatchDecode(16, 4, 128, 16, "bfloat16").plan(4, 1000)
+    out = cp.empty(case["q"].shape, case["q"].dtype)
+    lse = cp.empty((4, 16), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        dec.run(case["q"], case["cache"], case["table"], out=out, lse=lse, stream=stream)  # warm (load module)
+        stream.begin_capture()
+        dec.run(case["q"], case["cache"], case["table"], out=out, lse=lse, stream=stream)
+        graph = stream.end_capture()
+    for new_lengths in ([600, 1000, 33, 999], [1, 700, 1000, 2]):
+        case["table"].lengths.set(np.asarray(new_lengths, np.int32))
+        case["lengths"] = np.asarray(new_lengths)
+        out.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+        ref_o, ref_lse = reference_decode(case)
+        assert_close(from_storage(out.get(), "bfloat16"), ref_o, "bfloat16")
+        assert_close(lse.get(), ref_lse, "float32", atol=2e-3, rtol=2e-3)
