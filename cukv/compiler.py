@@ -310,6 +310,6 @@ def compile_source(name: str, source: str, arch: str | None = None) -> CompiledM
     return CompiledModule(name, key, cubin, functions, seconds, False, log)
 
 
-def build(template: str, name: str, **params) -> CompiledModule:
-    """Render ``template`` with params and compile it under the readable ``name``."""
-    return compile_source(name, render(template, **params))
+def build(template: str, module_name: str, **params) -> CompiledModule:
+    """Render ``template`` with params and compile it under the readable ``module_name``."""
+    return compile_source(module_name, render(template, **params))

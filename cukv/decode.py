@@ -35,6 +35,7 @@ class DecodeConfig:
     group: int = 4
     page_size: int = 16
     num_warps: int = 4
+    min_blocks: int = 1
     BN: int = 16
     BK: int = 32
 
@@ -46,6 +47,7 @@ class DecodeConfig:
         check_range(c, "group", self.group, 1, 16, "query heads per KV head")
         check_range(c, "page_size", self.page_size, 1, 4096)
         check_in(c, "num_warps", self.num_warps, (1, 2, 4, 8))
+        check_in(c, "min_blocks", self.min_blocks, (1, 2, 3, 4))
         check_in(c, "BN", self.BN, (16,))
         check_in(c, "BK", self.BK, (32,))
 
@@ -90,22 +92,28 @@ class DecodeConfig:
         """Static shared memory: per-warp (m, l), block (M, L), the [group, depth] merge sum, and Q when
         head_dim > 128 (its registers go to the output accumulator)."""
         q_smem = 2 * 16 * self.head_dim if self.head_dim > 128 else 16  # Q moves to shared memory past 128
-        return 4 * (2 * 16 * self.num_warps + 2 * 16 + self.group * self.head_dim) + q_smem
+        stats = 4 * (2 * 16 * self.num_warps + 2 * 16 + self.group * self.head_dim + 1)  # + the `last` flag
+        return _round16(_round16(stats) + q_smem)  # q is 16-byte aligned, and so is the struct
 
     @property
     def name(self) -> str:
-        return f"cukv_decode_{SHORT[self.dtype]}_d{self.head_dim}_g{self.group}_p{self.page_size}_w{self.num_warps}"
+        return (f"cukv_decode_{SHORT[self.dtype]}_d{self.head_dim}_g{self.group}_p{self.page_size}_w{self.num_warps}"
+                f"_b{self.min_blocks}")
 
     def render(self) -> str:
         return compiler.render(
             "decode.cu.j2", name=self.name, ctype=CTYPES[self.dtype], page_size=self.page_size,
-            head_dim=self.head_dim, group=self.group, num_warps=self.num_warps,
+            head_dim=self.head_dim, group=self.group, num_warps=self.num_warps, min_blocks=self.min_blocks,
             num_k_strips=self.num_k_strips, num_k_mmas2=self.num_k_mmas2, num_mmas=self.num_mmas,
             input_frag_size=self.input_frag_size, smem_bytes=self.smem_bytes, args_bytes=DECODE_ARGS.itemsize)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
         return compiler.compile_source(self.name, self.render())
+
+
+def _round16(n: int) -> int:
+    return (n + 15) // 16 * 16
 
 
 def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int, blocks_per_sm: int = 4) -> int:
@@ -176,11 +184,11 @@ class BatchDecode:
         if self.num_splits > 1:
             self._part_o = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads, cfg.head_dim), cp.float32)
             self._part_lse = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads), cp.float32)
+            self._counters = cp.zeros((self.batch_size, self.num_kv_heads), cp.int32)
         else:
-            self._part_o = self._part_lse = None
+            self._part_o = self._part_lse = self._counters = None
         mod = cfg.compiled
         self._fn = mod.function(cfg.name)
-        self._merge = mod.function(cfg.name + "_merge")
         self._planned = True
         return self
 
@@ -243,13 +251,12 @@ class BatchDecode:
         rec["kv"]["batch_size"] = b
         rec["q"], rec["out"], rec["lse"] = ptr(qd), ptr(out), ptr(lse)
         rec["part_o"], rec["part_lse"], rec["sink"] = ptr(self._part_o), ptr(self._part_lse), ptr(sink)
+        rec["counters"] = ptr(self._counters)
         rec["sm_scale"], rec["softcap"] = scale, float(softcap or 0.0)
         rec["window"], rec["num_splits"], rec["num_qo_heads"] = int(window or 0), self.num_splits, self.num_qo_heads
         arg = as_kernel_arg(rec)
         with (stream or cp.cuda.get_current_stream()):
             self._fn((self.num_splits, self.num_kv_heads, b), (cfg.num_threads,), (arg,))
-            if self.num_splits > 1:
-                self._merge((b, self.num_qo_heads), (128,), (arg, np.int32(b)))
         return (out, lse) if return_lse else out
 
 

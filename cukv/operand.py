@@ -19,7 +19,7 @@ KV_PARAMS = np.dtype([
 DECODE_ARGS = np.dtype([
     ("kv", KV_PARAMS),
     ("q", "u8"), ("out", "u8"), ("lse", "u8"), ("part_o", "u8"), ("part_lse", "u8"), ("sink", "u8"),
-    ("sm_scale", "f4"), ("softcap", "f4"), ("window", "i4"), ("num_splits", "i4"), ("num_qo_heads", "i4"),
+    ("counters", "u8"), ("sm_scale", "f4"), ("softcap", "f4"), ("window", "i4"), ("num_splits", "i4"), ("num_qo_heads", "i4"),
     ("pad_", "i4"),
 ], align=True)
 

@@ -18,6 +18,7 @@ struct alignas(8) DecodeArgs {
   float* part_o;        // [num_splits, batch, num_qo_heads, depth] (num_splits > 1)
   float* part_lse;      // [num_splits, batch, num_qo_heads] base 2
   const float* sink;    // [num_qo_heads] logits, or nullptr
+  int* counters;        // [batch, num_kv_heads] zeros: split blocks finished (num_splits > 1)
   float sm_scale;       // softmax scale
   float softcap;        // 0: off
   int window;           // 0: off; else keys in (p - window, p]
@@ -25,6 +26,9 @@ struct alignas(8) DecodeArgs {
   int num_qo_heads;
   int pad_;
 };
+
+template <typename T, int DEPTH>
+__device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, int batch);
 
 template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS>
 struct DecodeKernel {
@@ -36,6 +40,7 @@ struct DecodeKernel {
   static constexpr int NO = Buf::num_mmas;           // output n-tiles
   static constexpr bool Q_IN_SMEM = DEPTH > 128;     // registers go to the output accumulator instead
   static constexpr bool V_LATE = DEPTH > 128;        // V loads wait until K's registers are free
+  static constexpr bool PIPELINE = !V_LATE;          // prefetch the next strip into the same registers
   static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
   static_assert(PAGE_SIZE >= 1, "page size must be positive");
 
@@ -44,6 +49,7 @@ struct DecodeKernel {
     float l[NUM_WARPS][16];
     float M[16], L[16];
     float o[GROUP][DEPTH];
+    int last;
     alignas(16) T q[Q_IN_SMEM ? 16 : 1][Q_IN_SMEM ? DEPTH : 8];
   };
 
@@ -89,13 +95,25 @@ struct DecodeKernel {
     for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
 
+    // Software pipeline (depth <= 128): chunk i+1's K loads go out right after chunk i's scores, its V
+    // loads right after chunk i's P.V, and its page lookup at the top of chunk i, so every warp keeps a
+    // strip of loads in flight while it computes, in the same registers.
     Buf buf;
-    for (int ch = my_lo + warp; ch < my_hi; ch += NUM_WARPS) {
+    int ch = my_lo + warp;
+    i64 base = (PAGE_SIZE % BN == 0 && ch < my_hi) ? Buf::rows_base(op, b, ch * BN) : (i64)0;
+    if (PIPELINE && ch < my_hi) {
+      buf.load_k(op, b, hk, ch * BN, start, len, base);
+      buf.load_v(op, b, hk, ch * BN, start, len, base);
+    }
+    for (; ch < my_hi; ch += NUM_WARPS) {
       const int t0 = ch * BN;
-      const i64 base = (PAGE_SIZE % BN == 0) ? Buf::rows_base(op, b, t0) : (i64)0;
-      buf.load_k(op, b, hk, t0, start, len, base);
-      if constexpr (!V_LATE) buf.load_v(op, b, hk, t0, start, len, base);
-
+      const int nch = ch + NUM_WARPS;
+      const bool has_next = nch < my_hi;
+      const i64 nbase = (PAGE_SIZE % BN == 0 && has_next) ? Buf::rows_base(op, b, nch * BN) : (i64)0;
+      if constexpr (!PIPELINE) {
+        buf.load_k(op, b, hk, t0, start, len, base);
+        if constexpr (!V_LATE) buf.load_v(op, b, hk, t0, start, len, base);
+      }
       float s[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -117,6 +135,7 @@ struct DecodeKernel {
           mma_16816<T>(s[nt], xa.z, xb.z, xa.w, xb.w, b0, b1);
         }
       }
+      if (PIPELINE && has_next) buf.load_k(op, b, hk, nch * BN, start, len, nbase);
       // scores -> base-2 logits; masked columns become -inf by selection, never by arithmetic
       float mx0 = -CUKV_INF, mx1 = -CUKV_INF;
 #pragma unroll
@@ -175,6 +194,8 @@ struct DecodeKernel {
         buf.v_frag(j / 8, j % 8, b0, b1);
         mma_16816<T>(o[j], pa0, pa1, pa2, pa3, b0, b1);
       }
+      if (PIPELINE && has_next) buf.load_v(op, b, hk, nch * BN, start, len, nbase);
+      base = nbase;
     }
 
     // ---- merge the warps of this block: max, rescale, sum in warp order
@@ -253,33 +274,55 @@ struct DecodeKernel {
           a.part_lse[((i64)split * gridDim.z + b) * a.num_qo_heads + hq] = ll > 0.f ? mm + __log2f(ll) : -CUKV_INF;
       }
     }
+    if (a.num_splits == 1) return;
+    // The last block of (b, hk) to finish merges every split's partial (no second launch); it resets the
+    // counter so the next run (or CUDA graph replay) starts from zero.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int prev = atomicAdd(a.counters + (i64)b * gridDim.y + hk, 1);
+      sm.last = prev == a.num_splits - 1;
+    }
+    __syncthreads();
+    if (!sm.last) return;
+    __threadfence();
+    for (int r = warp; r < GROUP; r += NUM_WARPS) merge_row<T, DEPTH>(a, b, hk * GROUP + r, gridDim.z);
+    if (threadIdx.x == 0) a.counters[(i64)b * gridDim.y + hk] = 0;
   }
 };
 
-// Combine num_splits partials per (batch, query head) by their LSE; empty partitions (LSE -inf) are skipped.
+// One warp combines the num_splits partials of (b, hq) by their LSE; empty partitions (-inf) are skipped.
+// Partials are read through L2 (ld.cg): other blocks wrote them during this launch.
 template <typename T, int DEPTH>
-__device__ __forceinline__ void decode_merge(const DecodeArgs& a, int batch) {
-  const int b = blockIdx.x, hq = blockIdx.y;
+__device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, int batch) {
+  const int lane = threadIdx.x & 31;
   const i64 bh = (i64)b * a.num_qo_heads + hq;
-  const i64 split_stride_lse = (i64)batch * a.num_qo_heads;
+  const i64 stride = (i64)batch * a.num_qo_heads;
   float mm = -CUKV_INF;
-  for (int s = 0; s < a.num_splits; ++s) mm = fmaxf(mm, a.part_lse[s * split_stride_lse + bh]);
+  for (int s = lane; s < a.num_splits; s += 32) mm = fmaxf(mm, __ldcg(a.part_lse + s * stride + bh));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
+  float acc[(DEPTH + 31) / 32];
+#pragma unroll
+  for (int i = 0; i < (DEPTH + 31) / 32; ++i) acc[i] = 0.f;
   float wsum = 0.f;
   for (int s = 0; s < a.num_splits; ++s) {
-    const float x = a.part_lse[s * split_stride_lse + bh];
-    wsum += x == -CUKV_INF ? 0.f : fast_exp2(x - mm);
+    const float x = __ldcg(a.part_lse + s * stride + bh);
+    if (x == -CUKV_INF) continue;
+    const float w = fast_exp2(x - mm);
+    wsum += w;
+    const float* po = a.part_o + (s * stride + bh) * DEPTH;
+#pragma unroll
+    for (int i = 0; i < (DEPTH + 31) / 32; ++i)
+      if (i * 32 + lane < DEPTH) acc[i] += w * __ldcg(po + i * 32 + lane);
   }
   float denom = wsum;
-  if (a.sink != nullptr) denom += mm == -CUKV_INF ? 1.f : fast_exp2(a.sink[hq] * kLog2e - mm);
-  for (int d = threadIdx.x; d < DEPTH; d += blockDim.x) {
-    float acc = 0.f;
-    for (int s = 0; s < a.num_splits; ++s) {
-      const float x = a.part_lse[s * split_stride_lse + bh];
-      if (x != -CUKV_INF) acc += fast_exp2(x - mm) * a.part_o[(s * split_stride_lse + bh) * DEPTH + d];
-    }
-    static_cast<T*>(a.out)[bh * DEPTH + d] = ElemTraits<T>::from_float(wsum > 0.f ? acc / denom : 0.f);
-  }
-  if (threadIdx.x == 0 && a.lse != nullptr) a.lse[bh] = wsum > 0.f ? (mm + __log2f(wsum)) * kLn2 : -CUKV_INF;
+  if (a.sink != nullptr && wsum > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
+#pragma unroll
+  for (int i = 0; i < (DEPTH + 31) / 32; ++i)
+    if (i * 32 + lane < DEPTH)
+      static_cast<T*>(a.out)[bh * DEPTH + i * 32 + lane] = ElemTraits<T>::from_float(wsum > 0.f ? acc[i] / denom : 0.f);
+  if (lane == 0 && a.lse != nullptr) a.lse[bh] = wsum > 0.f ? (mm + __log2f(wsum)) * kLn2 : -CUKV_INF;
 }
 
 }  // namespace cukv

@@ -125,7 +125,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30) -> dict
         with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
             json.dump(result, f, indent=1)
         _plot(rows, ceiling, os.path.join(out_dir, "bench_decode.png"))
-    print(table(result))
+    print(format_table(result))
     return result
 
 
@@ -158,7 +158,7 @@ def _fmt_row(r) -> str:
     return s
 
 
-def table(result) -> str:
+def format_table(result) -> str:
     s = result["summary"]
     lines = [f"decode bf16 32q/8kv d128 page16 on {s['device']} ({s['date']}); read ceiling {s['read_ceiling_tbs']:.2f} TB/s",
              "| batch x ctx | splits | cukv us | TB/s | % ceiling | cuDNN us | cuDNN/cukv | flash us | flash/cukv |",
