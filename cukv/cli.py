@@ -95,7 +95,7 @@ def _bench(args) -> int:
     if args.what == "decode":
         from .bench.decode import run
 
-        run(out_dir=args.out, quick=args.quick)
+        run(out_dir=args.out, quick=args.quick, sweep=args.sweep)
     return 0
 
 
@@ -123,6 +123,7 @@ def main(argv=None) -> int:
     b.add_argument("what", choices=["decode"])
     b.add_argument("--out", default=os.environ.get("OUT"), help="directory for JSON and PNG")
     b.add_argument("--quick", action="store_true", help="four cells instead of the full grid")
+    b.add_argument("--sweep", action="store_true", help="also time other warp/split counts per cell")
     sub.add_parser("demo", help="run examples/decode_loop.py")
     args = p.parse_args(argv)
     return {"doctor": _doctor, "compile": _compile, "bench": _bench, "demo": _demo}[args.cmd](args)

@@ -116,12 +116,25 @@ def _round16(n: int) -> int:
     return (n + 15) // 16 * 16
 
 
-def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int, blocks_per_sm: int = 4) -> int:
-    """Enough blocks for about two waves, no split shorter than 64 tokens, at most 64 splits."""
+def blocks_per_sm(registers: int, threads: int, smem_bytes: int) -> int:
+    """Resident blocks per Hopper SM from the compiler's register report (warp registers are allocated in
+    units of 256) and static shared memory."""
+    warps = threads // 32
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = 65536 // (regs_per_warp * warps)
+    by_smem = (227 * 1024) // max(smem_bytes + 1024, 1)
+    return max(1, min(by_regs, by_smem, 64 // warps, 32))
+
+
+def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: int) -> int:
+    """Split the context only as far as one wave of resident blocks needs (``slots`` = SMs x blocks per SM):
+    short blocks pay their prologue and merge again and again. No split gets under 64 tokens (a 16-token
+    strip per warp of a 4-warp block)."""
     blocks = max(1, batch_size * num_kv_heads)
-    want = math.ceil(2 * num_sms * blocks_per_sm / blocks)
+    if blocks >= slots:
+        return 1
     most = max(1, math.ceil(max_kv_len / 64))
-    return int(max(1, min(want, most, 64)))
+    return int(max(1, min(slots // blocks, most, 128)))
 
 
 class BatchDecode:
@@ -175,19 +188,21 @@ class BatchDecode:
             raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
         if not isinstance(max_kv_len, (int, np.integer)) or max_kv_len < 1:
             raise ValueError(f"max_kv_len={max_kv_len!r} must be a positive integer")
+        cfg = self.config
+        mod = cfg.compiled
         if num_splits is None:
-            num_splits = choose_splits(batch_size, self.num_kv_heads, max_kv_len, sm_count())
+            rep = mod.functions[cfg.name]
+            slots = sm_count() * blocks_per_sm(rep.registers, cfg.num_threads, rep.static_smem)
+            num_splits = choose_splits(batch_size, self.num_kv_heads, max_kv_len, slots)
         elif not isinstance(num_splits, (int, np.integer)) or not (1 <= num_splits <= 1024):
             raise ValueError(f"num_splits={num_splits!r} must be an integer in 1..1024")
         self.batch_size, self.max_kv_len, self.num_splits = int(batch_size), int(max_kv_len), int(num_splits)
-        cfg = self.config
         if self.num_splits > 1:
             self._part_o = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads, cfg.head_dim), cp.float32)
             self._part_lse = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads), cp.float32)
             self._counters = cp.zeros((self.batch_size, self.num_kv_heads), cp.int32)
         else:
             self._part_o = self._part_lse = self._counters = None
-        mod = cfg.compiled
         self._fn = mod.function(cfg.name)
         self._planned = True
         return self

@@ -64,7 +64,7 @@ def _contiguous(cache, table, ctx):
     return k, v
 
 
-def run(out_dir: str | None = None, quick: bool = False, reps: int = 30) -> dict:
+def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: bool = False) -> dict:
     import cupy as cp
 
     import cukv
@@ -86,6 +86,15 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30) -> dict
         ms = timer.median_ms(lambda: dec.run(q, cache, pt, out=out), reps=reps)
         row = {"batch": batch, "ctx": ctx, "splits": dec.num_splits, "cukv_ms": ms, "cukv_tbs": nbytes / ms / 1e9,
                "pct_ceiling": 100 * nbytes / ms / 1e9 / ceiling}
+        if sweep:  # other warp counts and split counts, to tune the plan heuristic
+            row["sweep"] = {}
+            for nw in (4, 8):
+                for sp in sorted({max(1, dec.num_splits // 2), dec.num_splits, dec.num_splits * 2, 1}):
+                    alt = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16", num_warps=nw).plan(batch, ctx, num_splits=sp)
+                    row["sweep"][f"w{nw}_s{sp}"] = timer.median_ms(lambda: alt.run(q, cache, pt, out=out), reps=10)
+            best = min(row["sweep"], key=row["sweep"].get)
+            print(f"   sweep best {best} {row['sweep'][best] * 1e3:.1f} us  "
+                  + " ".join(f"{k}:{v * 1e3:.0f}" for k, v in row["sweep"].items()), flush=True)
         if torch is not None:
             from torch.nn.attention import SDPBackend, sdpa_kernel
             import torch.nn.functional as F
