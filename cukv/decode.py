@@ -80,8 +80,8 @@ class DecodeConfig:
 
     @property
     def num_mmas(self) -> int:
-        """Output n-tiles of P.V (8 per 64-dim V group)."""
-        return self.num_v_groups * (64 // self.MMA_N)
+        """M-tiles of O^T = V^T P^T (4 per 64-dim V group, 16 dims each)."""
+        return self.num_v_groups * 4
 
     @property
     def input_frag_size(self) -> int:
@@ -110,6 +110,17 @@ class DecodeConfig:
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
         return compiler.compile_source(self.name, self.render())
+
+
+def default_min_blocks(head_dim: int, group: int) -> int:
+    """Blocks per SM asked of the register allocator: 3 (<= 168 registers, 12 warps) where that compiles
+    without spills (head_dim <= 128, group <= 8), else 1 (let the compiler take what it needs)."""
+    return 3 if head_dim <= 128 and group <= 8 else 1
+
+
+def config_for(dtype: str, head_dim: int, group: int, page_size: int, num_warps: int = 4) -> DecodeConfig:
+    """The specialization BatchDecode uses for this problem."""
+    return DecodeConfig(dtype, head_dim, group, page_size, num_warps, default_min_blocks(head_dim, group))
 
 
 def _round16(n: int) -> int:
@@ -174,8 +185,8 @@ class BatchDecode:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
-        self.config = DecodeConfig(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
-                                   int(page_size), int(num_warps))
+        self.config = config_for(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
+                                 int(page_size), int(num_warps))
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
         self._planned = None
 
