@@ -80,8 +80,8 @@ class DecodeConfig:
 
     @property
     def num_mmas(self) -> int:
-        """M-tiles of O^T = V^T P^T (4 per 64-dim V group, 16 dims each)."""
-        return self.num_v_groups * 4
+        """Output n-tiles of P.V (8 per 64-dim V group)."""
+        return self.num_v_groups * (64 // self.MMA_N)
 
     @property
     def input_frag_size(self) -> int:
@@ -112,17 +112,6 @@ class DecodeConfig:
         return compiler.compile_source(self.name, self.render())
 
 
-def default_min_blocks(head_dim: int, group: int) -> int:
-    """Blocks per SM asked of the register allocator: 3 (<= 168 registers, 12 warps) where that compiles
-    without spills (head_dim <= 128, group <= 8), else 1 (let the compiler take what it needs)."""
-    return 3 if head_dim <= 128 and group <= 8 else 1
-
-
-def config_for(dtype: str, head_dim: int, group: int, page_size: int, num_warps: int = 4) -> DecodeConfig:
-    """The specialization BatchDecode uses for this problem."""
-    return DecodeConfig(dtype, head_dim, group, page_size, num_warps, default_min_blocks(head_dim, group))
-
-
 def _round16(n: int) -> int:
     return (n + 15) // 16 * 16
 
@@ -138,28 +127,14 @@ def blocks_per_sm(registers: int, threads: int, smem_bytes: int) -> int:
 
 
 def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: int) -> int:
-    """Pick the split over the context that fills the last wave of blocks best.
-
-    ``slots`` = SMs x resident blocks per SM. Blocks of equal sequences do equal work, so time goes by
-    whole waves: efficiency = waves / ceil(waves). Among splits within 3% of the best efficiency the
-    smallest wins (each split pays a prologue and a merge). Under one wave, split as far as 64-token
-    pieces allow (latency); past one wave, no split gets under 256 tokens.
-    """
+    """Split the context only as far as one wave of resident blocks needs (``slots`` = SMs x blocks per SM):
+    short blocks pay their prologue and merge again and again. No split gets under 64 tokens (a 16-token
+    strip per warp of a 4-warp block)."""
     blocks = max(1, batch_size * num_kv_heads)
-    finest = int(min(math.ceil(max_kv_len / 64), 128))
-    if blocks * finest <= slots:
-        return max(1, finest)
-    most = int(max(1, min(math.ceil(max_kv_len / 256), 128)))
-
-    def eff(s):
-        w = blocks * s / slots
-        return w / math.ceil(w)
-
-    good = [s for s in range(1, most + 1) if eff(s) >= 0.9]
-    if good:
-        return good[0]
-    best = max(eff(s) for s in range(1, most + 1))
-    return next(s for s in range(1, most + 1) if eff(s) >= best - 1e-9)
+    if blocks >= slots:
+        return 1
+    most = max(1, math.ceil(max_kv_len / 64))
+    return int(max(1, min(slots // blocks, most, 128)))
 
 
 class BatchDecode:
@@ -199,8 +174,8 @@ class BatchDecode:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
-        self.config = config_for(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
-                                 int(page_size), int(num_warps))
+        self.config = DecodeConfig(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
+                                   int(page_size), int(num_warps))
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
         self._planned = None
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .append import AppendConfig
-from .decode import HEAD_DIMS, config_for
+from .decode import HEAD_DIMS, DecodeConfig
 
 DTYPES = ("bfloat16", "float16")
 GROUPS = (1, 2, 4, 8, 16)
@@ -17,7 +17,7 @@ def shipped():
             for ps in PAGE_SIZES:
                 out.append(AppendConfig(dt, d, ps))
                 for g in GROUPS:
-                    out.append(config_for(dt, d, g, ps))
+                    out.append(DecodeConfig(dt, d, g, ps))
     return out
 
 

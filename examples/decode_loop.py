@@ -11,7 +11,6 @@ import numpy as np
 
 import cukv
 from cukv import reference
-from cukv.decode import config_for
 from cukv.device import has_gpu
 
 B, HQ, HKV, D, PAGE = 4, 32, 8, 128, 16
@@ -21,7 +20,7 @@ rng = np.random.default_rng(0)
 
 if not has_gpu():
     print("No CUDA GPU is visible: compiling the kernels and running the NumPy reference path only.")
-    for cfg in (config_for("bfloat16", D, HQ // HKV, PAGE), cukv.AppendConfig("bfloat16", D, PAGE)):
+    for cfg in (cukv.DecodeConfig("bfloat16", D, HQ // HKV, PAGE), cukv.AppendConfig("bfloat16", D, PAGE)):
         m = cfg.compiled
         r = m.functions[cfg.name]
         print(f"  {cfg.name}: {r.registers} registers, {r.spills} spill bytes, "

@@ -37,8 +37,7 @@ struct DecodeKernel {
   static constexpr int BN = 16;
   static constexpr bool TWO_ROWS = GROUP > 8;       // rows g+8 carry heads too
   static constexpr int NK = Buf::num_k_strips;
-  static constexpr int NO = Buf::num_mmas;           // M-tiles of O^T (16 dims each)
-  static constexpr int NH = TWO_ROWS ? 2 : 1;        // N-tiles of O^T (8 query heads each)
+  static constexpr int NO = Buf::num_mmas;           // output n-tiles
   static constexpr bool Q_IN_SMEM = DEPTH > 128;     // registers go to the output accumulator instead
   static constexpr bool V_LATE = DEPTH > 128;        // V loads wait until K's registers are free
   static constexpr bool PIPELINE = !V_LATE;          // prefetch the next strip into the same registers
@@ -91,11 +90,9 @@ struct DecodeKernel {
     }
     const float scale_log2 = a.sm_scale * kLog2e;
 
-    float o[NO][NH][4];  // O^T: rows = dims, cols = heads 8n + 2c, 8n + 2c + 1
+    float o[NO][4];
 #pragma unroll
-    for (int j = 0; j < NO; ++j)
-#pragma unroll
-      for (int n = 0; n < NH; ++n) o[j][n][0] = o[j][n][1] = o[j][n][2] = o[j][n][3] = 0.f;
+    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
 
     // Software pipeline (depth <= 128): chunk i+1's K loads go out right after chunk i's scores, its V
@@ -181,34 +178,21 @@ struct DecodeKernel {
       if constexpr (V_LATE) buf.load_v(op, b, hk, t0, start, len, base);
       l0 = l0 * al0 + ps0;
       if constexpr (TWO_ROWS) l1 = l1 * al1 + ps1;
-      // P^T's B fragment is the score fragment itself: head g, tokens 2c, 2c+1 | 2c+8, 2c+9
-      u32 pb[NH][2];
-      pb[0][0] = ElemTraits<T>::pack(s[0][0], s[0][1]);
-      pb[0][1] = ElemTraits<T>::pack(s[1][0], s[1][1]);
-      if constexpr (TWO_ROWS) {
-        pb[NH - 1][0] = ElemTraits<T>::pack(s[0][2], s[0][3]);
-        pb[NH - 1][1] = ElemTraits<T>::pack(s[1][2], s[1][3]);
-      }
-      // O^T's columns are heads 2c, 2c+1: fetch their rescale factors from the lanes that own those rows
-      float ac[NH][2];
-      ac[0][0] = __shfl_sync(0xffffffffu, al0, 8 * c);
-      ac[0][1] = __shfl_sync(0xffffffffu, al0, 8 * c + 4);
-      if constexpr (TWO_ROWS) {
-        ac[NH - 1][0] = __shfl_sync(0xffffffffu, al1, 8 * c);
-        ac[NH - 1][1] = __shfl_sync(0xffffffffu, al1, 8 * c + 4);
-      }
+      const u32 pa0 = ElemTraits<T>::pack(s[0][0], s[0][1]);
+      const u32 pa2 = ElemTraits<T>::pack(s[1][0], s[1][1]);
+      const u32 pa1 = TWO_ROWS ? ElemTraits<T>::pack(s[0][2], s[0][3]) : 0u;
+      const u32 pa3 = TWO_ROWS ? ElemTraits<T>::pack(s[1][2], s[1][3]) : 0u;
 #pragma unroll
       for (int j = 0; j < NO; ++j) {
-        u32 a0, a1, a2, a3;
-        buf.v_frag(j / 4, j % 4, a0, a1, a2, a3);
-#pragma unroll
-        for (int n = 0; n < NH; ++n) {
-          o[j][n][0] *= ac[n][0];
-          o[j][n][1] *= ac[n][1];
-          o[j][n][2] *= ac[n][0];
-          o[j][n][3] *= ac[n][1];
-          mma_16816<T>(o[j][n], a0, a1, a2, a3, pb[n][0], pb[n][1]);
+        o[j][0] *= al0;
+        o[j][1] *= al0;
+        if constexpr (TWO_ROWS) {
+          o[j][2] *= al1;
+          o[j][3] *= al1;
         }
+        u32 b0, b1;
+        buf.v_frag(j / 8, j % 8, b0, b1);
+        mma_16816<T>(o[j], pa0, pa1, pa2, pa3, b0, b1);
       }
       if (PIPELINE && has_next) buf.load_v(op, b, hk, nch * BN, start, len, nbase);
       base = nbase;
@@ -224,51 +208,41 @@ struct DecodeKernel {
       sm.l[warp][g + 8] = l1;
     }
     __syncthreads();
-    float M[2], L[2];
+    float M[2], L[2], f[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = g + 8 * r;
       float mm = -CUKV_INF;
 #pragma unroll
       for (int w = 0; w < NUM_WARPS; ++w) mm = fmaxf(mm, sm.m[w][row]);
-      float ll = 0.f;
+      float ll = 0.f, mine = 0.f;
 #pragma unroll
       for (int w = 0; w < NUM_WARPS; ++w) {
         const float mw = sm.m[w][row];
-        ll += mw == -CUKV_INF ? 0.f : fast_exp2(mw - mm) * sm.l[w][row];
+        const float fw = mw == -CUKV_INF ? 0.f : fast_exp2(mw - mm);
+        ll += fw * sm.l[w][row];
+        if (w == warp) mine = fw;
       }
       M[r] = mm;
       L[r] = ll;
+      f[r] = mine;
     }
-    // this warp's weight for each head its O^T columns hold
-    float fh[NH][2];
-#pragma unroll
-    for (int n = 0; n < NH; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int head = 8 * n + 2 * c + e;
-        float mm = -CUKV_INF;
-#pragma unroll
-        for (int w = 0; w < NUM_WARPS; ++w) mm = fmaxf(mm, sm.m[w][head]);
-        const float mw = sm.m[warp][head];
-        fh[n][e] = mw == -CUKV_INF ? 0.f : fast_exp2(mw - mm);
-      }
 #pragma unroll 1
     for (int w = 0; w < NUM_WARPS; ++w) {
       if (w == warp) {
 #pragma unroll
-        for (int j = 0; j < NO; ++j)
+        for (int j = 0; j < NO; ++j) {
+          const int dim0 = (j / 8) * 64 + 16 * c + (j % 8);
 #pragma unroll
-          for (int n = 0; n < NH; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int head = 8 * n + 2 * c + (e & 1);
-              const int dim = (j / 4) * 64 + 8 * g + 2 * (j % 4) + (e >> 1);
-              if (head < GROUP && dim < DEPTH) {
-                const float val = o[j][n][e] * fh[n][e & 1];
-                sm.o[head][dim] = w == 0 ? val : sm.o[head][dim] + val;
-              }
+          for (int e = 0; e < 4; ++e) {
+            const int row = g + 8 * (e >> 1);
+            const int dim = dim0 + 8 * (e & 1);
+            if (row < GROUP && dim < DEPTH) {
+              const float val = o[j][e] * f[e >> 1];
+              sm.o[row][dim] = w == 0 ? val : sm.o[row][dim] + val;
             }
+          }
+        }
       }
       __syncthreads();
     }

@@ -6,8 +6,8 @@
 //   16 bytes of token g (and 8+g) at dims [BK*s + 8c, +8). The mma's reduction index is permuted within a
 //   strip; Q is read with the same permutation, so Q.K is unchanged.
 // - V (transpose=False): rows 2c, 2c+1, 2c+8, 2c+9 of the strip, 16 bytes at dims [64*grp + 8g, +8); pairs of
-//   rows are interleaved with byte_perm into the A fragment of O^T = V^T P^T (M = dims, N = query heads):
-//   the score fragment of head g already is P^T's B fragment, and O^T needs half the accumulators of O.
+//   rows are interleaved with byte_perm into the B fragment. The output columns come out permuted too:
+//   lane (g, c) holds dims [64*grp + 16c, +16) of its row, so stores stay 16-byte wide.
 // Tokens outside [start, end) or on a page the table does not map are never loaded: their registers are
 // zero, so NaN garbage in unused slots cannot reach an output (0 * NaN would).
 #pragma once
@@ -25,7 +25,7 @@ struct DecodeStreamingKVBuffer {
   static constexpr int num_n_tiles = BN / MMA_N;          // token tiles of the score block
   static constexpr int V_GROUP = 64;                       // dims per V load group (8 lanes x 8 dims)
   static constexpr int num_v_groups = (DEPTH + V_GROUP - 1) / V_GROUP;
-  static constexpr int num_mmas = num_v_groups * 4;        // M-tiles of O^T (16 dims each)
+  static constexpr int num_mmas = num_v_groups * (V_GROUP / MMA_N);  // n-tiles of the output
   static constexpr int input_frag_size = MMA_K * MMA_N / 32;
   static_assert(BN == 16, "one m16n8k16 k-step of P.V covers 16 tokens");
   static_assert(DEPTH % BK == 0, "depth must be a multiple of 32");
@@ -78,15 +78,12 @@ struct DecodeStreamingKVBuffer {
     b1 = ks == 0 ? k[nt][s].y : k[nt][s].w;
   }
 
-  // A fragment of O^T += V^T P^T for M-tile i of group grp: its rows g and g+8 are dims
-  // 64*grp + 8g + 2i and + 1 (the low and high halves of the lane's register i), its k index the strip's
-  // tokens 2c, 2c+1 | 2c+8, 2c+9.
-  __device__ __forceinline__ void v_frag(int grp, int i, u32& a0, u32& a1, u32& a2, u32& a3) const {
-    const u32 x0 = comp(v[grp][0], i), x1 = comp(v[grp][1], i), x2 = comp(v[grp][2], i), x3 = comp(v[grp][3], i);
-    a0 = __byte_perm(x0, x1, 0x5410u);
-    a1 = __byte_perm(x0, x1, 0x7632u);
-    a2 = __byte_perm(x2, x3, 0x5410u);
-    a3 = __byte_perm(x2, x3, 0x7632u);
+  // B fragment of the P.V mma for output n-tile j of group grp.
+  __device__ __forceinline__ void v_frag(int grp, int j, u32& b0, u32& b1) const {
+    const u32 sel = (j & 1) ? 0x7632u : 0x5410u;
+    const int i = j >> 1;
+    b0 = __byte_perm(comp(v[grp][0], i), comp(v[grp][1], i), sel);
+    b1 = __byte_perm(comp(v[grp][2], i), comp(v[grp][3], i), sel);
   }
 
   __device__ __forceinline__ static u32 comp(const uint4& x, int i) {
