@@ -15,8 +15,11 @@ DTYPE_ALIASES = {"fp16": "float16", "half": "float16", "float16": "float16",
 
 def canonical_dtype(dtype, arg: str = "dtype") -> str:
     """Map a user's dtype (string, NumPy dtype, torch dtype) to 'float16' or 'bfloat16'."""
-    name = getattr(dtype, "name", None) or str(dtype)
-    name = name.replace("torch.", "")
+    try:
+        name = np.dtype(dtype).name  # NumPy/CuPy dtypes and scalar types (np.float16)
+    except TypeError:
+        name = getattr(dtype, "name", None) or str(dtype)
+    name = str(name).replace("torch.", "")
     if name in DTYPE_ALIASES:
         return DTYPE_ALIASES[name]
     raise TypeError(f"{arg}={dtype!r} is not supported; accepted: 'float16' or 'bfloat16'")
@@ -45,6 +48,8 @@ def as_device(x, arg: str):
         import torch  # only reached when the caller passed a torch tensor
 
         return cp.from_dlpack(x.view(torch.int16)).view(cp.uint16), "bfloat16"
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{arg} is a NumPy (host) array; pass a device array (cupy.asarray({arg}) copies it over)")
     if hasattr(x, "__cuda_array_interface__"):
         return cp.asarray(x), None
     if hasattr(x, "__dlpack__"):
@@ -52,8 +57,6 @@ def as_device(x, arg: str):
             return cp.from_dlpack(x), None
         except Exception as e:  # noqa: BLE001
             raise TypeError(f"{arg}: could not import {type(x).__name__} through DLPack without a copy: {e}") from e
-    if isinstance(x, np.ndarray):
-        raise TypeError(f"{arg} is a NumPy (host) array; pass a device array (cupy.asarray({arg}) copies it over)")
     raise TypeError(f"{arg} must be a CuPy array, a DLPack producer or expose __cuda_array_interface__; "
                     f"got {type(x).__name__}")
 

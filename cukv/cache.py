@@ -205,7 +205,10 @@ class PageTable:
             i = int(np.argmax(bad))
             raise ValueError(f"last_page_len[{i}]={last[i]} must be in 1..{page_size} for a non-empty sequence")
         lengths = np.where(npages > 0, (npages - 1) * page_size + last, 0)
-        width = max(1, int(npages.max(initial=0))) if max_pages is None else int(max_pages)
+        longest = int(npages.max(initial=0))
+        if max_pages is not None and int(max_pages) < longest:
+            raise ValueError(f"max_pages={max_pages} is less than the longest sequence's {longest} pages")
+        width = max(1, longest) if max_pages is None else int(max_pages)
         table = np.zeros((b, width), np.int32)
         for i in range(b):
             table[i, : npages[i]] = indices[indptr[i]: indptr[i + 1]]
@@ -220,6 +223,9 @@ class PageTable:
             raise ValueError(f"block_table must be 2-D; got shape {bt.shape}")
         if sl.shape != (bt.shape[0],):
             raise ValueError(f"seq_lens has shape {sl.shape}; expected ({bt.shape[0]},)")
+        if np.any(sl < 0):
+            i = int(np.argmax(sl < 0))
+            raise ValueError(f"seq_lens[{i}]={sl[i]} is negative")
         need = -(-sl // page_size)
         if np.any(need > bt.shape[1]):
             i = int(np.argmax(need > bt.shape[1]))

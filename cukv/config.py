@@ -6,7 +6,8 @@ SHORT = {"bfloat16": "bf16", "float16": "f16"}
 
 
 def check_in(config: str, field: str, value, allowed) -> None:
-    if value not in allowed:
+    # exact types: True == 1 and 4.0 == 4 would otherwise pass and render an invalid kernel
+    if type(value) not in {type(a) for a in allowed} or value not in allowed:
         shown = ", ".join(map(str, allowed)) if len(allowed) < 20 else f"{min(allowed)}..{max(allowed)}"
         raise ValueError(f"{config}.{field}={value!r} is not valid; accepted: {shown}")
 

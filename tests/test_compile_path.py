@@ -1,0 +1,278 @@
+"""The compile path without a GPU: cache keys, the disk cache, the environment switches, errors, ptxas
+reports, strict rendering and atomic writes."""
+import json
+import os
+import re
+import shutil
+
+import jinja2
+import pytest
+
+from cukv import CompileError, CompileForbidden, DecodeConfig, compiler
+from cukv.errors import CukvError
+
+ARCH = "sm_90a"
+
+TINY = """extern "C" __global__ void {name}(float* x) {{ x[threadIdx.x] = {value}f; }}
+"""
+WITH_HEADER = """#include "common.cuh"
+extern "C" __global__ void hdr_kernel(float* x) { x[threadIdx.x] = 2.f; }
+"""
+
+
+def tiny(name="cukv_test_tiny", value="1.0"):
+    return TINY.format(name=name, value=value)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache directory; compiler functions read the environment at call time."""
+    d = tmp_path / "kcache"
+    monkeypatch.setenv("CUKV_CACHE_DIR", str(d))
+    monkeypatch.delenv("CUKV_NO_COMPILE", raising=False)
+    monkeypatch.delenv("CUKV_DUMP_SOURCE", raising=False)
+    return d
+
+
+# ----------------------------------------------------------------------------------------------
+# cache keys
+
+
+def test_cache_key_is_stable():
+    src = tiny()
+    k = compiler.cache_key(src, ARCH)
+    assert re.fullmatch(r"[0-9a-f]{64}", k)
+    assert compiler.cache_key(src, ARCH) == k
+    assert compiler.cache_key(str(src), ARCH) == k
+
+
+def test_cache_key_changes_with_source_and_arch():
+    k = compiler.cache_key(tiny(), ARCH)
+    assert compiler.cache_key(tiny(value="2.0"), ARCH) != k
+    assert compiler.cache_key(tiny() + "\n", ARCH) != k  # any byte counts
+    assert compiler.cache_key(tiny(), "sm_80") != k
+
+
+def test_cache_key_changes_with_options(monkeypatch):
+    k = compiler.cache_key(tiny(), ARCH)
+    real = compiler.compile_options
+    monkeypatch.setattr(compiler, "compile_options", lambda arch: real(arch) + ["-DCUKV_EXTRA=1"])
+    assert compiler.cache_key(tiny(), ARCH) != k
+    monkeypatch.setattr(compiler, "compile_options", lambda arch: [o for o in real(arch) if o != "-lineinfo"])
+    assert compiler.cache_key(tiny(), ARCH) != k
+
+
+def test_cache_key_ignores_include_paths():
+    """-I paths are left out so a moved checkout (or another venv) still hits."""
+    opts = compiler.compile_options(ARCH)
+    moved = [o if not o.startswith("-I") else "-I/somewhere/else" for o in opts]
+    assert compiler.cache_key_fields(tiny(), ARCH, opts) == compiler.cache_key_fields(tiny(), ARCH, moved)
+    f = compiler.cache_key_fields(tiny(), ARCH, opts)
+    assert not any(o.startswith("-I") for o in f["options"])
+    assert {"schema", "cukv", "nvrtc", "arch", "options", "source", "headers"} <= set(f)
+
+
+def test_cache_key_covers_included_headers(tmp_path, monkeypatch):
+    tdir = tmp_path / "templates"
+    shutil.copytree(compiler.template_dir(), tdir)
+    monkeypatch.setattr(compiler, "template_dir", lambda: tdir)
+    fields = compiler.cache_key_fields(WITH_HEADER, ARCH, compiler.compile_options(ARCH))
+    assert "common.cuh" in fields["headers"]
+    k = compiler.cache_key(WITH_HEADER, ARCH)
+    (tdir / "common.cuh").write_text((tdir / "common.cuh").read_text() + "\n// edited\n")
+    assert compiler.cache_key(WITH_HEADER, ARCH) != k
+
+
+def test_decode_source_key_covers_its_headers():
+    fields = compiler.cache_key_fields(DecodeConfig().render(), ARCH, compiler.compile_options(ARCH))
+    # everything the decode kernel includes from templates/ is hashed (transitively)
+    assert {"decode.cuh", "common.cuh", "kv_operand.cuh"} <= set(fields["headers"])
+
+
+# ----------------------------------------------------------------------------------------------
+# the disk cache
+
+
+def test_second_compile_is_a_cache_hit(cache):
+    a = compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH)
+    assert not a.cache_hit
+    assert a.cubin_path.is_file() and a.cubin_path.parent == cache
+    assert a.cubin_path.read_bytes()[:4] == b"\x7fELF"
+    meta = json.loads(a.cubin_path.with_suffix(".json").read_text())
+    assert meta["key"] == a.key and meta["arch"] == ARCH
+    b = compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH)
+    assert b.cache_hit
+    assert b.key == a.key and b.cubin_path == a.cubin_path
+    assert b.functions == a.functions
+    assert "cukv_test_tiny" in b.functions
+    assert len(list(cache.glob("*.cubin"))) == 1
+    c = compiler.compile_source("cukv_test_tiny", tiny(value="3.0"), arch=ARCH)
+    assert not c.cache_hit and c.key != a.key
+    assert len(list(cache.glob("*.cubin"))) == 2
+
+
+def test_damaged_cache_entry_is_rebuilt(cache):
+    a = compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH)
+    a.cubin_path.with_suffix(".json").write_text("{not json")
+    b = compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH)
+    assert not b.cache_hit
+    assert compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH).cache_hit
+    # a metadata file whose key does not match is not trusted either
+    meta = a.cubin_path.with_suffix(".json")
+    info = json.loads(meta.read_text())
+    info["key"] = "0" * 64
+    meta.write_text(json.dumps(info))
+    assert not compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH).cache_hit
+
+
+def test_cache_dir_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUKV_CACHE_DIR", str(tmp_path / "a"))
+    assert compiler.cache_dir() == tmp_path / "a"
+    monkeypatch.delenv("CUKV_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compiler.cache_dir() == tmp_path / "xdg" / "cukv"
+
+
+def test_no_compile_forbids_misses_and_serves_hits(cache, monkeypatch):
+    hit = compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH)
+    monkeypatch.setenv("CUKV_NO_COMPILE", "1")
+    again = compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH)
+    assert again.cache_hit and again.key == hit.key
+    with pytest.raises(CompileForbidden, match="cukv_test_other") as ei:
+        compiler.compile_source("cukv_test_other", tiny("cukv_test_other"), arch=ARCH)
+    assert isinstance(ei.value, CukvError)
+    assert str(cache) in str(ei.value)
+    assert len(list(cache.glob("*.cubin"))) == 1  # nothing new was written
+    monkeypatch.setenv("CUKV_NO_COMPILE", "0")  # "0" means off
+    assert not compiler.compile_source("cukv_test_other", tiny("cukv_test_other"), arch=ARCH).cache_hit
+
+
+# ----------------------------------------------------------------------------------------------
+# errors
+
+BROKEN = """extern "C" __global__ void cukv_test_broken(float* x) {
+  x[threadIdx.x] = 1.f
+}
+"""
+
+
+def test_syntax_error_raises_compile_error(cache):
+    with pytest.raises(CompileError) as ei:
+        compiler.compile_source("cukv_test_broken", BROKEN, arch=ARCH)
+    e = ei.value
+    assert isinstance(e, CukvError)
+    assert e.name == "cukv_test_broken"
+    assert e.log.strip()
+    assert "error" in e.log
+    assert "cukv_test_broken.cu(" in e.log  # NVRTC's line references name the module
+    lines = e.source.splitlines()
+    assert len(lines) == len(BROKEN.splitlines())
+    assert re.match(r"^\s+1  extern \"C\"", lines[0])
+    assert re.match(r"^\s+2    x\[threadIdx\.x\] = 1\.f$", lines[1])
+    assert "CUKV_DUMP_SOURCE" in str(e) and e.log.strip().splitlines()[0] in str(e)
+    assert not list(cache.glob("*.cubin")) and not list(cache.glob("*.json"))  # nothing cached for a failure
+
+
+def test_dump_source_on_error(cache, tmp_path, monkeypatch):
+    dump = tmp_path / "dump"
+    monkeypatch.setenv("CUKV_DUMP_SOURCE", str(dump))
+    compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH)  # success: nothing dumped
+    assert not dump.exists() or not list(dump.iterdir())
+    src = '#include "common.cuh"\n' + BROKEN
+    with pytest.raises(CompileError):
+        compiler.compile_source("cukv_test_broken", src, arch=ARCH)
+    assert (dump / "cukv_test_broken.cu").read_text() == src
+    assert (dump / "common.cuh").read_text() == (compiler.template_dir() / "common.cuh").read_text()
+
+
+def test_strict_undefined_rendering(monkeypatch):
+    seen = {}
+    real = compiler.render
+
+    def spy(template, **params):
+        seen.update(template=template, params=params)
+        return real(template, **params)
+
+    monkeypatch.setattr(compiler, "render", spy)
+    DecodeConfig().render()
+    assert seen["template"] == "decode.cu.j2"
+    params = dict(seen["params"])
+    assert compiler._jinja_env().undefined is jinja2.StrictUndefined
+    for missing in ("name", "head_dim", "smem_bytes", "num_mmas"):
+        p = {k: v for k, v in params.items() if k != missing}
+        with pytest.raises(jinja2.UndefinedError, match=missing):
+            real("decode.cu.j2", **p)
+
+
+# ----------------------------------------------------------------------------------------------
+# ptxas reports
+
+SAMPLE_PTXAS = """ptxas info    : 89 bytes gmem
+ptxas info    : Compiling entry function 'kern_a' for 'sm_90a'
+ptxas info    : Function properties for kern_a
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 202 registers, used 1 barriers, 2720 bytes smem
+ptxas info    : Compile time = 217.196 ms
+ptxas info    : Compiling entry function 'kern_b' for 'sm_90a'
+ptxas info    : Function properties for kern_b
+ptxas         .     208 bytes stack frame, 268 bytes spill stores, 296 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 208 bytes cumulative stack size, 1568 bytes smem
+ptxas info    : Compiling entry function 'kern_c' for 'sm_90a'
+ptxas info    : Function properties for kern_c
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers
+\x00"""
+
+
+def test_parse_ptxas_sample():
+    r = compiler.parse_ptxas(SAMPLE_PTXAS)
+    assert set(r) == {"kern_a", "kern_b", "kern_c"}
+    a, b, c = r["kern_a"], r["kern_b"], r["kern_c"]
+    assert (a.registers, a.spill_stores, a.spill_loads, a.stack_frame, a.static_smem) == (202, 0, 0, 0, 2720)
+    assert (b.registers, b.spill_stores, b.spill_loads, b.stack_frame, b.static_smem) == (128, 268, 296, 208, 1568)
+    assert b.spills == 564
+    assert (c.registers, c.spills, c.stack_frame, c.static_smem) == (32, 0, 0, 0)
+    assert compiler.parse_ptxas("") == {}
+
+
+def test_parse_ptxas_of_a_real_compile(cache):
+    src = """extern "C" __global__ void cukv_test_smem(float* x) {
+  __shared__ float buf[256];
+  buf[threadIdx.x] = x[threadIdx.x];
+  __syncthreads();
+  x[threadIdx.x] = buf[255 - threadIdx.x];
+}
+"""
+    m = compiler.compile_source("cukv_test_smem", src, arch=ARCH)
+    r = m.functions["cukv_test_smem"]
+    assert r.static_smem == 1024 and r.spills == 0 and r.stack_frame == 0 and r.registers > 0
+    assert "cukv_test_smem" in m.log
+
+
+# ----------------------------------------------------------------------------------------------
+# atomic writes
+
+
+def test_compile_leaves_no_tmp_files(cache):
+    compiler.compile_source("cukv_test_tiny", tiny(), arch=ARCH)
+    compiler.compile_source("cukv_test_tiny2", tiny("cukv_test_tiny2"), arch=ARCH)
+    names = sorted(p.name for p in cache.iterdir())
+    assert not [n for n in names if n.endswith(".tmp")], names
+    assert len(names) == 4 and {n.rsplit(".", 1)[1] for n in names} == {"cubin", "json"}
+
+
+def test_atomic_write_replaces_and_cleans_up(tmp_path, monkeypatch):
+    target = tmp_path / "sub" / "f.bin"
+    compiler._atomic_write(target, b"one")
+    compiler._atomic_write(target, b"two")
+    assert target.read_bytes() == b"two"
+    assert os.listdir(target.parent) == ["f.bin"]
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(compiler.os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        compiler._atomic_write(target, b"three")
+    assert target.read_bytes() == b"two"  # the old file is intact
+    assert os.listdir(target.parent) == ["f.bin"]  # and the temporary is gone
