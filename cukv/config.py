@@ -1,13 +1,21 @@
 """Shared pieces of the frozen kernel-config dataclasses: domain checks and element types."""
 from __future__ import annotations
 
+import numbers
+
 CTYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
 SHORT = {"bfloat16": "bf16", "float16": "f16"}
 
 
+def _same_kind(value, allowed) -> bool:
+    """True == 1 and 4.0 == 4 would pass `in` and render an invalid kernel; NumPy integers are integers."""
+    if isinstance(allowed[0], str):
+        return isinstance(value, str)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_in(config: str, field: str, value, allowed) -> None:
-    # exact types: True == 1 and 4.0 == 4 would otherwise pass and render an invalid kernel
-    if type(value) not in {type(a) for a in allowed} or value not in allowed:
+    if not _same_kind(value, allowed) or value not in allowed:
         shown = ", ".join(map(str, allowed)) if len(allowed) < 20 else f"{min(allowed)}..{max(allowed)}"
         raise ValueError(f"{config}.{field}={value!r} is not valid; accepted: {shown}")
 

@@ -38,7 +38,7 @@ def assert_close(actual, expected, dtype: str = "bfloat16", *, atol=None, rtol=N
         raise AssertionError(f"{name}: {int(bad.sum())} of {bad.size} elements outside atol={atol}, rtol={rtol}; "
                              f"worst:\n{worst}")
     finite = np.isfinite(e)
-    rel = np.linalg.norm((a - e)[finite]) / max(np.linalg.norm(e[finite]), 1e-30)
+    rel = np.linalg.norm(a[finite] - e[finite]) / max(np.linalg.norm(e[finite]), 1e-30)
     return float(rel)
 
 
