@@ -14,9 +14,10 @@ from ._version import __version__
 from .append import AppendConfig, append_kv
 from .cache import PageAllocator, PagedKVCache, PageTable, SequenceTable
 from .decode import BatchDecode, DecodeConfig, decode
+from .prefill import BatchPrefill, KVBufferConfig, PrefillConfig, prefill
 from .errors import CompileError, CompileForbidden, CukvError, NoGPUError
 
 __all__ = [
     "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",
-    "BatchDecode", "DecodeConfig", "decode", "CompileError", "CompileForbidden", "CukvError", "NoGPUError",
+    "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "CompileError", "CompileForbidden", "CukvError", "NoGPUError",
 ]

@@ -1,8 +1,9 @@
 // KVCacheOperand: the kernel-side view of a paged (or contiguous) KV cache, after MAX's KVCacheMHAOperand.
 //
 // The Python twin (cukv/operand.py) packs KVCacheParams field by field; every field is 8 bytes so the
-// two layouts cannot drift apart. A contiguous cache is a paged one whose block table is the identity and
-// whose page is the whole sequence.
+// two layouts cannot drift apart. PAGE_SIZE 0 is the ragged contiguous form used by prefill: K/V are
+// [total_tokens, H, D] and block_table holds kv_offsets[B + 1] (sequence b owns rows offsets[b] ..
+// offsets[b + 1] - 1); only the token, head and dim strides are used.
 #pragma once
 #include "common.cuh"
 
@@ -35,9 +36,17 @@ struct KVCacheOperand {
 
   __device__ __forceinline__ explicit KVCacheOperand(const KVCacheParams& params) : p(params) {}
 
-  __device__ __forceinline__ int cache_length(int batch_idx) const { return p.cache_lengths[batch_idx]; }
+  static constexpr bool contiguous = PAGE_SIZE == 0;
 
-  __device__ __forceinline__ i64 num_kv_rows() const { return p.num_pages * (i64)PAGE_SIZE; }
+  __device__ __forceinline__ int cache_length(int batch_idx) const {
+    if constexpr (contiguous) return p.block_table[batch_idx + 1] - p.block_table[batch_idx];
+    else return p.cache_lengths[batch_idx];
+  }
+
+  __device__ __forceinline__ i64 num_kv_rows() const {
+    if constexpr (contiguous) return p.num_pages;  // rows of the contiguous K/V
+    else return p.num_pages * (i64)PAGE_SIZE;
+  }
 
   // Physical page of a token, or -1 when the table points outside the cache (never dereferenced).
   __device__ __forceinline__ int physical_page(int batch_idx, int tok_idx) const {
@@ -49,12 +58,17 @@ struct KVCacheOperand {
 
   // Row index when the cache is viewed as a [num_pages * PAGE_SIZE, ...] matrix (-1: hole).
   __device__ __forceinline__ i64 row_idx(int batch_idx, int tok_idx) const {
-    int pg = physical_page(batch_idx, tok_idx);
-    return pg < 0 ? (i64)-1 : (i64)pg * PAGE_SIZE + tok_idx % PAGE_SIZE;
+    if constexpr (contiguous) {
+      return (i64)__ldg(p.block_table + batch_idx) + tok_idx;
+    } else {
+      int pg = physical_page(batch_idx, tok_idx);
+      return pg < 0 ? (i64)-1 : (i64)pg * PAGE_SIZE + tok_idx % PAGE_SIZE;
+    }
   }
 
   __device__ __forceinline__ static i64 offset(const i64 (&s)[4], i64 row, int head, int dim) {
-    return (row / PAGE_SIZE) * s[0] + (row % PAGE_SIZE) * s[1] + (i64)head * s[2] + (i64)dim * s[3];
+    if constexpr (contiguous) return row * s[1] + (i64)head * s[2] + (i64)dim * s[3];
+    else return (row / PAGE_SIZE) * s[0] + (row % PAGE_SIZE) * s[1] + (i64)head * s[2] + (i64)dim * s[3];
   }
 
   // Pointer to K (is_k) or V at a physical row; callers get rows from row_idx.

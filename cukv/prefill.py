@@ -1,0 +1,458 @@
+"""Ragged prefill over a paged (or contiguous) KV cache: Hopper wgmma kernel, FlashInfer-style plan/run.
+
+``plan`` takes the host-side query offsets and KV lengths once per batch, fixes the mask and builds the
+work list (one item per 64..192 query rows, heaviest first); ``run`` reads only device buffers, so it can
+be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import cached_property
+
+import numpy as np
+
+from . import compiler
+from .arrays import as_device, check_contiguous, element_dtype
+from .config import CTYPES, SHORT, check_in, check_range, check_rule
+from .operand import KV_PARAMS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
+
+HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
+#: shared memory one block may use on an H100 (227 KB)
+SMEM_LIMIT = 232448
+MASKS = ("none", "causal")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBufferConfig:
+    """MAX ``KVBuffer``'s parameters for cukv's Hopper staging ring (templates/kv_buffer.cuh).
+
+    One ring element is ``BN`` cache rows x ``BK`` dims in 128-byte-swizzle atoms of 64 dims
+    (``bk_smem``); ``full_kv`` when one element holds the whole head (``BK`` = head dim rounded up to 64),
+    otherwise (head dim 512) a K tile is ``num_k_tiles`` elements of ``BK`` dims and V is read from
+    ``head_dim_offset`` on. ``transpose`` is the K role (K-major wgmma operand); V uses the same element
+    as an MN-major operand.
+    """
+
+    dtype: str = "bfloat16"
+    BN: int = 128
+    BK: int = 128
+    depth: int = 128
+    stages: int = 4
+    transpose: bool = True
+    swizzle: int = 128
+    cache_depth: int | None = None
+    head_dim_offset: int = 0
+
+    def __post_init__(self):
+        c = "KVBufferConfig"
+        check_in(c, "dtype", self.dtype, tuple(CTYPES))
+        check_range(c, "depth", self.depth, 16, 512, "a multiple of 16")
+        check_rule(c, "depth", self.depth, self.depth % 16 == 0, "must be a multiple of 16")
+        check_in(c, "BN", self.BN, tuple(range(16, 257, 16)))
+        check_in(c, "BK", self.BK, (64, 128, 192, 256))
+        check_rule(c, "BK", self.BK, self.BK == _round64(self.depth) or (self.BK < self.depth and self.depth % self.BK == 0),
+                   f"must be the head dim rounded up to 64 ({_round64(self.depth)}, full_kv) or divide "
+                   f"depth={self.depth} (streamed blocks)")
+        check_range(c, "stages", self.stages, 2, 8)
+        check_rule(c, "stages", self.stages, self.stages >= self.num_k_tiles + 1,
+                   f"must be >= num_k_tiles + 1 = {self.num_k_tiles + 1} (a tile's K elements and the previous V)")
+        check_in(c, "swizzle", self.swizzle, (128,))
+        if not isinstance(self.transpose, bool):
+            raise ValueError(f"KVBufferConfig.transpose={self.transpose!r} is not valid; accepted: True, False")
+        cd = self.cache_depth if self.cache_depth is not None else self.depth
+        check_range(c, "cache_depth", cd, self.depth, 4096, "at least depth")
+        check_range(c, "head_dim_offset", self.head_dim_offset, 0, cd - self.depth, "depth columns must fit the row")
+
+    mma_shape = (64, 8, 16)  # wgmma m64nNk16; N is BN for S and the V width for O
+
+    @property
+    def bk_smem(self) -> int:
+        return 64
+
+    @property
+    def full_kv(self) -> bool:
+        return self.BK >= self.depth
+
+    @property
+    def num_repeats(self) -> int:
+        return self.BK // self.bk_smem
+
+    @property
+    def smem_cols(self) -> int:
+        return self.BK
+
+    @property
+    def smem_stage_size(self) -> int:
+        return self.BN * self.smem_cols
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.smem_stage_size * 2
+
+    @property
+    def num_k_tiles(self) -> int:
+        return -(-self.depth // self.BK)
+
+    @property
+    def num_k_mmas2(self) -> int:
+        return self.BK // self.mma_shape[2]
+
+    @property
+    def zero_partial_tile_pad(self) -> bool:
+        """True when the last atom is partly padding (zero-filled once in shared memory)."""
+        return self.depth % self.bk_smem != 0
+
+
+def _round64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Template parameters of one prefill specialization (templates/prefill.cu.j2).
+
+    ``BM`` query rows per block (64 per consumer warpgroup), ``BN`` keys per tile, ``BK`` dims per ring
+    element, ``stages`` ring elements, ``page_size`` 0 for contiguous ragged K/V.
+    """
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    page_size: int = 16
+    BM: int = 128
+    BN: int = 128
+    BK: int = 128
+    stages: int = 4
+
+    def __post_init__(self):
+        c = "PrefillConfig"
+        check_in(c, "dtype", self.dtype, tuple(CTYPES))
+        check_in(c, "head_dim", self.head_dim, HEAD_DIMS)
+        check_range(c, "page_size", self.page_size, 0, 4096, "0 = contiguous K/V")
+        check_in(c, "BM", self.BM, (64, 128, 192))
+        self.kv_buffer  # validates BN, BK, stages
+        check_rule(c, "smem", self.smem_bytes, self.smem_bytes <= SMEM_LIMIT,
+                   f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
+        limit = self.consumer_registers - 40
+        check_rule(c, "BN", self.BN, self.register_estimate <= limit,
+                   f"S ({self.BN // 2}) + O ({self.v_cols // 2}) + P ({self.BN // 4}) accumulator registers per thread "
+                   f"= {self.register_estimate} would spill (limit {limit} with BM={self.BM}); lower BN or BM")
+
+    @cached_property
+    def kv_buffer(self) -> KVBufferConfig:
+        return KVBufferConfig(self.dtype, self.BN, self.BK, self.head_dim, self.stages)
+
+    @property
+    def v_cols(self) -> int:
+        """V columns one block accumulates (a 512 head is split over two blocks of 256)."""
+        return min(self.head_dim, self.BK)
+
+    @property
+    def num_v_slices(self) -> int:
+        return -(-self.head_dim // self.v_cols)
+
+    @property
+    def num_threads(self) -> int:
+        return (self.BM // 64 + 1) * 128  # a producer warpgroup + the consumer warpgroups
+
+    @property
+    def consumer_registers(self) -> int:
+        """Registers per consumer thread after setmaxnreg (one consumer warpgroup keeps the launch's 255)."""
+        return {1: 255, 2: 224, 3: 152}[self.BM // 64]
+
+    @property
+    def register_estimate(self) -> int:
+        return self.BN // 2 + self.v_cols // 2 + self.BN // 4
+
+    @property
+    def smem_bytes(self) -> int:
+        q = self.BM * _round64(self.head_dim) * 2
+        ring = self.stages * self.kv_buffer.stage_bytes
+        return 1024 + q + ring + (2 * self.stages + 1) * 8
+
+    @property
+    def name(self) -> str:
+        return (f"cukv_prefill_{SHORT[self.dtype]}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
+                f"_k{self.BK}_s{self.stages}")
+
+    def render(self) -> str:
+        kb = self.kv_buffer
+        return compiler.render(
+            "prefill.cu.j2", name=self.name, ctype=CTYPES[self.dtype], head_dim=self.head_dim, BM=self.BM, BN=self.BN,
+            BK=self.BK, stages=self.stages, page_size=self.page_size, num_repeats=kb.num_repeats,
+            smem_stage_size=kb.smem_stage_size, num_k_tiles=kb.num_k_tiles, num_k_mmas2=kb.num_k_mmas2,
+            full_kv=kb.full_kv, num_threads=self.num_threads, num_v_slices=self.num_v_slices,
+            smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize)
+
+    @cached_property
+    def compiled(self) -> compiler.CompiledModule:
+        return compiler.compile_source(self.name, self.render())
+
+
+#: documented defaults per head dim (BM, BN, BK, stages); see docs in README "Prefill configs"
+DEFAULTS = {
+    64: (128, 128, 64, 4),
+    80: (128, 128, 128, 4),
+    96: (128, 128, 128, 4),
+    128: (128, 128, 128, 4),
+    192: (128, 80, 192, 4),
+    256: (128, 64, 256, 4),
+    512: (64, 64, 256, 4),
+}
+
+
+def default_config(dtype: str, head_dim: int, page_size: int) -> PrefillConfig:
+    if head_dim not in DEFAULTS:
+        raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
+    bm, bn, bk, st = DEFAULTS[head_dim]
+    from .autotune import lookup
+
+    tuned = lookup(dtype, head_dim, page_size)
+    if tuned is not None:
+        return tuned
+    return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st)
+
+
+class BatchPrefill:
+    """Ragged prefill over a paged KV cache (``page_size``) or contiguous K/V (``page_size=None``).
+
+    Parameters
+    ----------
+    num_qo_heads, num_kv_heads : int
+        Query heads and KV heads (``num_qo_heads`` a multiple of ``num_kv_heads``).
+    head_dim : int
+        64, 80, 96, 128, 192, 256 or 512.
+    page_size : int or None
+        Tokens per page of the cache this will read; ``None`` for contiguous ``k[total_kv, H, D]``.
+    dtype : {'bfloat16', 'float16'}
+    config : PrefillConfig, optional
+        Tile shape; by default the documented per-head-dim default (or an autotuned winner).
+
+    Examples
+    --------
+    >>> import cupy as cp, numpy as np, cukv                                        # doctest: +SKIP
+    >>> cache = cukv.PagedKVCache(num_pages=16, page_size=16, num_kv_heads=2, head_dim=128)
+    >>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=8)
+    >>> q_lens = [40, 7]                                            # two prompts, no cached prefix
+    >>> slots = cp.asarray(seqs.extend(q_lens))
+    >>> k = cp.asarray(cukv.dtypes.to_storage(np.random.randn(47, 2, 128), "bfloat16"))
+    >>> cukv.append_kv(cache, k, k, slots)                          # append first, then attend
+    >>> pf = cukv.BatchPrefill(8, 2, 128, page_size=16)
+    >>> pf.plan(np.array([0, 40, 47], np.int32), np.array(q_lens, np.int32), mask="causal")
+    >>> q = cp.asarray(cukv.dtypes.to_storage(np.random.randn(47, 8, 128), "bfloat16"))
+    >>> out, lse = pf.run(q, (cache, seqs.page_table()), return_lse=True)  # out [47, 8, 128], lse [47, 8]
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int | None = 16,
+                 dtype="bfloat16", config: PrefillConfig | None = None):
+        from .arrays import canonical_dtype
+
+        for n, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{n}={v!r} must be a positive integer")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        if page_size is not None and (not isinstance(page_size, (int, np.integer)) or not 1 <= page_size <= 4096):
+            raise ValueError(f"page_size={page_size!r} must be an integer in 1..4096, or None for contiguous K/V")
+        dt = canonical_dtype(dtype)
+        ps = 0 if page_size is None else int(page_size)
+        if config is None:
+            config = default_config(dt, int(head_dim), ps)
+        elif not isinstance(config, PrefillConfig):
+            raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}")
+        if (config.dtype, config.head_dim, config.page_size) != (dt, head_dim, ps):
+            raise ValueError(f"config {config.name} does not match dtype={dt}, head_dim={head_dim}, page_size={ps}")
+        self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
+        self.head_dim, self.page_size, self.dtype, self.config = int(head_dim), page_size, dt, config
+        self._planned = False
+
+    def plan(self, q_offsets, kv_lengths, *, mask: str = "causal", window: int | None = None,
+             chunk: int | None = None) -> "BatchPrefill":
+        """Fix the batch: ``q_offsets[B + 1]`` and ``kv_lengths[B]`` (host int arrays; ``kv_lengths`` counts
+        every key a sequence sees, cached prefix plus the new tokens already appended). ``mask`` is
+        ``'causal'`` (bottom-right aligned) or ``'none'``; ``window`` keeps keys in ``(p - window, p]``;
+        ``chunk`` keeps keys in the query's chunk of ``chunk`` positions. Compiles (or loads) the kernel."""
+        import cupy as cp
+
+        qo = _host_ints(q_offsets, "q_offsets")
+        kl = _host_ints(kv_lengths, "kv_lengths")
+        if qo.ndim != 1 or qo.size < 2:
+            raise ValueError(f"q_offsets has shape {qo.shape}; expected [batch + 1] with batch >= 1")
+        if qo[0] != 0 or np.any(np.diff(qo) < 0):
+            raise ValueError(f"q_offsets={qo.tolist()[:8]}... must start at 0 and never decrease")
+        b = qo.size - 1
+        if kl.shape != (b,) or np.any(kl < 0):
+            raise ValueError(f"kv_lengths has shape {kl.shape} / min {kl.min(initial=0)}; expected [{b}] non-negative")
+        check_in("plan", "mask", mask, MASKS)
+        for n, v in (("window", window), ("chunk", chunk)):
+            if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{n}={v!r} must be a positive integer (or None)")
+        cfg = self.config
+        q_lens = np.diff(qo)
+        work = []
+        for s in range(b):
+            for t in range(-(-int(q_lens[s]) // cfg.BM)):
+                work.append((_tile_cost(int(q_lens[s]), int(kl[s]), t, cfg, mask, window, chunk), s, t))
+        work.sort(key=lambda w: -w[0])  # longest first: the tail of the grid is short blocks
+        arr = np.array([(s, t) for _, s, t in work], np.int32).reshape(-1, 2)
+        self.batch_size, self.total_q = b, int(qo[-1])
+        self._work = cp.asarray(arr) if arr.size else cp.zeros((1, 2), cp.int32)
+        self._num_work = int(arr.shape[0])
+        self._q_offsets = cp.asarray(qo.astype(np.int32))
+        self._mask, self._window, self._chunk = mask, int(window or 0), int(chunk or 0)
+        self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
+        self._planned = True
+        return self
+
+    def run(self, q, kv, out=None, lse=None, *, return_lse: bool = False, sink=None, softcap: float | None = None,
+            sm_scale: float | None = None, stream=None):
+        """Attend ``q[total_q, num_qo_heads, head_dim]`` to ``kv``.
+
+        ``kv`` is ``(cache, table)`` for a paged cache (``table.lengths`` = keys per sequence, prefix plus new
+        tokens) or ``(k, v, kv_offsets)`` for contiguous ``k[total_kv, num_kv_heads, head_dim]`` with int32
+        device ``kv_offsets[B + 1]``. Returns ``out`` (and ``lse[total_q, num_qo_heads]`` float32, natural
+        log, without the sink, when ``return_lse``).
+        """
+        import cupy as cp
+
+        if not self._planned:
+            raise RuntimeError("call plan(q_offsets, kv_lengths) before run()")
+        cfg = self.config
+        qd, qdt = as_device(q, "q")
+        dt = element_dtype(qd, qdt or (cfg.dtype if qd.dtype == cp.uint16 else None), "q")
+        if dt != cfg.dtype:
+            raise TypeError(f"q is {dt}; this BatchPrefill was built for {cfg.dtype}")
+        if qd.ndim != 3 or qd.shape != (self.total_q, self.num_qo_heads, self.head_dim):
+            raise ValueError(f"q has shape {tuple(qd.shape)}; expected [{self.total_q}, {self.num_qo_heads}, "
+                             f"{self.head_dim}] (total_q from plan)")
+        check_contiguous(qd, "q")
+        rec = np.zeros((), PREFILL_ARGS)
+        rec["kv"] = self._kv_params(kv)
+        if out is None:
+            out = cp.empty(qd.shape, qd.dtype)
+        else:
+            out, _ = as_device(out, "out")
+            if out.shape != qd.shape or out.dtype != qd.dtype or not out.flags.c_contiguous:
+                raise ValueError(f"out must be a contiguous {qd.dtype} array of shape {tuple(qd.shape)}")
+        if lse is None and return_lse:
+            lse = cp.empty((self.total_q, self.num_qo_heads), cp.float32)
+        elif lse is not None:
+            lse, _ = as_device(lse, "lse")
+            if lse.shape != (self.total_q, self.num_qo_heads) or lse.dtype != cp.float32 or not lse.flags.c_contiguous:
+                raise ValueError(f"lse must be a contiguous float32 array of shape ({self.total_q}, {self.num_qo_heads})")
+        if sink is not None:
+            sink, _ = as_device(sink, "sink")
+            if sink.shape != (self.num_qo_heads,) or sink.dtype != cp.float32:
+                raise ValueError(f"sink must be float32 of shape ({self.num_qo_heads},); got {sink.dtype} {tuple(sink.shape)}")
+        if softcap is not None and not (float(softcap) > 0):
+            raise ValueError(f"softcap={softcap!r} must be > 0 (or None for no soft-cap)")
+        rec["q"], rec["out"], rec["lse"], rec["sink"] = ptr(qd), ptr(out), ptr(lse), ptr(sink)
+        rec["q_offsets"], rec["work"] = ptr(self._q_offsets), ptr(self._work)
+        rec["q_stride"] = (qd.strides[0] // 2, qd.strides[1] // 2)
+        rec["o_stride"] = (out.strides[0] // 2, out.strides[1] // 2)
+        rec["sm_scale"] = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        rec["softcap"] = float(softcap or 0.0)
+        rec["window"], rec["chunk"], rec["causal"] = self._window, self._chunk, int(self._mask == "causal")
+        rec["num_qo_heads"], rec["group"] = self.num_qo_heads, self.num_qo_heads // self.num_kv_heads
+        if self._num_work:
+            with (stream or cp.cuda.get_current_stream()):
+                self._fn((self.num_qo_heads, self._num_work, cfg.num_v_slices), (cfg.num_threads,),
+                         (as_kernel_arg(rec),), shared_mem=cfg.smem_bytes)
+        return (out, lse) if return_lse else out
+
+    def _kv_params(self, kv):
+        import cupy as cp
+
+        from .cache import PagedKVCache, PageTable
+
+        cfg = self.config
+        if not isinstance(kv, tuple) or len(kv) not in (2, 3):
+            raise TypeError("kv must be (cache, table) for a paged cache or (k, v, kv_offsets) for contiguous K/V")
+        if len(kv) == 2:
+            cache, table = kv
+            if cfg.page_size == 0:
+                raise ValueError("this BatchPrefill was built for contiguous K/V (page_size=None); pass (k, v, kv_offsets)")
+            if not isinstance(cache, PagedKVCache) or not isinstance(table, PageTable):
+                raise TypeError("kv must be (PagedKVCache, PageTable)")
+            if cache.dtype != cfg.dtype or cache.head_dim != self.head_dim or cache.num_kv_heads != self.num_kv_heads \
+                    or cache.page_size != cfg.page_size:
+                raise ValueError(f"cache {cache!r} does not match this BatchPrefill (dtype {cfg.dtype}, "
+                                 f"{self.num_kv_heads} KV heads, head_dim {self.head_dim}, page_size {cfg.page_size})")
+            if table.page_size != cfg.page_size:
+                raise ValueError(f"table.page_size={table.page_size}; the cache uses {cfg.page_size}")
+            if table.batch_size < self.batch_size:
+                raise ValueError(f"table covers {table.batch_size} sequences; plan() has {self.batch_size}")
+            return kv_params(cache, table)
+        k, v, offs = kv
+        if cfg.page_size != 0:
+            raise ValueError(f"this BatchPrefill reads a paged cache (page_size={cfg.page_size}); pass (cache, table)")
+        kd, kdt = as_device(k, "k")
+        vd, _ = as_device(v, "v")
+        od, _ = as_device(offs, "kv_offsets")
+        dt = element_dtype(kd, kdt or (cfg.dtype if kd.dtype == cp.uint16 else None), "k")
+        if dt != cfg.dtype:
+            raise TypeError(f"k is {dt}; this BatchPrefill was built for {cfg.dtype}")
+        for n, a in (("k", kd), ("v", vd)):
+            if a.ndim != 3 or a.shape[1:] != (self.num_kv_heads, self.head_dim) or a.dtype != kd.dtype:
+                raise ValueError(f"{n} has shape {tuple(a.shape)}/{a.dtype}; expected [total_kv, {self.num_kv_heads}, "
+                                 f"{self.head_dim}] of {kd.dtype}")
+            if a.strides[2] != 2 or a.strides[1] % 16 or a.strides[0] % 16:
+                raise ValueError(f"{n} must have a unit dim stride and 16-byte aligned token/head strides")
+        if vd.shape[0] != kd.shape[0]:
+            raise ValueError(f"v has {vd.shape[0]} tokens, k has {kd.shape[0]}")
+        if od.dtype != cp.int32 or od.shape != (self.batch_size + 1,):
+            raise ValueError(f"kv_offsets must be int32 of shape ({self.batch_size + 1},); got {od.dtype} {tuple(od.shape)}")
+        rec = np.zeros((), KV_PARAMS)
+        rec["k"], rec["v"], rec["block_table"] = ptr(kd), ptr(vd), ptr(od)
+        rec["k_stride"] = (0, kd.strides[0] // 2, kd.strides[1] // 2, 1)
+        rec["v_stride"] = (0, vd.strides[0] // 2, vd.strides[1] // 2, 1)
+        rec["num_pages"] = kd.shape[0]
+        rec["batch_size"] = self.batch_size
+        self._keep = od  # kernels read it during run
+        return rec
+
+
+def _tile_cost(q_len, kv_len, t, cfg, mask, window, chunk) -> int:
+    """KV tiles a query tile visits (for ordering the work list)."""
+    shift = kv_len - q_len
+    p_first, p_last = shift + t * cfg.BM, shift + min(q_len, (t + 1) * cfg.BM) - 1
+    hi = kv_len if mask == "none" else min(kv_len, p_last + 1)
+    lo = 0
+    if window:
+        lo = max(lo, p_first - window + 1)
+    if chunk:
+        lo = max(lo, p_first // chunk * chunk)
+        hi = min(hi, (p_last // chunk + 1) * chunk)
+    return max(0, -(-(hi - lo) // cfg.BN))
+
+
+def _host_ints(x, name):
+    if hasattr(x, "get"):
+        x = x.get()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array (host), got dtype {a.dtype}")
+    return a.astype(np.int64)
+
+
+def prefill(q, q_offsets, kv, *, mask: str = "causal", window=None, chunk=None, **kwargs):
+    """One-shot convenience: plan from ``q_offsets`` (host or device) and the KV lengths, then run."""
+    qd, _ = as_device(q, "q")
+    if qd.ndim != 3:
+        raise ValueError(f"q has shape {tuple(qd.shape)}; expected [total_q, num_qo_heads, head_dim]")
+    qo = _host_ints(q_offsets, "q_offsets")
+    if isinstance(kv, tuple) and len(kv) == 2:
+        cache, table = kv
+        kl = table.lengths.get()[: qo.size - 1]
+        pf = BatchPrefill(qd.shape[1], cache.num_kv_heads, cache.head_dim, cache.page_size, cache.dtype)
+    elif isinstance(kv, tuple) and len(kv) == 3:
+        k, _, offs = kv
+        kd, kdt = as_device(k, "k")
+        ko = _host_ints(offs, "kv_offsets")
+        kl = np.diff(ko)
+        dt = element_dtype(kd, kdt or ("bfloat16" if kd.dtype.kind == "u" else None), "k")
+        pf = BatchPrefill(qd.shape[1], kd.shape[1], kd.shape[2], None, dt)
+    else:
+        raise TypeError("kv must be (cache, table) or (k, v, kv_offsets)")
+    pf.plan(qo, kl, mask=mask, window=window, chunk=chunk)
+    return pf.run(q, kv, **kwargs)

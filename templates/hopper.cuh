@@ -1,0 +1,70 @@
+// Hopper building blocks for the prefill pipeline: mbarriers, cp.async with zero fill, wgmma
+// shared-memory descriptors for the 128-byte swizzle, and the fences that order them.
+#pragma once
+#include "common.cuh"
+#include "wgmma_ops.cuh"
+
+namespace cukv {
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// --- mbarriers (CTA scope) -------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(u32 bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+// Arrives once every cp.async this thread issued so far has landed (the count was set up front).
+__device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}\n"
+      :: "r"(bar), "r"(parity) : "memory");
+}
+
+// --- cp.async: 16 bytes global -> shared; src_bytes = 0 writes zeros without reading ---------------
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// Generic-proxy writes (cp.async, st.shared) become visible to wgmma's async proxy after this fence.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// --- wgmma sequencing ------------------------------------------------------------------------------
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory"); }
+// Keeps the compiler from moving accumulator reads/writes across an in-flight wgmma.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// --- the 128-byte swizzle ---------------------------------------------------------------------------
+// A swizzle atom is 8 rows of 128 bytes (64 16-bit elements), 1024-byte aligned; the 16-byte chunk c of
+// row r sits at chunk position c ^ (r % 8). Tiles are columns of atoms: rows at 128 B, 8-row groups at 1 KB.
+constexpr int kAtomCols = 64;       // elements per swizzled row
+constexpr int kAtomRowBytes = 128;
+
+__device__ __forceinline__ u32 swizzle128(int row, int chunk) {
+  return (u32)(row * kAtomRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle (layout type 1).
+__device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
+  u64 d = 0;
+  d |= (u64)((addr & 0x3FFFF) >> 4);
+  d |= (u64)((lbo & 0x3FFFF) >> 4) << 16;
+  d |= (u64)((sbo & 0x3FFFF) >> 4) << 32;
+  d |= (u64)1 << 62;
+  return d;
+}
+
+}  // namespace cukv

@@ -1,0 +1,346 @@
+// Ragged prefill over a paged (or contiguous) KV cache on Hopper: warp-specialized, wgmma.
+//
+// A block owns BM query rows of one (sequence, query head) and walks its visible KV tiles from the last
+// (the masked diagonal) to the first. One producer warp gathers K and V rows through the page table with
+// cp.async into the KVBuffer ring; BM / 64 consumer warpgroups each compute S = Q K^T for 64 rows with
+// wgmma (Q and K from shared memory), run the online softmax in registers, and accumulate O += P V with P
+// straight from registers. Ring elements are handed over by mbarriers: `full` counts the producer lanes'
+// cp.async completions, `empty` the consumer warps that finished reading.
+#pragma once
+#include "kv_buffer.cuh"
+
+namespace cukv {
+
+struct alignas(8) PrefillArgs {
+  KVCacheParams kv;     // paged cache, or contiguous K/V (block_table = kv_offsets[B + 1], PAGE_SIZE 0)
+  const void* q;        // [tokens, Hq, D]
+  void* out;            // [tokens, Hq, D]
+  float* lse;           // [tokens, Hq] natural log, or nullptr
+  const float* sink;    // [Hq] or nullptr
+  const int* q_offsets; // [B + 1]
+  const int* work;      // [num_work, 2]: (sequence, q tile), heaviest first
+  i64 q_stride[2];      // elements: token, head
+  i64 o_stride[2];
+  float sm_scale;
+  float softcap;        // 0: off
+  int window;           // 0: off; keys in (p - window, p]
+  int chunk;            // 0: off; keys in the query's chunk of `chunk` positions
+  int num_qo_heads;
+  int group;
+  int causal;
+  int pad_;
+};
+
+template <typename T, int DEPTH, int BM, int BN, int BK, int STAGES, int PAGE_SIZE>
+struct PrefillKernel {
+  typedef KVBuffer<T, BN, BK, DEPTH, STAGES> Buf;
+  typedef KVCacheOperand<T, PAGE_SIZE> Cache;
+  static constexpr int kConsumerWGs = BM / 64;
+  static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
+  // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
+  // and multiples of 8; the total stays within the 64K register file).
+  static constexpr int kProducerRegs = kConsumerWGs == 1 ? 0 : 56;
+  static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 0 : kConsumerWGs == 2 ? 224 : 152;
+  static_assert(kConsumerWGs == 1 || (kProducerRegs + kConsumerWGs * kConsumerRegs) * 128 <= 65536, "registers");
+  static constexpr int kQAtoms = (DEPTH + 63) / 64;
+  static constexpr int kVCols = DEPTH < BK ? DEPTH : BK;       // V width one block accumulates (one element)
+  static constexpr int kVSlices = (DEPTH + kVCols - 1) / kVCols; // blocks per (tile, head) along V's dims
+  static constexpr int kKElems = Buf::num_k_tiles;
+  static constexpr int kSRegs = BN / 2, kORegs = kVCols / 2;
+  static constexpr int kQBytes = BM * kQAtoms * kAtomRowBytes;
+  static constexpr int kRingBytes = STAGES * Buf::stage_bytes;
+  static constexpr int kRowOffBytes = 0;
+  static constexpr int kBarBytes = (2 * STAGES + 1) * 8;
+  static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kBarBytes;
+  static_assert(BM % 64 == 0 && BM <= 192, "BM: one to three consumer warpgroups");
+  static_assert(DEPTH % 16 == 0, "head dims are multiples of 16");
+  static_assert(Buf::full_kv ? BK == kQAtoms * 64 : DEPTH % BK == 0, "BK covers the head, or divides it");
+  static_assert(kVCols % 16 == 0 && kVCols <= 256, "one wgmma spans V's columns");
+  static_assert(STAGES >= kKElems + 1, "the ring holds a tile's K elements and the previous V element");
+
+  struct Smem {
+    u32 q, ring;
+    u32 full, empty, q_full;  // barrier addresses
+  };
+
+  static __device__ __forceinline__ Smem carve(unsigned char* raw) {
+    Smem s;
+    u32 base = (smem_addr(raw) + 1023u) & ~1023u;
+    s.q = base;
+    s.ring = base + kQBytes;
+    s.full = base + kQBytes + kRingBytes + kRowOffBytes;
+    s.empty = s.full + 8 * STAGES;
+    s.q_full = s.empty + 8 * STAGES;
+    return s;
+  }
+
+  // Visible key range [lo, hi) of query positions [p_lo, p_hi] (inclusive), and per-position limits.
+  static __device__ __forceinline__ int key_hi(const PrefillArgs& a, int p, int kv_len) {
+    int hi = kv_len;
+    if (a.causal) hi = min(hi, p + 1);
+    if (a.chunk > 0) hi = min(hi, (p / a.chunk + 1) * a.chunk);
+    return hi;
+  }
+  static __device__ __forceinline__ int key_lo(const PrefillArgs& a, int p) {
+    int lo = 0;
+    if (a.window > 0) lo = max(lo, p - a.window + 1);
+    if (a.chunk > 0) lo = max(lo, (p / a.chunk) * a.chunk);
+    return lo;
+  }
+
+  static __device__ void run(const PrefillArgs& a) {
+    extern __shared__ unsigned char smem_raw[];
+    const Smem sm = carve(smem_raw);
+    const int head = blockIdx.x;
+    const int b = a.work[2 * blockIdx.y], qtile = a.work[2 * blockIdx.y + 1];
+    const int vslice = blockIdx.z;
+    const int kv_head = head / a.group;
+    const Cache cache(a.kv);
+    const int q_begin = a.q_offsets[b], q_len = a.q_offsets[b + 1] - q_begin;
+    const int kv_len = cache.cache_length(b);
+    const int q0 = qtile * BM;
+    const int rows = min(BM, q_len - q0);
+    const int shift = kv_len - q_len;  // query i sits at position shift + i
+    // the block's key range: union over its rows (positions shift+q0 .. shift+q0+rows-1)
+    const int p_first = shift + q0, p_last = shift + q0 + rows - 1;
+    const int lo = max(0, key_lo(a, p_first));
+    const int hi = min(kv_len, key_hi(a, p_last, kv_len));
+    const int n_first = lo / BN;
+    const int n_tiles = hi > lo ? (hi - 1) / BN - n_first + 1 : 0;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(sm.full + 8 * s, 128);  // every producer lane arrives when its copies land
+        mbar_init(sm.empty + 8 * s, kConsumerWGs * 4);
+      }
+      mbar_init(sm.q_full, 128);
+    }
+    __syncthreads();
+
+    Buf buf;
+    buf.ring = sm.ring;
+    if (warp < 4) {
+      if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
+      produce(a, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, vslice, warp, lane);
+    } else {
+      if constexpr (kConsumerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
+      consume(a, sm, buf, head, q_begin, q0, rows, kv_len, shift, n_first, n_tiles, vslice, warp - 4, lane);
+    }
+  }
+
+  static __device__ __forceinline__ void produce(const PrefillArgs& a, const Smem& sm, const Buf& buf, const Cache& cache,
+                                                 int b, int kv_head, int head, int q_begin, int q0, int rows,
+                                                 int kv_len, int n_first, int n_tiles, int vslice, int pw, int lane) {
+    // Q: BM rows x all atoms, rows past the sequence and columns past DEPTH as zeros
+    const T* q = static_cast<const T*>(a.q);
+    for (int i = pw * 32 + lane; i < BM * kQAtoms * 8; i += 128) {
+      const int chunk = i % 8, r = (i / 8) % BM, atom = i / (8 * BM);
+      const int col = atom * 64 + chunk * 8;
+      const bool ok = r < rows && col < DEPTH;
+      const T* src = ok ? q + (i64)(q_begin + q0 + r) * a.q_stride[0] + (i64)head * a.q_stride[1] + col : q;
+      cp_async16(sm.q + (u32)(atom * BM * kAtomRowBytes) + swizzle128(r, chunk), src, ok ? 16 : 0);
+    }
+    mbar_arrive_cp_async(sm.q_full);
+
+    const T* kbase = static_cast<const T*>(a.kv.k);
+    const T* vbase = static_cast<const T*>(a.kv.v);
+    int count = 0;
+    for (int it = 0; it < n_tiles; ++it) {
+      const int n = n_first + n_tiles - 1 - it;
+      // one int per row: the physical page (paged) or the row itself (contiguous), -1 past the sequence;
+      // the 64-bit offsets are formed at issue time to keep the producer inside its register budget
+      int prow[Buf::kRowsPerLane];
+      const int tok0 = n * BN + pw * (BN / Buf::kProducerWarps) + lane / 8;
+#pragma unroll
+      for (int i = 0; i < Buf::kRowsPerLane; ++i) {
+        const int tok = tok0 + 4 * i;
+        if constexpr (Cache::contiguous) prow[i] = tok < kv_len ? (int)cache.row_idx(b, tok) : -1;
+        else prow[i] = tok < kv_len ? cache.physical_page(b, tok) : -1;
+      }
+      auto row_of = [&](int i) -> i64 {
+        if constexpr (Cache::contiguous) return (i64)prow[i];
+        else return (i64)prow[i] * PAGE_SIZE + (tok0 + 4 * i) % PAGE_SIZE;
+      };
+      auto koff = [&](int i) -> i64 { return prow[i] < 0 ? (i64)-1 : Cache::offset(a.kv.k_stride, row_of(i), kv_head, 0); };
+      auto voff = [&](int i) -> i64 { return prow[i] < 0 ? (i64)-1 : Cache::offset(a.kv.v_stride, row_of(i), kv_head, 0); };
+#pragma unroll
+      for (int e = 0; e <= kKElems; ++e) {
+        const int stage = count % STAGES;
+        mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+        if (e < kKElems)
+          buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
+        else
+          buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
+        mbar_arrive_cp_async(sm.full + 8 * stage);
+        ++count;
+      }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // leave only after every copy has landed
+  }
+
+  static __device__ __forceinline__ void consume(const PrefillArgs& a, const Smem& sm, const Buf& buf, int head,
+                                                 int q_begin, int q0, int rows, int kv_len, int shift, int n_first,
+                                                 int n_tiles, int vslice, int warp, int lane) {
+    typedef Wgmma<T, BN> MmaS;
+    typedef Wgmma<T, kVCols> MmaO;
+    const int wg = warp / 4, wq = warp % 4;
+    const int g = lane / 4, c = lane % 4;
+    // this thread's two rows (within the block) and their positions
+    const int r0 = wg * 64 + wq * 16 + g, r1 = r0 + 8;
+    const int p0 = shift + q0 + r0, p1 = shift + q0 + r1;
+    const int hi0 = key_hi(a, p0, kv_len), hi1 = key_hi(a, p1, kv_len);
+    const int lo0 = key_lo(a, p0), lo1 = key_lo(a, p1);
+    // positions of the warpgroup's rows bound which tiles need the element-wise mask
+    const int wp_first = shift + q0 + wg * 64, wp_last = wp_first + 63;
+    const int wg_hi_min = key_hi(a, wp_first, kv_len), wg_lo_max = key_lo(a, wp_last);
+
+    const float scale_log2 = a.sm_scale * kLog2e;
+    const bool capped = a.softcap > 0.f;
+    float o[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+    float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
+
+    mbar_wait(sm.q_full, 0);
+    fence_proxy_async();
+    const u32 q_wg = sm.q + (u32)(wg * 64 * kAtomRowBytes);
+
+    int count = 0, pending_v = -1;
+    for (int it = 0; it < n_tiles; ++it) {
+      const int n = n_first + n_tiles - 1 - it;
+      float s[kSRegs];
+      // ---- S = Q K^T over the K elements of this tile
+#pragma unroll
+      for (int e = 0; e < kKElems; ++e) {
+        const int stage = (count + e) % STAGES;
+        mbar_wait(sm.full + 8 * stage, ((count + e) / STAGES) & 1);
+        fence_proxy_async();
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < Buf::num_k_mmas2; ++k) {
+          const int dim = e * BK + k * 16;
+          if (dim < DEPTH) {
+            const int qa = dim / 64;
+            const u64 qd = sw128_desc(q_wg + (u32)(qa * BM * kAtomRowBytes + (dim % 64) * 2), 1, 1024);
+            MmaS::ss(s, qd, buf.k_desc(stage, k / 4, k % 4), e > 0 || k > 0);
+          }
+        }
+        wgmma_commit();
+      }
+      wgmma_wait<0>();
+      fence_regs(s);
+      fence_regs(o);
+      // every wgmma so far is complete: release this tile's K elements and the previous tile's V
+      if (lane == 0) {
+        for (int e = 0; e < kKElems; ++e) mbar_arrive(sm.empty + 8 * ((count + e) % STAGES));
+        if (pending_v >= 0) mbar_arrive(sm.empty + 8 * pending_v);
+      }
+      count += kKElems;
+
+      // ---- scores, mask, online softmax (rows r0 and r1; 4 lanes share a row). Scores stay unscaled
+      // until the exponent (one FMA); soft-cap and masks are uniform branches, not per-element selects.
+      float sl2 = scale_log2;
+      if (capped) {
+#pragma unroll
+        for (int i = 0; i < kSRegs; ++i) s[i] = a.softcap * tanhf(s[i] * a.sm_scale / a.softcap);
+        sl2 = kLog2e;
+      }
+      const int key0 = n * BN;
+      if (key0 + BN > wg_hi_min || key0 < wg_lo_max) {
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+            const int key = key0 + 8 * j + 2 * c + (h & 1);
+            const bool vis = h < 2 ? (key >= lo0 && key < hi0) : (key >= lo1 && key < hi1);
+            s[4 * j + h] = vis ? s[4 * j + h] : -CUKV_INF;  // select, never multiply: NaN cannot leak
+          }
+        }
+      }
+      float mx0 = m0, mx1 = m1;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+      }
+      mx0 = quad_max(mx0);
+      mx1 = quad_max(mx1);
+      // exponent base in log2 units; a row with nothing visible yet keeps base 0 (exp2(-inf) = 0)
+      const float base0 = mx0 == -CUKV_INF ? 0.f : mx0 * sl2, base1 = mx1 == -CUKV_INF ? 0.f : mx1 * sl2;
+      const float alpha0 = fast_exp2(m0 * sl2 - base0), alpha1 = fast_exp2(m1 * sl2 - base1);
+      m0 = mx0;
+      m1 = mx1;
+      l0 *= alpha0;
+      l1 *= alpha1;
+#pragma unroll
+      for (int j = 0; j < kORegs / 4; ++j) {
+        o[4 * j] *= alpha0;
+        o[4 * j + 1] *= alpha0;
+        o[4 * j + 2] *= alpha1;
+        o[4 * j + 3] *= alpha1;
+      }
+      u32 p[BN / 2];
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const float e0 = fast_exp2(fmaf(s[4 * j], sl2, -base0)), e1 = fast_exp2(fmaf(s[4 * j + 1], sl2, -base0));
+        const float e2 = fast_exp2(fmaf(s[4 * j + 2], sl2, -base1)), e3 = fast_exp2(fmaf(s[4 * j + 3], sl2, -base1));
+        l0 += e0 + e1;
+        l1 += e2 + e3;
+        p[2 * j] = ElemTraits<T>::pack(e0, e1);
+        p[2 * j + 1] = ElemTraits<T>::pack(e2, e3);
+      }
+
+      // ---- O += P V (P from registers: k16 step kk uses score columns 16kk .. 16kk + 15)
+      const int vstage = count % STAGES;
+      mbar_wait(sm.full + 8 * vstage, (count / STAGES) & 1);
+      fence_proxy_async();
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const u32 frag[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
+        MmaO::rs(o, frag, buf.v_desc(vstage, kk), 1);
+      }
+      wgmma_commit();
+      fence_regs(o);
+      pending_v = vstage;
+      count += 1;
+    }
+    wgmma_wait<0>();
+    fence_regs(o);
+    if (lane == 0 && pending_v >= 0) mbar_arrive(sm.empty + 8 * pending_v);
+
+    // ---- epilogue: normalize, sink, write O and LSE
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+    const float sl2 = capped ? kLog2e : scale_log2;
+    const float base0 = m0 == -CUKV_INF ? 0.f : m0 * sl2, base1 = m1 == -CUKV_INF ? 0.f : m1 * sl2;
+    float d0 = l0, d1 = l1;
+    if (a.sink != nullptr) {
+      const float sk = a.sink[head] * kLog2e;
+      d0 += fast_exp2(sk - base0);
+      d1 += fast_exp2(sk - base1);
+    }
+    const float inv0 = d0 > 0.f ? 1.f / d0 : 0.f, inv1 = d1 > 0.f ? 1.f / d1 : 0.f;
+    T* out = static_cast<T*>(a.out);
+    const int col_base = vslice * kVCols;
+#pragma unroll
+    for (int j = 0; j < kORegs / 4; ++j) {
+      const int col = col_base + 8 * j + 2 * c;
+      if (r0 < rows)
+        *reinterpret_cast<u32*>(out + (i64)(q_begin + q0 + r0) * a.o_stride[0] + (i64)head * a.o_stride[1] + col) =
+            ElemTraits<T>::pack(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+      if (r1 < rows)
+        *reinterpret_cast<u32*>(out + (i64)(q_begin + q0 + r1) * a.o_stride[0] + (i64)head * a.o_stride[1] + col) =
+            ElemTraits<T>::pack(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+    }
+    if (a.lse != nullptr && c == 0 && vslice == 0) {
+      if (r0 < rows)
+        a.lse[(i64)(q_begin + q0 + r0) * a.num_qo_heads + head] = l0 > 0.f ? (base0 + __log2f(l0)) * kLn2 : -CUKV_INF;
+      if (r1 < rows)
+        a.lse[(i64)(q_begin + q0 + r1) * a.num_qo_heads + head] = l1 > 0.f ? (base1 + __log2f(l1)) * kLn2 : -CUKV_INF;
+    }
+  }
+};
+
+}  // namespace cukv

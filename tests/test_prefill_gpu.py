@@ -1,0 +1,156 @@
+"""Prefill on the GPU against the float64 reference (ragged batches, paged and contiguous, masks, sink)."""
+import numpy as np
+import pytest
+
+from cukv import reference
+from cukv.dtypes import from_storage, to_storage
+from cukv.testing import assert_close
+
+pytestmark = pytest.mark.gpu
+
+
+def _case(rng, q_lens, cache_lens, hq, hkv, d, page_size, dtype="bfloat16", layout="combined", big=False):
+    import cupy as cp
+
+    import cukv
+
+    q_lens, cache_lens = np.asarray(q_lens), np.asarray(cache_lens)
+    kv_lens = q_lens + cache_lens
+    b = len(q_lens)
+    total_kv = int(kv_lens.sum())
+    k = rng.standard_normal((total_kv, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((total_kv, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((int(q_lens.sum()), hq, d)).astype(np.float32)
+    ks, vs, qs = (to_storage(x, dtype) for x in (k, v, q))
+    case = {"q": cp.asarray(qs), "q_host": from_storage(qs, dtype), "k_host": from_storage(ks, dtype),
+            "v_host": from_storage(vs, dtype), "q_offsets": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32),
+            "kv_offsets": np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32), "kv_lens": kv_lens.astype(np.int32)}
+    if page_size:
+        pages_per = -(-kv_lens // page_size)
+        base = 65536 + 5 if big else 0
+        num_pages = int(pages_per.sum()) + 3 + base
+        cache = cukv.PagedKVCache(num_pages, page_size, hkv, d, dtype=dtype, layout=layout, fill="nan")
+        ids = np.arange(base, num_pages)
+        rng.shuffle(ids)
+        table = np.zeros((b, max(1, int(pages_per.max()))), np.int32)
+        slots, cur = [], 0
+        for s in range(b):
+            table[s, : pages_per[s]] = ids[cur: cur + pages_per[s]]
+            cur += pages_per[s]
+            pos = np.arange(kv_lens[s])
+            slots.append(table[s, pos // page_size].astype(np.int64) * page_size + pos % page_size)
+        cukv.append_kv(cache, cp.asarray(ks), cp.asarray(vs), cp.asarray(np.concatenate(slots)))
+        case["kv"] = (cache, cukv.PageTable(cp.asarray(table), cp.asarray(case["kv_lens"]), page_size))
+    else:
+        case["kv"] = (cp.asarray(ks), cp.asarray(vs), cp.asarray(case["kv_offsets"]))
+    return case
+
+
+def _reference(case, hq, causal=True, window=None, chunk=None, softcap=None, sink=None):
+    outs, lses = [], []
+    qo, ko = case["q_offsets"], case["kv_offsets"]
+    for s in range(len(qo) - 1):
+        ql, kl = qo[s + 1] - qo[s], ko[s + 1] - ko[s]
+        if ql == 0:
+            continue
+        q = case["q_host"][qo[s]: qo[s + 1]]
+        k, v = case["k_host"][ko[s]: ko[s + 1]], case["v_host"][ko[s]: ko[s + 1]]
+        pos = kl - ql + np.arange(ql)
+        kw = dict(causal=causal, window=window, softcap=softcap, sink=sink)
+        if chunk:
+            kw["chunk"] = chunk
+        o, lse = reference.attention(q, k, v, pos, **kw)
+        outs.append(o)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def _run(case, hq, hkv, d, page_size, dtype="bfloat16", mask="causal", window=None, chunk=None, softcap=None,
+         sink=None, config=None):
+    import cupy as cp
+
+    import cukv
+
+    pf = cukv.BatchPrefill(hq, hkv, d, page_size=page_size or None, dtype=dtype, config=config)
+    pf.plan(case["q_offsets"], case["kv_lens"], mask=mask, window=window, chunk=chunk)
+    out = cp.full(case["q"].shape, 0x7FC0 if dtype == "bfloat16" else np.nan, case["q"].dtype)  # NaN-poisoned
+    lse = cp.full((case["q"].shape[0], hq), np.nan, cp.float32)
+    sk = None if sink is None else cp.asarray(np.asarray(sink, np.float32))
+    pf.run(case["q"], case["kv"], out=out, lse=lse, sink=sk, softcap=softcap)
+    return from_storage(out.get(), dtype), lse.get()
+
+
+CASES = [
+    # q_lens, cache_lens, hq, hkv, d, page
+    ([1, 17, 100, 1000], [0, 0, 0, 0], 4, 2, 128, 16),
+    ([17, 100, 4099], [5, 1000, 0], 8, 2, 128, 1),
+    ([64, 300], [0, 33], 4, 4, 64, 128),
+    ([100, 129], [7, 0], 6, 2, 80, 48),
+    ([100, 129], [7, 0], 4, 1, 96, 16),
+    ([200, 5], [0, 61], 2, 2, 192, 16),
+    ([150, 64], [10, 0], 4, 2, 256, 16),
+    ([130, 3], [0, 70], 2, 1, 512, 16),
+    ([1000, 17], [0, 2000], 4, 1, 128, 0),   # contiguous K/V
+]
+
+
+@pytest.mark.parametrize("q_lens,cache_lens,hq,hkv,d,page", CASES)
+def test_prefill_causal(rng, q_lens, cache_lens, hq, hkv, d, page):
+    case = _case(rng, q_lens, cache_lens, hq, hkv, d, page)
+    out, lse = _run(case, hq, hkv, d, page)
+    want_o, want_lse = _reference(case, hq)
+    assert_close(out, want_o, "bfloat16")
+    assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
+
+
+@pytest.mark.parametrize("mask,window,chunk,softcap,sink", [
+    ("none", None, None, None, None),
+    ("causal", 64, None, None, None),
+    ("causal", None, 96, None, None),
+    ("causal", None, None, 30.0, None),
+    ("causal", None, None, None, "sink"),
+    ("none", 200, None, 20.0, "sink"),
+])
+@pytest.mark.parametrize("page", [16, 0])
+def test_prefill_masks(rng, mask, window, chunk, softcap, sink, page):
+    hq, hkv, d = 4, 2, 128
+    case = _case(rng, [300, 17, 1], [100, 0, 40], hq, hkv, d, page)
+    sk = rng.standard_normal(hq).astype(np.float32) * 2 if sink else None
+    out, lse = _run(case, hq, hkv, d, page, mask=mask, window=window, chunk=chunk, softcap=softcap, sink=sk)
+    want_o, want_lse = _reference(case, hq, causal=mask == "causal", window=window, chunk=chunk, softcap=softcap, sink=sk)
+    assert_close(out, want_o, "bfloat16")
+    assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
+
+
+def test_prefill_fp16_big_page_ids(rng):
+    hq, hkv, d = 4, 1, 128
+    case = _case(rng, [77, 33], [20, 0], hq, hkv, d, 16, dtype="float16", big=True)
+    out, lse = _run(case, hq, hkv, d, 16, dtype="float16")
+    want_o, want_lse = _reference(case, hq)
+    assert_close(out, want_o, "float16")
+
+
+def test_prefill_fully_masked_rows(rng):
+    # window 1 with a sink: each row sees only itself; q_len > kv_len rows see nothing when causal
+    hq, hkv, d = 2, 1, 64
+    case = _case(rng, [5], [0], hq, hkv, d, 0)
+    # shrink kv below q: kv_offsets say 3 keys for 5 queries -> first two queries at negative positions
+    import cupy as cp
+    case["kv_offsets"] = np.array([0, 3], np.int32)
+    case["kv_lens"] = np.array([3], np.int32)
+    k, v, _ = case["kv"]
+    case["kv"] = (k, v, cp.asarray(case["kv_offsets"]))
+    out, lse = _run(case, hq, hkv, d, 0)
+    want_o, want_lse = _reference(case, hq)
+    assert np.all(out[:2] == 0) and np.all(np.isneginf(lse[:2]))
+    assert_close(out, want_o, "bfloat16")
+    assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
+
+
+def test_prefill_speculative(rng):
+    # 2..8 new tokens per sequence over a long cached prefix (speculative decode through prefill)
+    hq, hkv, d = 8, 2, 128
+    case = _case(rng, [2, 5, 8, 3], [900, 31, 4000, 0], hq, hkv, d, 16)
+    out, lse = _run(case, hq, hkv, d, 16)
+    want_o, want_lse = _reference(case, hq)
+    assert_close(out, want_o, "bfloat16")
