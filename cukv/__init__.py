@@ -15,9 +15,10 @@ from .append import AppendConfig, append_kv
 from .cache import PageAllocator, PagedKVCache, PageTable, SequenceTable
 from .decode import BatchDecode, DecodeConfig, decode
 from .prefill import BatchPrefill, KVBufferConfig, PrefillConfig, prefill
+from .merge import MergeConfig, merge_states, merge_states_n
 from .errors import CompileError, CompileForbidden, CukvError, NoGPUError
 
 __all__ = [
     "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",
-    "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "CompileError", "CompileForbidden", "CukvError", "NoGPUError",
+    "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "MergeConfig", "merge_states", "merge_states_n", "CompileError", "CompileForbidden", "CukvError", "NoGPUError",
 ]

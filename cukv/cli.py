@@ -83,19 +83,39 @@ def _report(results, total) -> int:
         for fn, r in m.functions.items():
             flag = "  SPILLS" if r.spills or r.stack_frame else ""
             bad += bool(flag)
+            src = "  (from cubin: no spill counts)" if getattr(r, "source", "ptxas") == "elf" else ""
             print(f"{fn:<44} {r.registers:>4} {r.spills:>5} {r.stack_frame:>5} {r.static_smem:>6} "
-                  f"{m.compile_seconds:>6.2f}  {'yes' if m.cache_hit else 'no'}{flag}   [{i + 1}/{total}]", flush=True)
+                  f"{m.compile_seconds:>6.2f}  {'yes' if m.cache_hit else 'no'}{flag}{src}   [{i + 1}/{total}]",
+                  flush=True)
     return bad
 
 
 def _bench(args) -> int:
     from .device import require_gpu
 
+    if args.what == "prefill":
+        from .bench.prefill import check_kv_dtype
+
+        try:
+            check_kv_dtype(args.kv_dtype)  # a clear error before anything needs a GPU
+        except ValueError as e:
+            print(f"cukv bench prefill: {e}", file=sys.stderr)
+            return 2
+    elif args.kv_dtype != "bfloat16":
+        print("cukv bench decode: --kv-dtype applies to `bench prefill` only", file=sys.stderr)
+        return 2
     require_gpu("cukv bench")
     if args.what == "decode":
         from .bench.decode import run
 
-        run(out_dir=args.out, quick=args.quick, sweep=args.sweep)
+        run(out_dir=args.out, quick=args.quick, sweep=args.sweep, **({"reps": args.reps} if args.reps else {}))
+    elif args.what == "prefill":
+        from .bench.prefill import failed, run
+
+        bad = failed(run(out_dir=args.out, quick=args.quick, reps=args.reps, kv_dtype=args.kv_dtype))
+        if bad:
+            print("cukv failed on:\n  " + "\n  ".join(bad), file=sys.stderr)
+            return 1
     return 0
 
 
@@ -112,7 +132,7 @@ def _demo(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cukv", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="versions, NVRTC, headers, GPU, cache")
@@ -120,10 +140,18 @@ def main(argv=None) -> int:
     c.add_argument("--filter", default=None, help="only names containing this")
     c.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
     b = sub.add_parser("bench", help="side-by-side timings against PyTorch SDPA")
-    b.add_argument("what", choices=["decode"])
+    b.add_argument("what", choices=["decode", "prefill"])
     b.add_argument("--out", default=os.environ.get("OUT"), help="directory for JSON and PNG")
-    b.add_argument("--quick", action="store_true", help="four cells instead of the full grid")
-    b.add_argument("--sweep", action="store_true", help="also time other warp/split counts per cell")
+    b.add_argument("--quick", action="store_true",
+                   help="decode: four cells instead of the full grid; prefill: two shapes, fewer repetitions")
+    b.add_argument("--sweep", action="store_true", help="decode: also time other warp/split counts per cell")
+    b.add_argument("--reps", type=int, default=None, help="timed calls per cell (decode default 30; prefill 20, quick 5)")
+    b.add_argument("--kv-dtype", default="bfloat16",
+                   help="prefill: K/V element type (only bfloat16 for now; the option is a placeholder for FP8)")
     sub.add_parser("demo", help="run examples/decode_loop.py")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return {"doctor": _doctor, "compile": _compile, "bench": _bench, "demo": _demo}[args.cmd](args)

@@ -11,9 +11,13 @@ import numpy as np
 
 
 def attention(q, k, v, q_pos, key_valid=None, *, sm_scale=None, causal=True, window=None, softcap=None,
-              sink=None):
+              sink=None, chunk=None):
     """Dense reference. ``q[Tq, Hq, D]``, ``k[L, Hkv, D]``, ``v[L, Hkv, Dv]``, ``q_pos[Tq]`` absolute positions
-    (key j sits at position j). Returns ``out[Tq, Hq, Dv]`` and ``lse[Tq, Hq]``."""
+    (key j sits at position j). Returns ``out[Tq, Hq, Dv]`` and ``lse[Tq, Hq]``.
+
+    Masks combine: ``causal`` keeps keys ``<= p``; ``window=W`` keeps keys ``> p - W`` (with causal: the
+    window ``(p - W, p]``); ``chunk=C`` keeps keys in the query's chunk of C positions (``k // C == p // C``;
+    with causal: the chunk's keys up to ``p``); ``key_valid[L]`` drops keys."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     tq, hq, d = q.shape
     n, hkv, _ = k.shape
@@ -31,6 +35,8 @@ def attention(q, k, v, q_pos, key_valid=None, *, sm_scale=None, causal=True, win
         vis &= key <= pos
     if window:
         vis &= key > pos - window
+    if chunk:
+        vis &= key // chunk == pos // chunk
     if key_valid is not None:
         vis &= np.asarray(key_valid, bool)[None, :]
     s = np.where(vis[None], s, -np.inf)
@@ -92,3 +98,120 @@ def merge_states(outs, lses):
     o = (w[..., None] * np.where(np.isfinite(lses)[..., None], outs, 0.0)).sum(0) / np.where(tot > 0, tot, 1.0)[..., None]
     lse = np.where(tot > 0, m_safe + np.log(np.where(tot > 0, tot, 1.0)), -np.inf)
     return o, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# ragged prefill
+
+MASKS = ("none", "causal")
+
+
+def _offsets(x, name: str, total: int | None = None, what: str = "tokens") -> np.ndarray:
+    o = np.asarray(x)
+    if o.ndim != 1 or o.size < 1 or not np.issubdtype(o.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D integer array [batch + 1]; got {o.dtype} with shape {o.shape}")
+    o = o.astype(np.int64)
+    if o[0] != 0 or np.any(np.diff(o) < 0):
+        raise ValueError(f"{name}={o.tolist()} must start at 0 and never decrease")
+    if total is not None and o[-1] != total:
+        raise ValueError(f"{name}[-1]={o[-1]} but there are {total} {what}")
+    return o
+
+
+def _prefill_options(hq: int, mask, window, chunk, sink):
+    if mask not in MASKS:
+        raise ValueError(f"mask={mask!r} is not valid; accepted: {', '.join(map(repr, MASKS))}")
+    for name, val in (("window", window), ("chunk", chunk)):
+        if val is not None and (not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 1):
+            raise ValueError(f"{name}={val!r} is not valid; accepted: None or a positive integer")
+    if sink is not None and np.shape(sink) != (hq,):
+        raise ValueError(f"sink has shape {np.shape(sink)}; expected ({hq},), one logit per query head")
+
+
+def _prefill_one(q, k, v, hq: int, dv: int, *, mask, window, chunk, sm_scale, softcap, sink):
+    """One sequence: ``q[q_len, Hq, D]`` against ``k/v[kv_len, Hkv, *]``, queries bottom-right aligned."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    if q_len == 0:
+        return np.zeros((0, hq, dv)), np.zeros((0, hq))
+    if kv_len == 0:
+        return np.zeros((q_len, hq, dv)), np.full((q_len, hq), -np.inf)
+    pos = kv_len - q_len + np.arange(q_len)
+    return attention(q, k, v, pos, causal=(mask == "causal"), window=window, chunk=chunk, sm_scale=sm_scale,
+                     softcap=softcap, sink=sink)
+
+
+def _check_heads(q, k, v):
+    if q.ndim != 3:
+        raise ValueError(f"q has shape {q.shape}; expected [total_q, num_qo_heads, head_dim]")
+    if k.ndim != 3:
+        raise ValueError(f"k has shape {k.shape}; expected [total_kv, num_kv_heads, head_dim]")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"num_qo_heads={hq} must be a multiple of num_kv_heads={hkv}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k head_dim {k.shape[-1]} != q head_dim {q.shape[-1]}")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v has shape {v.shape}; expected {k.shape[:-1]} + (head_dim_v,)")
+
+
+def prefill_contiguous(q, q_offsets, k, v, kv_offsets, *, mask="causal", window=None, chunk=None, softcap=None,
+                       sink=None, sm_scale=None):
+    """Ragged prefill over contiguous K/V.
+
+    ``q[total_q, Hq, D]`` with ``q_offsets[B+1]``; ``k[total_kv, Hkv, D]``, ``v[total_kv, Hkv, Dv]`` with
+    ``kv_offsets[B+1]``. Sequence b has ``q_len = q_offsets[b+1] - q_offsets[b]`` queries and ``kv_len`` keys;
+    query i sits at absolute position ``p = kv_len - q_len + i`` (bottom-right aligned: the last query is the
+    last key) and key j at position j.
+
+    ``mask='causal'`` keeps keys ``<= p``, ``'none'`` every key; ``window=W`` also keeps only keys ``> p - W``
+    (with causal: ``(p - W, p]``); ``chunk=C`` keeps keys in the query's chunk (``j // C == p // C``).
+    Returns ``out[total_q, Hq, Dv]`` and the natural-log ``lse[total_q, Hq]`` (without the sink); a query
+    that sees no key gets 0 and -inf.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    _check_heads(q, k, v)
+    qo = _offsets(q_offsets, "q_offsets", q.shape[0], "query tokens")
+    ko = _offsets(kv_offsets, "kv_offsets", k.shape[0], "key tokens")
+    if ko.size != qo.size:
+        raise ValueError(f"kv_offsets has {ko.size} entries, q_offsets {qo.size}: both must be [batch + 1]")
+    hq, dv = q.shape[1], v.shape[-1]
+    _prefill_options(hq, mask, window, chunk, sink)
+    kw = dict(mask=mask, window=window, chunk=chunk, sm_scale=sm_scale, softcap=softcap, sink=sink)
+    out, lse = np.zeros((q.shape[0], hq, dv)), np.full((q.shape[0], hq), -np.inf)
+    for b in range(qo.size - 1):
+        o, s = _prefill_one(q[qo[b]: qo[b + 1]], k[ko[b]: ko[b + 1]], v[ko[b]: ko[b + 1]], hq, dv, **kw)
+        out[qo[b]: qo[b + 1]], lse[qo[b]: qo[b + 1]] = o, s
+    return out, lse
+
+
+def prefill_paged(q, q_offsets, k_pages, v_pages, block_table, kv_lengths, **kw):
+    """Ragged prefill over a paged cache: ``k_pages[P, page_size, Hkv, D]``, ``v_pages[P, page_size, Hkv, Dv]``,
+    ``block_table[B, max_pages]`` and ``kv_lengths[B]`` (tokens to attend to, the new ones included:
+    ``cache_len + q_len``). Only the slots the table reaches are read. Same masks and results as
+    :func:`prefill_contiguous`."""
+    q = np.asarray(q, np.float64)
+    k_pages, v_pages = np.asarray(k_pages), np.asarray(v_pages)
+    if k_pages.ndim != 4 or v_pages.shape[:-1] != k_pages.shape[:-1]:
+        raise ValueError(f"k_pages/v_pages have shapes {k_pages.shape}/{v_pages.shape}; expected "
+                         "[pages, page_size, num_kv_heads, head_dim]")
+    lengths = np.asarray(kv_lengths, np.int64)
+    qo = _offsets(q_offsets, "q_offsets", q.shape[0], "query tokens")
+    if lengths.shape != (qo.size - 1,) or np.any(lengths < 0):
+        raise ValueError(f"kv_lengths={lengths.tolist()} must be {qo.size - 1} non-negative integers")
+    block_table = np.asarray(block_table)
+    ks = [gather(k_pages, block_table[b], int(n)) for b, n in enumerate(lengths)]
+    vs = [gather(v_pages, block_table[b], int(n)) for b, n in enumerate(lengths)]
+    k = np.concatenate(ks) if ks else k_pages[:0, 0]
+    v = np.concatenate(vs) if vs else v_pages[:0, 0]
+    return prefill_contiguous(q, qo, k, v, np.concatenate([[0], np.cumsum(lengths)]), **kw)
+
+
+def prefill(q, q_offsets, k, v, *kv_layout, **kw):
+    """``prefill(q, q_offsets, k, v, kv_offsets)`` is :func:`prefill_contiguous`;
+    ``prefill(q, q_offsets, k_pages, v_pages, block_table, kv_lengths)`` is :func:`prefill_paged`."""
+    if len(kv_layout) == 1:
+        return prefill_contiguous(q, q_offsets, k, v, *kv_layout, **kw)
+    if len(kv_layout) == 2:
+        return prefill_paged(q, q_offsets, k, v, *kv_layout, **kw)
+    raise TypeError("prefill takes (q, q_offsets, k, v, kv_offsets) or "
+                    "(q, q_offsets, k_pages, v_pages, block_table, kv_lengths)")

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from .append import AppendConfig
 from .decode import HEAD_DIMS, DecodeConfig
+from .merge import MergeConfig
+from .prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
+from .prefill import default_config as prefill_default
 
 DTYPES = ("bfloat16", "float16")
 GROUPS = (1, 2, 4, 8, 16)
@@ -14,10 +17,14 @@ def shipped():
     out = []
     for dt in DTYPES:
         for d in HEAD_DIMS:
+            out.append(MergeConfig(dt, d))
             for ps in PAGE_SIZES:
                 out.append(AppendConfig(dt, d, ps))
                 for g in GROUPS:
                     out.append(DecodeConfig(dt, d, g, ps))
+        for d in PREFILL_HEAD_DIMS:
+            for ps in (16, 0):  # page 16 and contiguous K/V
+                out.append(prefill_default(dt, d, ps))
     return out
 
 

@@ -109,3 +109,59 @@ def reference_decode(case, **kw):
     for b, n in enumerate(lengths):
         compact[b, : int(n)] = np.arange(starts[b], starts[b] + int(n))
     return reference.decode(case["q_host"], k, v, compact, lengths, **kw)
+
+
+def random_prefill_case(rng, *, q_lens, cache_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
+                        dtype="bfloat16", layout="combined", big_page_ids=False):
+    """A ragged prefill batch over a NaN-poisoned paged cache (random page order): sequence b already holds
+    ``cache_lens[b]`` tokens and brings ``q_lens[b]`` new ones; all ``kv_len = cache_len + q_len`` tokens are
+    written with :func:`cukv.append_kv` (the step appends first, then attends).
+
+    Returns a dict: ``q`` (device ``[total_q, Hq, D]`` in storage dtype), ``q_offsets`` (host int32
+    ``[B+1]``) and ``q_offsets_device``, ``cache``, ``table`` (a PageTable with lengths ``kv_len``),
+    ``k``/``v`` (the same tokens as contiguous device ``[total_kv, Hkv, D]`` arrays) with ``kv_offsets`` (host)
+    and ``kv_offsets_device`` (int32) for the contiguous-K/V path, and host float64 copies ``q_host``,
+    ``k_new``, ``v_new`` plus ``q_lens``, ``cache_lens``, ``kv_lens``, ``block_table``, ``slots``.
+    """
+    import cupy as cp
+
+    q_lens = np.asarray(q_lens, np.int64)
+    cache_lens = np.asarray(cache_lens, np.int64)
+    if q_lens.ndim != 1 or q_lens.shape != cache_lens.shape or np.any(q_lens < 0) or np.any(cache_lens < 0):
+        raise ValueError(f"q_lens={q_lens.tolist()} and cache_lens={cache_lens.tolist()} must be equally long "
+                         "lists of non-negative integers")
+    kv_lens = cache_lens + q_lens
+    case = random_decode_case(rng, batch=len(q_lens), lengths=kv_lens, num_qo_heads=num_qo_heads,
+                              num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+                              layout=layout, big_page_ids=big_page_ids)
+    total_q = int(q_lens.sum())
+    q = to_storage(rng.standard_normal((total_q, num_qo_heads, head_dim)).astype(np.float32), dtype)
+    q_offsets = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv_offsets = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    case.update({
+        "q": cp.asarray(q), "q_host": from_storage(q, dtype),
+        "q_offsets": q_offsets, "q_offsets_device": cp.asarray(q_offsets),
+        "kv_offsets": kv_offsets, "kv_offsets_device": cp.asarray(kv_offsets),
+        "k": cp.asarray(to_storage(case["k_new"], dtype)), "v": cp.asarray(to_storage(case["v_new"], dtype)),
+        "q_lens": q_lens, "cache_lens": cache_lens, "kv_lens": kv_lens,
+    })
+    return case
+
+
+def reference_prefill(case, **kw):
+    """float64 prefill of a :func:`random_prefill_case`, reading back only the slots the table reaches
+    (gathered on the device, like :func:`reference_decode`). ``kw`` are :func:`cukv.reference.prefill_contiguous`'s
+    options (``mask``, ``window``, ``chunk``, ``softcap``, ``sink``, ``sm_scale``); a device ``sink`` is copied
+    to the host."""
+    import cupy as cp
+
+    if kw.get("sink") is not None and hasattr(kw["sink"], "get") and not isinstance(kw["sink"], np.ndarray):
+        kw["sink"] = kw["sink"].get()
+    cache, table, lengths = case["cache"], case["block_table"], case["kv_lens"]
+    ps = cache.page_size
+    pos = [np.arange(int(n)) for n in lengths]
+    rp = np.concatenate([table[b, p // ps] for b, p in enumerate(pos)] + [np.zeros(0, np.int64)]).astype(np.int64)
+    ro = np.concatenate([p % ps for p in pos] + [np.zeros(0, np.int64)]).astype(np.int64)
+    k = from_storage(cache.k[cp.asarray(rp), cp.asarray(ro)].get(), cache.dtype)
+    v = from_storage(cache.v[cp.asarray(rp), cp.asarray(ro)].get(), cache.dtype)
+    return reference.prefill_contiguous(case["q_host"], case["q_offsets"], k, v, case["kv_offsets"], **kw)

@@ -145,25 +145,39 @@ struct PrefillKernel {
 
     const T* kbase = static_cast<const T*>(a.kv.k);
     const T* vbase = static_cast<const T*>(a.kv.v);
+    const i64 k_head = (i64)kv_head * a.kv.k_stride[2], v_head = (i64)kv_head * a.kv.v_stride[2];
+    constexpr int kWarpRows = BN / Buf::kProducerWarps;
+    // Paged: lane j of a producer warp looks up the page of the warp's j-th row one tile ahead (the
+    // lookup's latency hides behind this tile's copies); rows get their page by shuffle.
+    auto lookup = [&](int n) -> int {
+      const int tok = n * BN + pw * kWarpRows + lane;
+      if constexpr (Cache::contiguous) return -1;
+      else return (lane < kWarpRows && tok < kv_len) ? cache.physical_page(b, tok) : -1;
+    };
+    static_assert(Cache::contiguous || kWarpRows <= 32, "paged prefill: BN <= 128 (one page lookup per lane)");
+    int page_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : -1;
     int count = 0;
     for (int it = 0; it < n_tiles; ++it) {
       const int n = n_first + n_tiles - 1 - it;
+      const int page_lane = page_next;
+      if (it + 1 < n_tiles) page_next = lookup(n - 1);
       // one int per row: the physical page (paged) or the row itself (contiguous), -1 past the sequence;
       // the 64-bit offsets are formed at issue time to keep the producer inside its register budget
       int prow[Buf::kRowsPerLane];
-      const int tok0 = n * BN + pw * (BN / Buf::kProducerWarps) + lane / 8;
+      const int tok0 = n * BN + pw * kWarpRows + lane / 8;
 #pragma unroll
       for (int i = 0; i < Buf::kRowsPerLane; ++i) {
         const int tok = tok0 + 4 * i;
         if constexpr (Cache::contiguous) prow[i] = tok < kv_len ? (int)cache.row_idx(b, tok) : -1;
-        else prow[i] = tok < kv_len ? cache.physical_page(b, tok) : -1;
+        else prow[i] = __shfl_sync(0xffffffffu, page_lane, (lane / 8 + 4 * i) % 32);
       }
-      auto row_of = [&](int i) -> i64 {
-        if constexpr (Cache::contiguous) return (i64)prow[i];
-        else return (i64)prow[i] * PAGE_SIZE + (tok0 + 4 * i) % PAGE_SIZE;
+      auto offset = [&](const i64 (&st)[4], i64 head_off, int i) -> i64 {
+        if (prow[i] < 0) return (i64)-1;
+        if constexpr (Cache::contiguous) return (i64)prow[i] * st[1] + head_off;
+        else return (i64)prow[i] * st[0] + (i64)((tok0 + 4 * i) % PAGE_SIZE) * st[1] + head_off;
       };
-      auto koff = [&](int i) -> i64 { return prow[i] < 0 ? (i64)-1 : Cache::offset(a.kv.k_stride, row_of(i), kv_head, 0); };
-      auto voff = [&](int i) -> i64 { return prow[i] < 0 ? (i64)-1 : Cache::offset(a.kv.v_stride, row_of(i), kv_head, 0); };
+      auto koff = [&](int i) -> i64 { return offset(a.kv.k_stride, k_head, i); };
+      auto voff = [&](int i) -> i64 { return offset(a.kv.v_stride, v_head, i); };
 #pragma unroll
       for (int e = 0; e <= kKElems; ++e) {
         const int stage = count % STAGES;

@@ -1,0 +1,164 @@
+"""The prefill benchmark's host side without a GPU: the FLOP count, the table, the CLI's arguments."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cukv import cli
+from cukv.bench import prefill as bp
+
+
+def test_causal_flops_counts_the_causal_half():
+    # 4 * B * Hq * D * L * L / 2: QK^T and PV are 2*L*L*D flops each per head, causal keeps half
+    assert bp.causal_flops(4, 4096, 32, 128) == 4 * 4 * 32 * 128 * 4096 * 4096 / 2
+    assert bp.causal_flops(1, 1, 1, 1) == 2.0
+    assert bp.causal_flops(2, 8, 3, 64) == 2 * bp.causal_flops(1, 8, 3, 64)
+    assert bp.causal_flops(1, 16, 1, 64) == 4 * bp.causal_flops(1, 8, 1, 64)  # quadratic in L
+    assert "L * L / 2" in bp.FLOPS_FORMULA
+
+
+def test_tflops():
+    f = bp.causal_flops(4, 4096, 32, 128)  # 2.2e12 flops
+    assert bp.tflops(f, 10.0) == pytest.approx(f / 1e-2 / 1e12)
+    assert bp.tflops(f, None) is None and bp.tflops(f, 0.0) is None
+
+
+def test_shapes_are_the_documented_set():
+    assert bp.SHAPES == ((4, 4096, 32, 8, 128), (1, 16384, 32, 8, 128), (8, 2048, 32, 32, 128),
+                         (4, 4096, 16, 16, 256), (8, 2048, 32, 8, 64))
+    assert len(bp.QUICK_SHAPES) == 2 and set(bp.QUICK_SHAPES) <= set(bp.SHAPES)
+    for b, L, hq, hkv, d in bp.SHAPES:
+        assert hq % hkv == 0 and L % bp.PAGE_SIZE == 0
+
+
+def _row(batch, seq_len, hq, hkv, d, **ms):
+    r = {"batch": batch, "seq_len": seq_len, "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d,
+         "flops": bp.causal_flops(batch, seq_len, hq, d)}
+    r.update(ms)
+    return bp._finish_row(r)
+
+
+def fake_result():
+    rows = [
+        _row(4, 4096, 32, 8, 128, paged_ms=4.0, contig_ms=3.5, flash_ms=5.0, cudnn_ms=3.0),
+        _row(4, 4096, 16, 16, 256, paged_ms=8.0, contig_ms=None, contig_error="ValueError: no config",
+             flash_ms=None, flash_error="RuntimeError: No available kernel", cudnn_ms=6.0),
+    ]
+    summary = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-01-01", "dtype": "bfloat16", "kv_dtype": "bfloat16",
+               "page_size": 16, "mask": "causal", "reps": 20, "flops_formula": bp.FLOPS_FORMULA, "torch": "2.9.0",
+               "peers_missing": None, "geomean_ratio_flash": 1.25, "geomean_ratio_cudnn": 0.75}
+    return {"summary": summary, "rows": rows}
+
+
+def test_finish_row_ratios_are_peer_time_over_cukv_time():
+    r = fake_result()["rows"][0]
+    assert r["ratio_flash"] == pytest.approx(5.0 / 4.0)  # > 1: cukv faster
+    assert r["ratio_cudnn"] == pytest.approx(3.0 / 4.0)
+    assert r["paged_tflops"] == pytest.approx(r["flops"] / 4e-3 / 1e12)
+    r2 = fake_result()["rows"][1]
+    assert r2["ratio_flash"] is None and r2["flash_tflops"] is None and r2["contig_tflops"] is None
+    r3 = _row(1, 16, 1, 1, 64, paged_ms=None, paged_error="x", cudnn_ms=1.0)
+    assert r3["ratio_cudnn"] is None  # no cukv time, no ratio
+    json.dumps(fake_result())  # the result is plain JSON (None -> null)
+
+
+def test_format_table_markdown():
+    text = bp.format_table(fake_result())
+    lines = text.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("| shape"))
+    assert lines[header + 1].startswith("|---")
+    ncols = lines[header].count("|")
+    body = lines[header + 2:header + 4]
+    assert all(ln.count("|") == ncols for ln in body), body
+    cells = [c.strip() for c in body[0].strip("|").split("|")]
+    assert cells[0] == "b4 L4096 h32/8 d128"
+    assert cells[1] == "4.000" and float(cells[2]) == pytest.approx(fake_result()["rows"][0]["paged_tflops"], abs=0.05)
+    assert cells[-2:] == ["1.25", "0.75"]
+    cells = [c.strip() for c in body[1].strip("|").split("|")]
+    assert cells[0] == "b4 L4096 h16/16 d256"
+    assert cells[3] == "n/a" and cells[5] == "n/a" and cells[-2] == "n/a" and cells[-1] == "0.75"
+    assert "No available kernel" in text and "no config" in text  # reasons are listed under the table
+    assert "geomean(flash time / cukv paged time) = 1.250" in text
+    assert "L * L / 2" in text and "NVIDIA H100" in text
+
+
+def test_format_table_without_torch():
+    res = fake_result()
+    reason = "torch not importable (ModuleNotFoundError: No module named 'torch')"
+    for r in res["rows"]:
+        for p in bp.PEERS:
+            r[f"{p}_ms"], r[f"{p}_error"] = None, reason
+        bp._finish_row(r)
+    res["summary"].update(peers_missing=reason, geomean_ratio_flash=None, geomean_ratio_cudnn=None)
+    text = bp.format_table(res)
+    assert text.count(reason) == 1  # said once, not once per cell
+    assert "geomean" not in text
+
+
+def test_failed_lists_cukv_errors_only():
+    assert bp.failed(fake_result()) == ["b4 L4096 h16/16 d256 contig: ValueError: no config"]
+
+
+def test_kv_dtype_placeholder():
+    assert bp.check_kv_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="kv_dtype='fp8_e4m3'.*accepted: bfloat16"):
+        bp.check_kv_dtype("fp8_e4m3")
+    with pytest.raises(ValueError, match="not supported"):
+        bp.run(kv_dtype="float16")  # refused before anything touches a GPU
+
+
+def test_cli_parses_bench_prefill():
+    p = cli.build_parser()
+    a = p.parse_args(["bench", "prefill", "--quick", "--out", "somewhere"])
+    assert (a.cmd, a.what, a.quick, a.out, a.kv_dtype, a.reps) == ("bench", "prefill", True, "somewhere", "bfloat16", None)
+    a = p.parse_args(["bench", "prefill", "--kv-dtype", "fp8_e4m3", "--reps", "7"])
+    assert (a.kv_dtype, a.reps, a.quick) == ("fp8_e4m3", 7, False)
+    a = p.parse_args(["bench", "decode", "--sweep"])
+    assert (a.what, a.sweep, a.kv_dtype) == ("decode", True, "bfloat16")
+    with pytest.raises(SystemExit):
+        p.parse_args(["bench", "mla"])
+
+
+def test_cli_rejects_unsupported_kv_dtype_without_a_gpu(capsys):
+    assert cli.main(["bench", "prefill", "--kv-dtype", "fp8_e4m3"]) == 2
+    err = capsys.readouterr().err
+    assert "fp8_e4m3" in err and "bfloat16" in err
+    assert cli.main(["bench", "decode", "--kv-dtype", "fp8_e4m3"]) == 2
+
+
+def test_cli_bench_prefill_needs_a_gpu():
+    from cukv.device import has_gpu
+    from cukv.errors import NoGPUError
+
+    if has_gpu():
+        pytest.skip("a GPU is visible: the benchmark would run")
+    with pytest.raises(NoGPUError, match="cukv bench"):
+        cli.main(["bench", "prefill", "--quick"])
+
+
+def _env():
+    """This checkout first on the path of a child process."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(bp.__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def test_help_works_and_lists_prefill():
+    env = _env()
+    r = subprocess.run([sys.executable, "-m", "cukv", "--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "cukv", "bench", "--help"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "prefill" in r.stdout and "--kv-dtype" in r.stdout and "--quick" in r.stdout
+
+
+def test_importing_the_harness_pulls_in_no_gpu_library():
+    code = ("import sys, cukv.bench.prefill as bp; "
+            "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
