@@ -1,4 +1,4 @@
-"""``python -m cukv doctor | compile | bench | demo``."""
+"""``python -m cukv doctor | compile | bench | autotune | demo``."""
 from __future__ import annotations
 
 import argparse
@@ -119,6 +119,84 @@ def _bench(args) -> int:
     return 0
 
 
+def _autotune(args) -> int:
+    from . import autotune
+    from .errors import NoGPUError
+
+    if args.what == "defaults":
+        print(autotune.defaults_table())
+        return 0
+    if args.what == "show":
+        path = autotune.autotune_path()
+        recs = autotune.load_records(path)
+        state = "" if autotune.enabled() else f"  ({autotune.ENV}=0: lookups are off)"
+        print(f"{path}: {len(recs)} record(s){state}")
+        for key, r in recs.items():
+            c = r.get("config", {}) if isinstance(r, dict) else {}
+            ms, tf = (r.get("ms"), r.get("tflops")) if isinstance(r, dict) else (None, None)
+            print(f"  {key}: " + " ".join(f"{f}={c.get(f)}" for f in autotune.FIELDS)
+                  + (f"  {ms:.3f} ms" if isinstance(ms, (int, float)) else "")
+                  + (f"  {tf:.1f} TFLOP/s" if isinstance(tf, (int, float)) else ""))
+        return 0
+    if args.head_dim is None:
+        print("cukv autotune prefill: --head-dim is required", file=sys.stderr)
+        return 2
+    from .prefill import DEFAULTS
+
+    if args.head_dim not in DEFAULTS:
+        print(f"cukv autotune prefill: --head-dim {args.head_dim} is not supported; accepted: "
+              f"{', '.join(map(str, sorted(DEFAULTS)))}", file=sys.stderr)
+        return 2
+    if autotune.device_name() is None:
+        print("cukv autotune: timing needs a CUDA GPU and this process sees none (see `python -m cukv doctor`)",
+              file=sys.stderr)
+        return 2
+    seq_len = args.seq_len or (2048 if args.quick else 4096)
+    reps = args.reps or (5 if args.quick else 10)
+    kind = f"page {args.page_size}" if args.page_size else "contiguous K/V"
+    print(f"autotune prefill: {args.dtype} d{args.head_dim} {kind}; causal, {args.batch} x {seq_len} tokens, "
+          f"{args.num_qo_heads}/{args.num_kv_heads} heads; median of {reps}", flush=True)
+    print(f"{'BM':>4} {'BN':>4} {'BK':>4} {'st':>3} {'thr':>4} {'smem':>7} {'regs':>5} {'ms':>9} {'TFLOP/s':>8}  status",
+          flush=True)
+    rows = []
+
+    def show(r):
+        rows.append(r)
+        c = r.config
+        if not hasattr(c, "BM"):
+            print(f"{str(c):>36}  invalid: {r.detail}", flush=True)
+            return
+        ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9}"
+        tf = f"{r.tflops:8.1f}" if r.tflops is not None else f"{'-':>8}"
+        regs = f"{r.registers:>5}" if r.registers is not None else f"{'?':>5}"
+        note = r.status + (" (default)" if r.is_default else "") + (f": {r.detail}" if r.detail else "")
+        print(f"{c.BM:>4} {c.BN:>4} {c.BK:>4} {c.stages:>3} {c.num_threads:>4} {c.smem_bytes:>7} {regs} {ms} {tf}  "
+              f"{note}", flush=True)
+
+    try:
+        best = autotune.tune_prefill(args.dtype, args.head_dim, args.page_size, num_qo_heads=args.num_qo_heads,
+                                     num_kv_heads=args.num_kv_heads, seq_len=seq_len, batch=args.batch, reps=reps,
+                                     quick=args.quick, jobs=args.jobs, persist=not args.no_save, on_result=show)
+    except NoGPUError as e:
+        print(f"cukv autotune: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"cukv autotune: {e}", file=sys.stderr)
+        return 1
+    win = next(r for r in rows if r.ok and r.config == best)
+    base = next((r for r in rows if r.ok and r.is_default), None)
+    vs = f"; default {base.ms:.3f} ms, {base.ms / win.ms:.2f}x" if base is not None and win.ms else ""
+    print(f"winner: {best.name}  BM={best.BM} BN={best.BN} BK={best.BK} stages={best.stages}  {win.ms:.3f} ms  "
+          f"{win.tflops or 0:.1f} TFLOP/s{vs}  ({sum(r.ok for r in rows)} timed, "
+          f"{sum(r.status == 'spills' for r in rows)} spilling skipped)")
+    if args.no_save:
+        print("not saved (--no-save)")
+    else:
+        print(f"saved to {autotune.autotune_path()}; BatchPrefill uses it on this GPU model unless "
+              f"{autotune.ENV}=0")
+    return 0
+
+
 def _demo(args) -> int:
     import runpy
     from pathlib import Path
@@ -148,10 +226,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=None, help="timed calls per cell (decode default 30; prefill 20, quick 5)")
     b.add_argument("--kv-dtype", default="bfloat16",
                    help="prefill: K/V element type (only bfloat16 for now; the option is a placeholder for FP8)")
+    a = sub.add_parser("autotune", help="time prefill tile shapes on this GPU and keep the fastest (opt-in)",
+                       description="prefill: time candidate (BM, BN, BK, stages) around the default on a causal "
+                       "prefill, check each against the default's output, store the fastest next to the compile "
+                       "cache (used by BatchPrefill on this GPU model unless CUKV_AUTOTUNE=0); defaults: print "
+                       "the documented defaults table; show: list the stored records")
+    a.add_argument("what", choices=["prefill", "defaults", "show"])
+    a.add_argument("--head-dim", type=int, default=None)
+    a.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    a.add_argument("--page-size", type=int, default=16, help="tokens per page; 0 tunes contiguous K/V")
+    a.add_argument("--quick", action="store_true", help="about 20 candidates, shorter sequences, 5 repetitions")
+    a.add_argument("--num-qo-heads", type=int, default=32)
+    a.add_argument("--num-kv-heads", type=int, default=8)
+    a.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096, quick 2048)")
+    a.add_argument("--batch", type=int, default=2)
+    a.add_argument("--reps", type=int, default=None, help="timed calls per candidate (default 10, quick 5)")
+    a.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPU count, at most 16)")
+    a.add_argument("--no-save", action="store_true", help="print the table and the winner, store nothing")
     sub.add_parser("demo", help="run examples/decode_loop.py")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return {"doctor": _doctor, "compile": _compile, "bench": _bench, "demo": _demo}[args.cmd](args)
+    return {"doctor": _doctor, "compile": _compile, "bench": _bench, "autotune": _autotune,
+            "demo": _demo}[args.cmd](args)

@@ -49,7 +49,7 @@ class KVBufferConfig:
         check_in(c, "dtype", self.dtype, tuple(CTYPES))
         check_range(c, "depth", self.depth, 16, 512, "a multiple of 16")
         check_rule(c, "depth", self.depth, self.depth % 16 == 0, "must be a multiple of 16")
-        check_in(c, "BN", self.BN, tuple(range(16, 257, 16)))
+        check_in(c, "BN", self.BN, tuple(range(16, 129, 16)))  # one row per producer lane
         check_in(c, "BK", self.BK, (64, 128, 192, 256))
         check_rule(c, "BK", self.BK, self.BK == _round64(self.depth) or (self.BK < self.depth and self.depth % self.BK == 0),
                    f"must be the head dim rounded up to 64 ({_round64(self.depth)}, full_kv) or divide "
@@ -133,7 +133,7 @@ class PrefillConfig:
         self.kv_buffer  # validates BN, BK, stages
         check_rule(c, "smem", self.smem_bytes, self.smem_bytes <= SMEM_LIMIT,
                    f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
-        limit = self.consumer_registers - 40
+        limit = self.consumer_registers - 24
         check_rule(c, "BN", self.BN, self.register_estimate <= limit,
                    f"S ({self.BN // 2}) + O ({self.v_cols // 2}) + P ({self.BN // 4}) accumulator registers per thread "
                    f"= {self.register_estimate} would spill (limit {limit} with BM={self.BM}); lower BN or BM")
@@ -191,10 +191,10 @@ class PrefillConfig:
 
 #: documented defaults per head dim (BM, BN, BK, stages); see docs in README "Prefill configs"
 DEFAULTS = {
-    64: (128, 128, 64, 4),
+    64: (192, 96, 64, 6),
     80: (128, 128, 128, 4),
     96: (128, 128, 128, 4),
-    128: (128, 128, 128, 4),
+    128: (192, 64, 128, 4),
     192: (128, 64, 192, 4),
     256: (128, 64, 256, 4),
     512: (64, 64, 256, 4),
@@ -350,6 +350,8 @@ class BatchPrefill:
         rec["q_offsets"], rec["work"] = ptr(self._q_offsets), ptr(self._work)
         rec["q_stride"] = (qd.strides[0] // 2, qd.strides[1] // 2)
         rec["o_stride"] = (out.strides[0] // 2, out.strides[1] // 2)
+        if sm_scale is not None and not (float(sm_scale) > 0):
+            raise ValueError(f"sm_scale={sm_scale!r} must be > 0 (or None for 1/sqrt(head_dim))")
         rec["sm_scale"] = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
         rec["softcap"] = float(softcap or 0.0)
         rec["window"], rec["chunk"], rec["causal"] = self._window, self._chunk, int(self._mask == "causal")

@@ -154,30 +154,34 @@ struct PrefillKernel {
       if constexpr (Cache::contiguous) return -1;
       else return (lane < kWarpRows && tok < kv_len) ? cache.physical_page(b, tok) : -1;
     };
-    static_assert(Cache::contiguous || kWarpRows <= 32, "paged prefill: BN <= 128 (one page lookup per lane)");
+    static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
     int page_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : -1;
     int count = 0;
     for (int it = 0; it < n_tiles; ++it) {
       const int n = n_first + n_tiles - 1 - it;
       const int page_lane = page_next;
       if (it + 1 < n_tiles) page_next = lookup(n - 1);
-      // one int per row: the physical page (paged) or the row itself (contiguous), -1 past the sequence;
-      // the 64-bit offsets are formed at issue time to keep the producer inside its register budget
-      int prow[Buf::kRowsPerLane];
-      const int tok0 = n * BN + pw * kWarpRows + lane / 8;
-#pragma unroll
-      for (int i = 0; i < Buf::kRowsPerLane; ++i) {
-        const int tok = tok0 + 4 * i;
-        if constexpr (Cache::contiguous) prow[i] = tok < kv_len ? (int)cache.row_idx(b, tok) : -1;
-        else prow[i] = __shfl_sync(0xffffffffu, page_lane, (lane / 8 + 4 * i) % 32);
+      // Lane j forms the 64-bit K and V offsets of the warp's row j once; every lane that copies a chunk
+      // of that row takes them by shuffle (8 lanes share a row, so the address math is not repeated).
+      const int tok_lane = n * BN + pw * kWarpRows + lane;
+      i64 k_lane = -1, v_lane = -1;
+      if (lane < kWarpRows && tok_lane < kv_len) {
+        i64 krow_off = -1, vrow_off = -1;
+        if constexpr (Cache::contiguous) {
+          const i64 row = cache.row_idx(b, tok_lane);
+          krow_off = row * a.kv.k_stride[1];
+          vrow_off = row * a.kv.v_stride[1];
+        } else if (page_lane >= 0) {
+          krow_off = (i64)page_lane * a.kv.k_stride[0] + (i64)(tok_lane % PAGE_SIZE) * a.kv.k_stride[1];
+          vrow_off = (i64)page_lane * a.kv.v_stride[0] + (i64)(tok_lane % PAGE_SIZE) * a.kv.v_stride[1];
+        }
+        if (krow_off >= 0) {
+          k_lane = krow_off + k_head;
+          v_lane = vrow_off + v_head;
+        }
       }
-      auto offset = [&](const i64 (&st)[4], i64 head_off, int i) -> i64 {
-        if (prow[i] < 0) return (i64)-1;
-        if constexpr (Cache::contiguous) return (i64)prow[i] * st[1] + head_off;
-        else return (i64)prow[i] * st[0] + (i64)((tok0 + 4 * i) % PAGE_SIZE) * st[1] + head_off;
-      };
-      auto koff = [&](int i) -> i64 { return offset(a.kv.k_stride, k_head, i); };
-      auto voff = [&](int i) -> i64 { return offset(a.kv.v_stride, v_head, i); };
+      auto koff = [&](int i) -> i64 { return __shfl_sync(0xffffffffu, k_lane, (lane / 8 + 4 * i) % 32); };
+      auto voff = [&](int i) -> i64 { return __shfl_sync(0xffffffffu, v_lane, (lane / 8 + 4 * i) % 32); };
 #pragma unroll
       for (int e = 0; e <= kKElems; ++e) {
         const int stage = count % STAGES;
