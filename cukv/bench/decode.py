@@ -173,11 +173,11 @@ def format_table(result) -> str:
              "| batch x ctx | splits | cukv us | TB/s | % ceiling | cuDNN us | cuDNN/cukv | flash us | flash/cukv |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        def f(k, fmt):
-            return format(r[k], fmt) if k in r else "n/a"
+        def f(k, fmt, mult=1.0):
+            return format(r[k] * mult, fmt) if k in r else "n/a"
         lines.append(f"| {r['batch']} x {r['ctx']} | {r['splits']} | {r['cukv_ms'] * 1e3:.1f} | {r['cukv_tbs']:.2f} | "
-                     f"{r['pct_ceiling']:.1f} | {f('cudnn_ms', '.4f')} | {f('ratio_cudnn', '.2f')} | "
-                     f"{f('flash_ms', '.4f')} | {f('ratio_flash', '.2f')} |")
+                     f"{r['pct_ceiling']:.1f} | {f('cudnn_ms', '.1f', 1e3)} | {f('ratio_cudnn', '.2f')} | "
+                     f"{f('flash_ms', '.1f', 1e3)} | {f('ratio_flash', '.2f')} |")
     if "geomean_ratio_cudnn" in s:
         lines.append(f"geomean(cuDNN time / cukv time) over the 4x4 grid = {s['geomean_ratio_cudnn']:.3f}, "
                      f"min {s['min_ratio_cudnn']:.3f}")
