@@ -133,6 +133,11 @@ class PrefillConfig:
         self.kv_buffer  # validates BN, BK, stages
         check_rule(c, "smem", self.smem_bytes, self.smem_bytes <= SMEM_LIMIT,
                    f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
+        # measured (ptxas, sm_90a): with two consumer warpgroups, wide tiles and 2-atom+ elements, any ring
+        # depth but 4 spills a few bytes of the ring arithmetic
+        check_rule(c, "stages", self.stages,
+                   not (self.BM == 128 and self.BK >= 128 and self.BN >= 96) or self.stages == 4,
+                   "must be 4 when BM=128, BK>=128 and BN>=96 (other depths spill there)")
         limit = self.consumer_registers - 24
         check_rule(c, "BN", self.BN, self.register_estimate <= limit,
                    f"S ({self.BN // 2}) + O ({self.v_cols // 2}) + P ({self.BN // 4}) accumulator registers per thread "

