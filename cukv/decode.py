@@ -13,7 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from . import compiler
-from .arrays import as_device, check_contiguous, element_dtype
+from .arrays import as_device, attention_outputs, check_contiguous, element_dtype
 from .config import CTYPES, SHORT, check_in, check_range, check_rule
 from .device import sm_count
 from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
@@ -239,26 +239,9 @@ class BatchDecode:
             raise ValueError(f"table.page_size={table.page_size}; the cache uses {cfg.page_size}")
         if table.batch_size < b:
             raise ValueError(f"table covers {table.batch_size} sequences; q has {b}")
-        if out is None:
-            out = cp.empty(qd.shape, qd.dtype)
-        else:
-            out, _ = as_device(out, "out")
-            if out.shape != qd.shape or out.dtype != qd.dtype or not out.flags.c_contiguous:
-                raise ValueError(f"out must be a contiguous {qd.dtype} array of shape {tuple(qd.shape)}")
-        if lse is None and return_lse:
-            lse = cp.empty((b, self.num_qo_heads), cp.float32)
-        elif lse is not None:
-            lse, _ = as_device(lse, "lse")
-            if lse.shape != (b, self.num_qo_heads) or lse.dtype != cp.float32 or not lse.flags.c_contiguous:
-                raise ValueError(f"lse must be a contiguous float32 array of shape ({b}, {self.num_qo_heads})")
-        if sink is not None:
-            sink, _ = as_device(sink, "sink")
-            if sink.shape != (self.num_qo_heads,) or sink.dtype != cp.float32:
-                raise ValueError(f"sink must be float32 of shape ({self.num_qo_heads},); got {sink.dtype} {tuple(sink.shape)}")
+        out, lse, sink = attention_outputs(qd, out, lse, b, self.num_qo_heads, return_lse, sink, softcap)
         if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
             raise ValueError(f"window={window!r} must be a positive integer (or None for no window)")
-        if softcap is not None and not (float(softcap) > 0):
-            raise ValueError(f"softcap={softcap!r} must be > 0 (or None for no soft-cap)")
         scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
 
         rec = np.zeros((), DECODE_ARGS)

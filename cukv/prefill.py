@@ -13,7 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from . import compiler
-from .arrays import as_device, check_contiguous, element_dtype
+from .arrays import as_device, attention_outputs, check_contiguous, element_dtype
 from .config import CTYPES, SHORT, check_in, check_range, check_rule
 from .operand import KV_PARAMS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 
@@ -333,24 +333,7 @@ class BatchPrefill:
         check_contiguous(qd, "q")
         rec = np.zeros((), PREFILL_ARGS)
         rec["kv"] = self._kv_params(kv)
-        if out is None:
-            out = cp.empty(qd.shape, qd.dtype)
-        else:
-            out, _ = as_device(out, "out")
-            if out.shape != qd.shape or out.dtype != qd.dtype or not out.flags.c_contiguous:
-                raise ValueError(f"out must be a contiguous {qd.dtype} array of shape {tuple(qd.shape)}")
-        if lse is None and return_lse:
-            lse = cp.empty((self.total_q, self.num_qo_heads), cp.float32)
-        elif lse is not None:
-            lse, _ = as_device(lse, "lse")
-            if lse.shape != (self.total_q, self.num_qo_heads) or lse.dtype != cp.float32 or not lse.flags.c_contiguous:
-                raise ValueError(f"lse must be a contiguous float32 array of shape ({self.total_q}, {self.num_qo_heads})")
-        if sink is not None:
-            sink, _ = as_device(sink, "sink")
-            if sink.shape != (self.num_qo_heads,) or sink.dtype != cp.float32:
-                raise ValueError(f"sink must be float32 of shape ({self.num_qo_heads},); got {sink.dtype} {tuple(sink.shape)}")
-        if softcap is not None and not (float(softcap) > 0):
-            raise ValueError(f"softcap={softcap!r} must be > 0 (or None for no soft-cap)")
+        out, lse, sink = attention_outputs(qd, out, lse, self.total_q, self.num_qo_heads, return_lse, sink, softcap)
         rec["q"], rec["out"], rec["lse"], rec["sink"] = ptr(qd), ptr(out), ptr(lse), ptr(sink)
         rec["q_offsets"], rec["work"] = ptr(self._q_offsets), ptr(self._work)
         rec["q_stride"] = (qd.strides[0] // 2, qd.strides[1] // 2)

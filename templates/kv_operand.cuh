@@ -59,7 +59,9 @@ struct KVCacheOperand {
   // Row index when the cache is viewed as a [num_pages * PAGE_SIZE, ...] matrix (-1: hole).
   __device__ __forceinline__ i64 row_idx(int batch_idx, int tok_idx) const {
     if constexpr (contiguous) {
-      return (i64)__ldg(p.block_table + batch_idx) + tok_idx;
+      // kv_offsets come from the user: a row outside k/v reads as a hole, never out of bounds
+      const i64 row = (i64)__ldg(p.block_table + batch_idx) + tok_idx;
+      return (row >= 0 && row < p.num_pages) ? row : (i64)-1;
     } else {
       int pg = physical_page(batch_idx, tok_idx);
       return pg < 0 ? (i64)-1 : (i64)pg * PAGE_SIZE + tok_idx % PAGE_SIZE;

@@ -168,9 +168,11 @@ struct PrefillKernel {
       if (lane < kWarpRows && tok_lane < kv_len) {
         i64 krow_off = -1, vrow_off = -1;
         if constexpr (Cache::contiguous) {
-          const i64 row = cache.row_idx(b, tok_lane);
-          krow_off = row * a.kv.k_stride[1];
-          vrow_off = row * a.kv.v_stride[1];
+          const i64 row = cache.row_idx(b, tok_lane);  // -1 when kv_offsets point outside k/v
+          if (row >= 0) {
+            krow_off = row * a.kv.k_stride[1];
+            vrow_off = row * a.kv.v_stride[1];
+          }
         } else if (page_lane >= 0) {
           krow_off = (i64)page_lane * a.kv.k_stride[0] + (i64)(tok_lane % PAGE_SIZE) * a.kv.k_stride[1];
           vrow_off = (i64)page_lane * a.kv.v_stride[0] + (i64)(tok_lane % PAGE_SIZE) * a.kv.v_stride[1];

@@ -154,3 +154,18 @@ def test_prefill_speculative(rng):
     out, lse = _run(case, hq, hkv, d, 16)
     want_o, want_lse = _reference(case, hq)
     assert_close(out, want_o, "bfloat16")
+
+
+def test_prefill_kv_offsets_past_the_arrays_read_nothing_outside(rng):
+    # kv_offsets that overrun k/v (a user error the host cannot see without a sync) read holes (zeros),
+    # never memory past the arrays: the run finishes and the output stays finite
+    import cupy as cp
+
+    hq, hkv, d = 2, 1, 64
+    case = _case(rng, [40], [0], hq, hkv, d, 0)
+    k, v, _ = case["kv"]
+    case["kv_offsets"] = np.array([0, 40 + 300], np.int32)
+    case["kv_lens"] = np.array([340], np.int32)
+    case["kv"] = (k, v, cp.asarray(case["kv_offsets"]))
+    out, lse = _run(case, hq, hkv, d, 0, mask="none")
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
