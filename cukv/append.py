@@ -20,9 +20,19 @@ class AppendConfig:
     head_dim: int = 128
     page_size: int = 16
     threads: int = 256
+    #: cache element type: None (same as ``dtype``) or 'fp8_e4m3' (quantizing append)
+    kv_dtype: str | None = None
+    #: FP8 only: dims per scale (the head dim for per-token scales), 0 for the caller's per-tensor scales
+    scale_block: int = 0
 
     def __post_init__(self):
         check_in("AppendConfig", "dtype", self.dtype, tuple(CTYPES))
+        check_in("AppendConfig", "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
+        if self.kv_dtype is not None:
+            check_in("AppendConfig", "scale_block", self.scale_block, (0, 32, 64, 128, self.head_dim))
+            if self.head_dim % 16 or (self.scale_block and self.head_dim % self.scale_block):
+                raise ValueError(f"AppendConfig: head_dim={self.head_dim} must be a multiple of 16 and of "
+                                 f"scale_block={self.scale_block}")
         check_range("AppendConfig", "head_dim", self.head_dim, 8, 1024)
         if self.head_dim % 8:
             raise ValueError(f"AppendConfig.head_dim={self.head_dim} is not valid: must be a multiple of 8")
@@ -30,12 +40,23 @@ class AppendConfig:
         check_in("AppendConfig", "threads", self.threads, (128, 256, 512))
 
     @property
+    def quantized(self) -> bool:
+        return self.kv_dtype is not None
+
+    @property
     def name(self) -> str:
-        return f"cukv_append_{SHORT[self.dtype]}_d{self.head_dim}_p{self.page_size}"
+        q = f"_e4m3s{self.scale_block}" if self.quantized else ""
+        return f"cukv_append_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}"
+
+    def grid(self, num_tokens: int, num_heads: int) -> int:
+        """Blocks to launch: a thread per 16-byte vector, or a warp per (token, head) row when quantizing."""
+        work = num_tokens * num_heads * (32 if self.quantized else self.head_dim // 8)
+        return max(1, min((work + self.threads - 1) // self.threads, 65535))
 
     def render(self) -> str:
         return compiler.render("append.cu.j2", name=self.name, ctype=CTYPES[self.dtype], page_size=self.page_size,
-                               head_dim=self.head_dim, threads=self.threads, args_bytes=APPEND_ARGS.itemsize)
+                               head_dim=self.head_dim, threads=self.threads, args_bytes=APPEND_ARGS.itemsize,
+                               quantized=self.quantized, scale_block=self.scale_block)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -44,6 +65,11 @@ class AppendConfig:
 
 def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None) -> None:
     """Write ``k_new``/``v_new`` ``[tokens, num_kv_heads, head_dim]`` into ``cache`` at ``slot_mapping[tokens]``.
+
+    An FP8 cache quantizes on the way in (``k_new``/``v_new`` in bf16 or fp16): each granule's scale is
+    ``max(amax, 448 * 2**-32) / 448`` and each code ``e4m3(x / scale)`` (round to nearest even, saturating),
+    bit-identical to :func:`cukv.fp8.quantize`; per-tensor caches divide by the scales the caller set with
+    :meth:`PagedKVCache.set_tensor_scales` (read on the device, so graph replays see updates).
 
     ``slot = physical_page * page_size + offset``; a slot of -1 (or any slot outside the cache) is skipped,
     so padding tokens and a bad mapping never write outside the cache. Graph-capturable when
@@ -62,8 +88,9 @@ def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None) -> None:
 
     kd, kdt = as_device(k_new, "k_new")
     vd, vdt = as_device(v_new, "v_new")
-    dt = element_dtype(kd, kdt or (cache.dtype if kd.dtype == cp.uint16 else None), "k_new")
-    if dt != cache.dtype:
+    quantized = getattr(cache, "quantized", False)
+    dt = element_dtype(kd, kdt or ("bfloat16" if kd.dtype == cp.uint16 else None), "k_new")
+    if not quantized and dt != cache.dtype:
         raise TypeError(f"k_new is {dt}; the cache holds {cache.dtype}")
     want = (None, cache.num_kv_heads, cache.head_dim)
     for name, a in (("k_new", kd), ("v_new", vd)):
@@ -82,13 +109,15 @@ def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None) -> None:
     sd = cp.ascontiguousarray(sd, dtype=cp.int64)
     if kd.shape[0] == 0:
         return
-    cfg = AppendConfig(cache.dtype, cache.head_dim, cache.page_size)
+    if quantized:
+        cfg = AppendConfig(dt, cache.head_dim, cache.page_size, kv_dtype=cache.dtype, scale_block=cache.scale_block)
+    else:
+        cfg = AppendConfig(cache.dtype, cache.head_dim, cache.page_size)
     rec = np.zeros((), APPEND_ARGS)
     rec["kv"] = kv_params(cache)
     rec["k_new"], rec["v_new"], rec["slots"] = ptr(kd), ptr(vd), ptr(sd)
     rec["num_tokens"], rec["num_heads"] = kd.shape[0], cache.num_kv_heads
-    total = kd.shape[0] * cache.num_kv_heads * cache.head_dim // 8
-    grid = max(1, min((total + cfg.threads - 1) // cfg.threads, 65535))
+    grid = cfg.grid(kd.shape[0], cache.num_kv_heads)
     fn = cfg.compiled.function(cfg.name)
     with (stream or cp.cuda.get_current_stream()):
         fn((grid,), (cfg.threads,), (as_kernel_arg(rec),))

@@ -25,6 +25,20 @@ def canonical_dtype(dtype, arg: str = "dtype") -> str:
     raise TypeError(f"{arg}={dtype!r} is not supported; accepted: 'float16' or 'bfloat16'")
 
 
+KV_DTYPE_ALIASES = {"fp8_e4m3": "fp8_e4m3", "fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3"}
+
+
+def canonical_kv_dtype(dtype, arg: str = "dtype") -> str:
+    """A cache's element type: 'float16', 'bfloat16' or 'fp8_e4m3' (aliases 'fp8', 'e4m3', 'float8_e4m3fn')."""
+    name = str(getattr(dtype, "name", None) or dtype).replace("torch.", "")
+    if name in KV_DTYPE_ALIASES:
+        return KV_DTYPE_ALIASES[name]
+    try:
+        return canonical_dtype(dtype, arg)
+    except TypeError:
+        raise TypeError(f"{arg}={dtype!r} is not supported; accepted: 'float16', 'bfloat16' or 'fp8_e4m3'") from None
+
+
 def _torch_dtype_name(x) -> str | None:
     dt = getattr(x, "dtype", None)
     s = str(dt)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import as_device, canonical_dtype, element_dtype, elem_strides
+from .arrays import as_device, canonical_kv_dtype, element_dtype, elem_strides
 from .dtypes import nan_bits, storage_dtype
+from .fp8 import scale_block as _scale_block
 
 LAYOUTS = ("separate", "combined", "layers")
 
@@ -60,17 +61,28 @@ class PagedKVCache:
     ----------
     num_pages, page_size, num_kv_heads, head_dim : int
         Geometry. Any page size from 1 up; head_dim a multiple of 8 (16-byte rows).
-    dtype : {'bfloat16', 'float16'}
-        Element type (bf16 is held as uint16 bit patterns in CuPy).
+    dtype : {'bfloat16', 'float16', 'fp8_e4m3'}
+        Element type (bf16 is held as uint16 bit patterns in CuPy, e4m3 as uint8 codes).
     layout : {'combined', 'separate', 'layers'}
         ``combined``: one ``[pages, 2, page_size, H, D]`` array; ``separate``: two ``[pages, page_size, H, D]``;
         ``layers``: ``[pages, 2, num_layers, page_size, H, D]`` and this object views ``layer``.
     fill : float or None
         ``'nan'`` poisons every slot (tests do this so unwritten slots cannot pass unnoticed).
+    scale_granularity : {'token', 'tensor', 32, 64, 128}
+        FP8 caches only: one float32 scale per (token, head), per K/V tensor, or per (token, head, block of
+        g dims). Scales live in ``k_scales``/``v_scales``, laid out like the pages (the last axis is the
+        block: ``[pages, page_size, H, D // g]``); per tensor they are two device scalars that
+        :meth:`set_tensor_scales` writes (default 1.0).
+
+    Examples
+    --------
+    >>> cache = cukv.PagedKVCache(64, 16, 8, 128, dtype="fp8_e4m3", scale_granularity=64)   # doctest: +SKIP
+    >>> cache.k.dtype, cache.k_scales.shape                     # uint8 codes, [64, 16, 8, 2] float32
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype="bfloat16",
-                 layout: str = "combined", num_layers: int = 1, layer: int = 0, fill=None):
+                 layout: str = "combined", num_layers: int = 1, layer: int = 0, fill=None,
+                 scale_granularity=None):
         import cupy as cp
 
         for name, val in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
@@ -83,23 +95,78 @@ class PagedKVCache:
             raise ValueError(f"layout={layout!r}; accepted: {', '.join(LAYOUTS)}")
         if not (0 <= layer < num_layers):
             raise ValueError(f"layer={layer} must be in 0..{num_layers - 1}")
-        self.dtype = canonical_dtype(dtype)
+        self.dtype = canonical_kv_dtype(dtype)
         self.num_pages, self.page_size = int(num_pages), int(page_size)
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
         self.layout = layout
+        self._set_granularity(scale_granularity)
         st = storage_dtype(self.dtype)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        if layout == "separate":
-            self.storage = (cp.empty(shape, st), cp.empty(shape, st))
-            self.k, self.v = self.storage
-        elif layout == "combined":
-            self.storage = cp.empty((num_pages, 2) + shape[1:], st)
-            self.k, self.v = self.storage[:, 0], self.storage[:, 1]
-        else:
-            self.storage = cp.empty((num_pages, 2, num_layers) + shape[1:], st)
-            self.k, self.v = self.storage[:, 0, layer], self.storage[:, 1, layer]
+        self.k, self.v, self.storage = _alloc(layout, shape, st, num_layers, layer)
+        self.k_scales = self.v_scales = self.scale_storage = None
+        if self.quantized:
+            if self.scale_block == 0:
+                self.scale_storage = cp.ones(2, cp.float32)
+                self.k_scales, self.v_scales = self.scale_storage[0], self.scale_storage[1]
+            else:
+                sshape = shape[:3] + (head_dim // self.scale_block,)
+                self.k_scales, self.v_scales, self.scale_storage = _alloc(layout, sshape, cp.float32, num_layers, layer)
         if fill is not None:
             self.fill(fill)
+
+    def _set_granularity(self, scale_granularity) -> None:
+        if self.dtype == "fp8_e4m3":
+            if self.head_dim % 16:
+                raise ValueError(f"head_dim={self.head_dim} must be a multiple of 16 for an FP8 cache (16-byte rows)")
+            self.scale_granularity = "token" if scale_granularity is None else scale_granularity
+            self.scale_block = _scale_block(self.scale_granularity, self.head_dim)
+        elif scale_granularity is not None:
+            raise ValueError(f"scale_granularity={scale_granularity!r} applies to FP8 caches only; dtype is {self.dtype}")
+        else:
+            self.scale_granularity, self.scale_block = None, None
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == "fp8_e4m3"
+
+    def set_tensor_scales(self, k_scale, v_scale) -> None:
+        """Per-tensor FP8 caches: write the K and V scales (floats or device scalars; device-to-device copies,
+        so a CUDA graph that appends or attends sees the new values on replay)."""
+        import cupy as cp
+
+        if not self.quantized or self.scale_block != 0:
+            raise ValueError("set_tensor_scales applies to FP8 caches with scale_granularity='tensor'")
+        for name, val, dst in (("k_scale", k_scale, self.k_scales), ("v_scale", v_scale, self.v_scales)):
+            if isinstance(val, cp.ndarray):
+                if val.size != 1:
+                    raise ValueError(f"{name} must be a scalar; got shape {tuple(val.shape)}")
+                dst[...] = val.reshape(()).astype(cp.float32)
+            else:
+                f = float(val)
+                if not (np.isfinite(f) and f > 0):
+                    raise ValueError(f"{name}={val!r} must be a positive finite float")
+                dst.fill(f)
+
+    def dequantize(self):
+        """The cache's values as bf16 (uint16 bits) device arrays ``(k, v)`` ``[pages, page_size, H, D]``,
+        for inspection: ``e4m3(code) * scale`` rounded once to bf16. Unwritten slots read as whatever their
+        bytes and scales hold (NaN codes stay NaN)."""
+        import cupy as cp
+
+        if not self.quantized:
+            raise ValueError(f"dequantize applies to FP8 caches; this cache holds {self.dtype}")
+        from .fp8 import E4M3_VALUES
+
+        table = cp.asarray(E4M3_VALUES.astype(np.float32))
+        out = []
+        for codes, scales in ((self.k, self.k_scales), (self.v, self.v_scales)):
+            vals = table[codes]
+            s = scales if self.scale_block == 0 else cp.repeat(scales, self.scale_block, axis=-1)
+            f = (vals * s).astype(cp.float32)
+            u = f.view(cp.uint32).astype(cp.uint64)
+            bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cp.uint16)
+            out.append(cp.where(cp.isnan(f), cp.uint16(0x7FC0), bits))
+        return tuple(out)
 
     @classmethod
     def from_arrays(cls, k, v, dtype=None) -> "PagedKVCache":
@@ -118,19 +185,31 @@ class PagedKVCache:
         self.layout = "external"
         self.storage = (kd, vd)
         self.k, self.v = kd, vd
+        self.scale_granularity = self.scale_block = None
+        self.k_scales = self.v_scales = self.scale_storage = None
         self._check_alignment()
         return self
 
     def _check_alignment(self) -> None:
+        vec = 16 // self.k.itemsize
         for name, a in (("k", self.k), ("v", self.v)):
             s = elem_strides(a)
             if s[3] != 1:
                 raise ValueError(f"{name} must have a unit stride over head_dim; strides (elements) are {s}")
-            if any(x % 8 for x in s[:3]) or a.data.ptr % 16:
+            if any(x % vec for x in s[:3]) or a.data.ptr % 16:
                 raise ValueError(f"{name} rows must be 16-byte aligned: strides (elements) {s} must be multiples "
-                                 f"of 8 and the base address a multiple of 16")
-        if self.head_dim % 8:
-            raise ValueError(f"head_dim={self.head_dim} must be a multiple of 8")
+                                 f"of {vec} and the base address a multiple of 16")
+        if self.head_dim % vec:
+            raise ValueError(f"head_dim={self.head_dim} must be a multiple of {vec}")
+
+    @property
+    def ks_strides(self) -> tuple[int, int, int, int]:
+        """Element strides of the K scales (zeros per tensor: every granule reads the one scalar)."""
+        return (0, 0, 0, 0) if self.k_scales is None or self.scale_block == 0 else elem_strides(self.k_scales)
+
+    @property
+    def vs_strides(self) -> tuple[int, int, int, int]:
+        return (0, 0, 0, 0) if self.v_scales is None or self.scale_block == 0 else elem_strides(self.v_scales)
 
     @property
     def k_strides(self) -> tuple[int, int, int, int]:
@@ -149,10 +228,28 @@ class PagedKVCache:
         val = nan_bits(self.dtype) if (isinstance(value, str) and value.lower() == "nan") else value
         for a in (self.storage if isinstance(self.storage, tuple) else (self.storage,)):
             a.fill(val)
+        if self.quantized and self.scale_block != 0 and isinstance(value, str) and value.lower() == "nan":
+            for a in (self.scale_storage if isinstance(self.scale_storage, tuple) else (self.scale_storage,)):
+                a.fill(np.nan)
 
     def __repr__(self) -> str:
+        q = f", scale_granularity={self.scale_granularity!r}" if self.quantized else ""
         return (f"PagedKVCache(num_pages={self.num_pages}, page_size={self.page_size}, num_kv_heads="
-                f"{self.num_kv_heads}, head_dim={self.head_dim}, dtype='{self.dtype}', layout='{self.layout}')")
+                f"{self.num_kv_heads}, head_dim={self.head_dim}, dtype='{self.dtype}', layout='{self.layout}'{q})")
+
+
+def _alloc(layout: str, shape: tuple, dtype, num_layers: int, layer: int):
+    """(k, v, storage) views of one allocation in ``layout``; shape is ``[pages, page_size, H, last]``."""
+    import cupy as cp
+
+    if layout == "separate":
+        storage = (cp.empty(shape, dtype), cp.empty(shape, dtype))
+        return storage[0], storage[1], storage
+    if layout == "combined":
+        storage = cp.empty((shape[0], 2) + shape[1:], dtype)
+        return storage[:, 0], storage[:, 1], storage
+    storage = cp.empty((shape[0], 2, num_layers) + shape[1:], dtype)
+    return storage[:, 0, layer], storage[:, 1, layer], storage
 
 
 class PageTable:

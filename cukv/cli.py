@@ -90,6 +90,10 @@ def _report(results, total) -> int:
     return bad
 
 
+def _granularity(text: str):
+    return int(text) if str(text).isdigit() else text
+
+
 def _bench(args) -> int:
     from .device import require_gpu
 
@@ -101,14 +105,15 @@ def _bench(args) -> int:
         except ValueError as e:
             print(f"cukv bench prefill: {e}", file=sys.stderr)
             return 2
-    elif args.kv_dtype != "bfloat16":
-        print("cukv bench decode: --kv-dtype applies to `bench prefill` only", file=sys.stderr)
+    elif args.kv_dtype not in ("bfloat16", "fp8_e4m3"):
+        print(f"cukv bench decode: --kv-dtype {args.kv_dtype!r} is not valid; accepted: bfloat16, fp8_e4m3", file=sys.stderr)
         return 2
     require_gpu("cukv bench")
     if args.what == "decode":
         from .bench.decode import run
 
-        run(out_dir=args.out, quick=args.quick, sweep=args.sweep, **({"reps": args.reps} if args.reps else {}))
+        run(out_dir=args.out, quick=args.quick, sweep=args.sweep, kv_dtype=args.kv_dtype,
+            scale_granularity=_granularity(args.scale_granularity), **({"reps": args.reps} if args.reps else {}))
     elif args.what == "prefill":
         from .bench.prefill import failed, run
 
@@ -225,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep", action="store_true", help="decode: also time other warp/split counts per cell")
     b.add_argument("--reps", type=int, default=None, help="timed calls per cell (decode default 30; prefill 20, quick 5)")
     b.add_argument("--kv-dtype", default="bfloat16",
-                   help="prefill: K/V element type (only bfloat16 for now; the option is a placeholder for FP8)")
+                   help="fp8_e4m3: also time an FP8 cache beside bf16 on every shape (decode; prefill once its FP8 "
+                   "path lands)")
+    b.add_argument("--scale-granularity", default="token", help="FP8 scales: token, tensor, 32, 64 or 128")
     a = sub.add_parser("autotune", help="time prefill tile shapes on this GPU and keep the fastest (opt-in)",
                        description="prefill: time candidate (BM, BN, BK, stages) around the default on a causal "
                        "prefill, check each against the default's output, store the fastest next to the compile "

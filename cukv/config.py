@@ -9,7 +9,10 @@ SHORT = {"bfloat16": "bf16", "float16": "f16"}
 
 def _same_kind(value, allowed) -> bool:
     """True == 1 and 4.0 == 4 would pass `in` and render an invalid kernel; NumPy integers are integers."""
-    if isinstance(allowed[0], str):
+    if value is None:
+        return None in allowed
+    kinds = [a for a in allowed if a is not None]
+    if isinstance(kinds[0], str):
         return isinstance(value, str)
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 

@@ -38,6 +38,12 @@ class DecodeConfig:
     min_blocks: int = 1
     BN: int = 16
     BK: int = 32
+    #: cache element type: None (the query's dtype) or 'fp8_e4m3' (dequantized to ``dtype`` in registers)
+    kv_dtype: str | None = None
+    #: FP8: dims per scale (the head dim for per-token scales), 0 for per-tensor scales
+    scale_block: int = 0
+    #: 16-token strips each warp keeps in flight (FP8 defaults to 2 so the bytes in flight match bf16)
+    sub: int | None = None
 
     def __post_init__(self):
         c = "DecodeConfig"
@@ -50,6 +56,20 @@ class DecodeConfig:
         check_in(c, "min_blocks", self.min_blocks, (1, 2, 3, 4))
         check_in(c, "BN", self.BN, (16,))
         check_in(c, "BK", self.BK, (32,))
+        check_in(c, "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
+        if self.kv_dtype is None:
+            check_in(c, "scale_block", self.scale_block, (0,))
+        else:
+            check_in(c, "scale_block", self.scale_block, (0, 32, 64, 128, self.head_dim))
+            check_rule(c, "scale_block", self.scale_block, self.scale_block == 0 or self.head_dim % self.scale_block == 0,
+                       f"must divide head_dim={self.head_dim}")
+        if self.sub is None:
+            object.__setattr__(self, "sub", 2 if self.quantized and self.head_dim <= 128 else 1)
+        check_in(c, "sub", self.sub, (1, 2, 3, 4))
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype is not None
 
     # --- the seed's comptime members
     mma_shape = (16, 8, 16)
@@ -97,15 +117,18 @@ class DecodeConfig:
 
     @property
     def name(self) -> str:
-        return (f"cukv_decode_{SHORT[self.dtype]}_d{self.head_dim}_g{self.group}_p{self.page_size}_w{self.num_warps}"
-                f"_b{self.min_blocks}")
+        q = f"_e4m3s{self.scale_block}" if self.quantized else ""
+        sub = f"_s{self.sub}" if self.sub != 1 else ""
+        return (f"cukv_decode_{SHORT[self.dtype]}{q}_d{self.head_dim}_g{self.group}_p{self.page_size}_w{self.num_warps}"
+                f"_b{self.min_blocks}{sub}")
 
     def render(self) -> str:
         return compiler.render(
             "decode.cu.j2", name=self.name, ctype=CTYPES[self.dtype], page_size=self.page_size,
             head_dim=self.head_dim, group=self.group, num_warps=self.num_warps, min_blocks=self.min_blocks,
             num_k_strips=self.num_k_strips, num_k_mmas2=self.num_k_mmas2, num_mmas=self.num_mmas,
-            input_frag_size=self.input_frag_size, smem_bytes=self.smem_bytes, args_bytes=DECODE_ARGS.itemsize)
+            input_frag_size=self.input_frag_size, smem_bytes=self.smem_bytes, args_bytes=DECODE_ARGS.itemsize,
+            quantized=self.quantized, scale_block=self.scale_block, sub=self.sub)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -149,6 +172,11 @@ class BatchDecode:
     page_size : int
         Tokens per page, 1..4096 (each page size is its own specialization).
     dtype : {'bfloat16', 'float16'}
+        Query and output type (and the cache's, unless ``kv_dtype`` says otherwise).
+    kv_dtype : {None, 'fp8_e4m3'}
+        An FP8 cache: codes and scales are dequantized to ``dtype`` in registers right before the mma.
+    scale_granularity : {'token', 'tensor', 32, 64, 128}
+        The FP8 cache's granularity (default 'token'); it must match the cache passed to :meth:`run`.
 
     Examples
     --------
@@ -165,8 +193,9 @@ class BatchDecode:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype="bfloat16", num_warps: int = 4):
-        from .arrays import canonical_dtype
+                 dtype="bfloat16", num_warps: int = 4, kv_dtype=None, scale_granularity=None):
+        from .arrays import canonical_dtype, canonical_kv_dtype
+        from .fp8 import scale_block
 
         for n, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(v, (int, np.integer)) or v < 1:
@@ -174,8 +203,16 @@ class BatchDecode:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
+        kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
+        if kvd is not None and kvd != "fp8_e4m3":
+            kvd = None if kvd == canonical_dtype(dtype) else kvd
+            if kvd is not None:
+                raise TypeError(f"kv_dtype={kv_dtype!r} with dtype={dtype!r}: a 16-bit cache must match the query dtype")
+        if kvd is None and scale_granularity is not None:
+            raise ValueError(f"scale_granularity={scale_granularity!r} applies to kv_dtype='fp8_e4m3' only")
+        sb = scale_block("token" if scale_granularity is None else scale_granularity, int(head_dim)) if kvd else 0
         self.config = DecodeConfig(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
-                                   int(page_size), int(num_warps))
+                                   int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb)
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
         self._planned = None
 
@@ -231,10 +268,12 @@ class BatchDecode:
         b = qd.shape[0]
         if not (1 <= b <= self.batch_size):
             raise ValueError(f"q has batch {b}; plan() allowed 1..{self.batch_size}")
-        if cache.dtype != cfg.dtype or cache.head_dim != cfg.head_dim or cache.num_kv_heads != self.num_kv_heads \
-                or cache.page_size != cfg.page_size:
-            raise ValueError(f"cache {cache!r} does not match this BatchDecode (dtype {cfg.dtype}, "
-                             f"{self.num_kv_heads} KV heads, head_dim {cfg.head_dim}, page_size {cfg.page_size})")
+        want_kv = cfg.kv_dtype or cfg.dtype
+        if cache.dtype != want_kv or cache.head_dim != cfg.head_dim or cache.num_kv_heads != self.num_kv_heads \
+                or cache.page_size != cfg.page_size or (cfg.quantized and cache.scale_block != cfg.scale_block):
+            q = f", scale block {cfg.scale_block}" if cfg.quantized else ""
+            raise ValueError(f"cache {cache!r} does not match this BatchDecode (cache dtype {want_kv}, "
+                             f"{self.num_kv_heads} KV heads, head_dim {cfg.head_dim}, page_size {cfg.page_size}{q})")
         if table.page_size != cfg.page_size:
             raise ValueError(f"table.page_size={table.page_size}; the cache uses {cfg.page_size}")
         if table.batch_size < b:
@@ -264,6 +303,10 @@ def decode(q, cache, table, **kwargs):
     if qd.ndim != 3:
         raise ValueError(f"q has shape {tuple(qd.shape)}; expected [batch, num_qo_heads, head_dim]")
     lens = table.lengths.get()
-    dec = BatchDecode(qd.shape[1], cache.num_kv_heads, cache.head_dim, cache.page_size, cache.dtype)
+    qdt = element_dtype(qd, _ or ("bfloat16" if qd.dtype.kind == "u" else None), "q")
+    quant = getattr(cache, "quantized", False)
+    dec = BatchDecode(qd.shape[1], cache.num_kv_heads, cache.head_dim, cache.page_size, qdt if quant else cache.dtype,
+                      kv_dtype=cache.dtype if quant else None,
+                      scale_granularity=cache.scale_granularity if quant else None)
     dec.plan(qd.shape[0], max(1, int(lens.max(initial=1))))
     return dec.run(q, cache, table, **kwargs)

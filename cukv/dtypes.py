@@ -32,9 +32,9 @@ def from_storage(x, dtype: str) -> np.ndarray:
 
 
 def storage_dtype(dtype: str):
-    return np.uint16 if dtype == "bfloat16" else np.float16
+    return {"bfloat16": np.uint16, "fp8_e4m3": np.uint8}.get(dtype, np.float16)
 
 
 def nan_bits(dtype: str):
     """A NaN in storage form, for poisoning buffers."""
-    return np.uint16(0x7FC0) if dtype == "bfloat16" else np.float16(np.nan)
+    return {"bfloat16": np.uint16(0x7FC0), "fp8_e4m3": np.uint8(0x7F)}.get(dtype, np.float16(np.nan))

@@ -46,6 +46,9 @@ def kv_params(cache, table=None) -> np.ndarray:
     rec = np.zeros((), KV_PARAMS)
     rec["k"], rec["v"] = ptr(cache.k), ptr(cache.v)
     rec["k_stride"], rec["v_stride"] = cache.k_strides, cache.v_strides
+    if getattr(cache, "k_scales", None) is not None:
+        rec["k_scales"], rec["v_scales"] = ptr(cache.k_scales), ptr(cache.v_scales)
+        rec["ks_stride"], rec["vs_stride"] = cache.ks_strides, cache.vs_strides
     rec["num_pages"] = cache.num_pages
     if table is not None:
         bt = table.block_table

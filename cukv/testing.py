@@ -43,9 +43,14 @@ def assert_close(actual, expected, dtype: str = "bfloat16", *, atol=None, rtol=N
 
 
 def random_decode_case(rng, *, batch, lengths, num_qo_heads, num_kv_heads, head_dim, page_size, dtype="bfloat16",
-                       layout="combined", extra_pages=3, shuffle=True, big_page_ids=False):
+                       layout="combined", extra_pages=3, shuffle=True, big_page_ids=False, kv_dtype=None,
+                       scale_granularity=None):
     """A NaN-poisoned paged cache filled through :func:`cukv.append_kv`, a page table in random page order,
-    and a query batch. Returns a dict with device objects and host float64 copies for the reference."""
+    and a query batch. Returns a dict with device objects and host float64 copies for the reference.
+
+    ``kv_dtype='fp8_e4m3'`` builds a quantized cache (``dtype`` is then the query's and the appended
+    tokens' type); per-token K/V magnitudes vary over two decades so granules get different scales, and a
+    per-tensor cache gets scales from the data's amax."""
     import cupy as cp
 
     from .append import append_kv
@@ -56,7 +61,9 @@ def random_decode_case(rng, *, batch, lengths, num_qo_heads, num_kv_heads, head_
     max_pages = max(1, int(pages_per.max(initial=0)))
     base = 65536 + 7 if big_page_ids else 0  # physical ids above 65536 exercise 64-bit offsets
     num_pages = int(pages_per.sum()) + extra_pages + base
-    cache = PagedKVCache(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, layout=layout, fill="nan")
+    quant = kv_dtype == "fp8_e4m3"
+    cache = PagedKVCache(num_pages, page_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype, layout=layout,
+                         fill="nan", scale_granularity=scale_granularity if quant else None)
     ids = np.arange(base, num_pages)
     if shuffle:
         rng.shuffle(ids)
@@ -72,6 +79,12 @@ def random_decode_case(rng, *, batch, lengths, num_qo_heads, num_kv_heads, head_
     total = int(lengths.sum())
     k_new = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
     v_new = rng.standard_normal((total, num_kv_heads, head_dim)).astype(np.float32)
+    if quant:
+        k_new *= np.exp(rng.uniform(-2.3, 2.3, (total, num_kv_heads, 1))).astype(np.float32)
+        v_new *= np.exp(rng.uniform(-2.3, 2.3, (total, num_kv_heads, 1))).astype(np.float32)
+        if cache.scale_block == 0 and total:
+            cache.set_tensor_scales(float(np.abs(from_storage(to_storage(k_new, dtype), dtype)).max()) / 448,
+                                    float(np.abs(from_storage(to_storage(v_new, dtype), dtype)).max()) / 448)
     kd, vd = cp.asarray(to_storage(k_new, dtype)), cp.asarray(to_storage(v_new, dtype))
     append_kv(cache, kd, vd, cp.asarray(slots))
     q = rng.standard_normal((batch, num_qo_heads, head_dim)).astype(np.float32)
@@ -85,8 +98,22 @@ def random_decode_case(rng, *, batch, lengths, num_qo_heads, num_kv_heads, head_
 
 
 def cache_pages_host(cache):
-    """Host float64 copies of K and V pages ``[num_pages, page_size, H, D]``."""
-    return from_storage(cache.k.get(), cache.dtype), from_storage(cache.v.get(), cache.dtype)
+    """Host float64 copies of K and V pages ``[num_pages, page_size, H, D]`` (dequantized for FP8)."""
+    return cache_values_host(cache, (slice(None),))
+
+
+def cache_values_host(cache, index):
+    """float64 K and V at ``cache.k[index]`` (a tuple of device indices over (page, token)), dequantized
+    exactly (``e4m3 * scale`` in float64) for an FP8 cache."""
+    if not getattr(cache, "quantized", False):
+        return from_storage(cache.k[index].get(), cache.dtype), from_storage(cache.v[index].get(), cache.dtype)
+    from .fp8 import dequantize
+
+    out = []
+    for codes, scales in ((cache.k, cache.k_scales), (cache.v, cache.v_scales)):
+        sc = scales.get() if cache.scale_block == 0 else scales[index].get()
+        out.append(dequantize(codes[index].get(), sc, cache.scale_block))
+    return tuple(out)
 
 
 def reference_decode(case, **kw):
@@ -102,8 +129,8 @@ def reference_decode(case, **kw):
         rows_p.append(table[b, pos // ps])
         rows_o.append(pos % ps)
     rp, ro = np.concatenate(rows_p).astype(np.int64), np.concatenate(rows_o).astype(np.int64)
-    k = from_storage(cache.k[cp.asarray(rp), cp.asarray(ro)].get(), cache.dtype)[:, None]
-    v = from_storage(cache.v[cp.asarray(rp), cp.asarray(ro)].get(), cache.dtype)[:, None]
+    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)))
+    k, v = k[:, None], v[:, None]
     starts = np.concatenate([[0], np.cumsum(lengths)])
     compact = np.zeros((len(lengths), max(1, int(lengths.max(initial=1)))), np.int64)
     for b, n in enumerate(lengths):

@@ -30,10 +30,13 @@ struct alignas(8) DecodeArgs {
 template <typename T, int DEPTH>
 __device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, int batch);
 
-template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS>
+// QUANTIZED: the cache holds FP8 e4m3 codes (scales per SCALE_BLOCK dims, 0 = per tensor), dequantized to T
+// in registers; SUB: strips each warp keeps in flight.
+template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, bool QUANTIZED = false, int SCALE_BLOCK = 0,
+          int SUB = 1>
 struct DecodeKernel {
-  typedef KVCacheOperand<T, PAGE_SIZE> Op;
-  typedef DecodeStreamingKVBuffer<Op, DEPTH> Buf;
+  typedef KVCacheOperand<typename Select<QUANTIZED, unsigned char, T>::type, PAGE_SIZE, QUANTIZED> Op;
+  typedef DecodeStreamingKVBuffer<Op, T, DEPTH, SCALE_BLOCK> Buf;
   static constexpr int BN = 16;
   static constexpr bool TWO_ROWS = GROUP > 8;       // rows g+8 carry heads too
   static constexpr int NK = Buf::num_k_strips;
@@ -43,6 +46,7 @@ struct DecodeKernel {
   static constexpr bool PIPELINE = !V_LATE;          // prefetch the next strip into the same registers
   static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
   static_assert(PAGE_SIZE >= 1, "page size must be positive");
+  static_assert(SUB >= 1 && SUB <= 4, "1..4 strips in flight per warp");
 
   struct Smem {
     float m[NUM_WARPS][16];
@@ -95,24 +99,35 @@ struct DecodeKernel {
     for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
 
-    // Software pipeline (depth <= 128): chunk i+1's K loads go out right after chunk i's scores, its V
-    // loads right after chunk i's P.V, and its page lookup at the top of chunk i, so every warp keeps a
-    // strip of loads in flight while it computes, in the same registers.
-    Buf buf;
+    // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V
+    // loads right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB
+    // strips of loads in flight while it computes, in the same registers. A warp's strips in one round are
+    // ch + sub * NUM_WARPS (sub < SUB); FP8 caches use SUB = 2 so the bytes in flight match the 16-bit cache.
+    Buf buf[SUB];
+    i64 base[SUB];
     int ch = my_lo + warp;
-    i64 base = (PAGE_SIZE % BN == 0 && ch < my_hi) ? Buf::rows_base(op, b, ch * BN) : (i64)0;
-    if (PIPELINE && ch < my_hi) {
-      buf.load_k(op, b, hk, ch * BN, start, len, base);
-      buf.load_v(op, b, hk, ch * BN, start, len, base);
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) {
+      buf[sub].set_tensor_scales(op);
+      const int st = ch + sub * NUM_WARPS;
+      base[sub] = (PAGE_SIZE % BN == 0 && st < my_hi) ? Buf::rows_base(op, b, st * BN) : (i64)0;
+      if (PIPELINE && st < my_hi) {
+        buf[sub].load_k(op, b, hk, st * BN, start, len, base[sub]);
+        buf[sub].load_v(op, b, hk, st * BN, start, len, base[sub]);
+      }
     }
-    for (; ch < my_hi; ch += NUM_WARPS) {
-      const int t0 = ch * BN;
-      const int nch = ch + NUM_WARPS;
+    for (; ch < my_hi; ch += NUM_WARPS * SUB) {
+#pragma unroll
+      for (int sub = 0; sub < SUB; ++sub) {
+      const int st = ch + sub * NUM_WARPS;
+      if (st >= my_hi) break;
+      const int t0 = st * BN;
+      const int nch = st + NUM_WARPS * SUB;
       const bool has_next = nch < my_hi;
       const i64 nbase = (PAGE_SIZE % BN == 0 && has_next) ? Buf::rows_base(op, b, nch * BN) : (i64)0;
       if constexpr (!PIPELINE) {
-        buf.load_k(op, b, hk, t0, start, len, base);
-        if constexpr (!V_LATE) buf.load_v(op, b, hk, t0, start, len, base);
+        buf[sub].load_k(op, b, hk, t0, start, len, base[sub]);
+        if constexpr (!V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
       }
       float s[2][4];
 #pragma unroll
@@ -128,14 +143,12 @@ struct DecodeKernel {
             xa = qa[ks];
             xb = qb[ks];
           }
-          u32 b0, b1;
-          buf.k_frag(nt, ks, 0, b0, b1);
-          mma_16816<T>(s[nt], xa.x, xb.x, xa.y, xb.y, b0, b1);
-          buf.k_frag(nt, ks, 1, b0, b1);
-          mma_16816<T>(s[nt], xa.z, xb.z, xa.w, xb.w, b0, b1);
+          const uint4 kk = buf[sub].k_val(nt, ks);
+          mma_16816<T>(s[nt], xa.x, xb.x, xa.y, xb.y, kk.x, kk.y);
+          mma_16816<T>(s[nt], xa.z, xb.z, xa.w, xb.w, kk.z, kk.w);
         }
       }
-      if (PIPELINE && has_next) buf.load_k(op, b, hk, nch * BN, start, len, nbase);
+      if (PIPELINE && has_next) buf[sub].load_k(op, b, hk, nch * BN, start, len, nbase);
       // scores -> base-2 logits; masked columns become -inf by selection, never by arithmetic
       float mx0 = -CUKV_INF, mx1 = -CUKV_INF;
 #pragma unroll
@@ -175,7 +188,7 @@ struct DecodeKernel {
           ps1 += s[nt][2] + s[nt][3];
         }
       }
-      if constexpr (V_LATE) buf.load_v(op, b, hk, t0, start, len, base);
+      if constexpr (V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
       l0 = l0 * al0 + ps0;
       if constexpr (TWO_ROWS) l1 = l1 * al1 + ps1;
       const u32 pa0 = ElemTraits<T>::pack(s[0][0], s[0][1]);
@@ -183,19 +196,26 @@ struct DecodeKernel {
       const u32 pa1 = TWO_ROWS ? ElemTraits<T>::pack(s[0][2], s[0][3]) : 0u;
       const u32 pa3 = TWO_ROWS ? ElemTraits<T>::pack(s[1][2], s[1][3]) : 0u;
 #pragma unroll
-      for (int j = 0; j < NO; ++j) {
-        o[j][0] *= al0;
-        o[j][1] *= al0;
-        if constexpr (TWO_ROWS) {
-          o[j][2] *= al1;
-          o[j][3] *= al1;
+      for (int grp = 0; grp < NO / 8; ++grp) {
+        uint4 vv[4];
+        buf[sub].v_group(grp, vv);
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = grp * 8 + jj;
+          o[j][0] *= al0;
+          o[j][1] *= al0;
+          if constexpr (TWO_ROWS) {
+            o[j][2] *= al1;
+            o[j][3] *= al1;
+          }
+          u32 b0, b1;
+          Buf::v_frag(vv, jj, b0, b1);
+          mma_16816<T>(o[j], pa0, pa1, pa2, pa3, b0, b1);
         }
-        u32 b0, b1;
-        buf.v_frag(j / 8, j % 8, b0, b1);
-        mma_16816<T>(o[j], pa0, pa1, pa2, pa3, b0, b1);
       }
-      if (PIPELINE && has_next) buf.load_v(op, b, hk, nch * BN, start, len, nbase);
-      base = nbase;
+      if (PIPELINE && has_next) buf[sub].load_v(op, b, hk, nch * BN, start, len, nbase);
+      base[sub] = nbase;
+      }
     }
 
     // ---- merge the warps of this block: max, rescale, sum in warp order

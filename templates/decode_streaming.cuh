@@ -10,14 +10,22 @@
 //   lane (g, c) holds dims [64*grp + 16c, +16) of its row, so stores stay 16-byte wide.
 // Tokens outside [start, end) or on a page the table does not map are never loaded: their registers are
 // zero, so NaN garbage in unused slots cannot reach an output (0 * NaN would).
+//
+// FP8 caches (Op::quantization_enabled): the same lanes load 8 codes (8 bytes) where the 16-bit cache has
+// 8 values (16 bytes), with the scale of their granule; k_val / v_group dequantize to T in registers right
+// before the mma, so the fragments and the mma code are the same for both. Rows that are not loaded get
+// scale 0 (a scale slot may hold NaN too).
 #pragma once
 #include "kv_operand.cuh"
+#include "fp8.cuh"
 
 namespace cukv {
 
-template <typename Op, int DEPTH, int BN = 16>
+template <typename Op, typename T, int DEPTH, int SCALE_BLOCK = 0, int BN = 16>
 struct DecodeStreamingKVBuffer {
-  typedef typename Op::dtype T;
+  static constexpr bool quantized = Op::quantization_enabled;
+  typedef typename Select<quantized, uint2, uint4>::type Raw;  // 8 elements as stored
+  static constexpr int elem_bytes = quantized ? 1 : 2;
   static constexpr int MMA_M = 16, MMA_N = 8, MMA_K = 16;
   static constexpr int BK = 32;                           // dims per K strip (4 lanes x 8 dims)
   static constexpr int num_k_strips = DEPTH / BK;
@@ -29,9 +37,35 @@ struct DecodeStreamingKVBuffer {
   static constexpr int input_frag_size = MMA_K * MMA_N / 32;
   static_assert(BN == 16, "one m16n8k16 k-step of P.V covers 16 tokens");
   static_assert(DEPTH % BK == 0, "depth must be a multiple of 32");
+  // scales per token: K per strip's granule, V per group (a 64-dim group lies in one granule unless g = 32,
+  // where each lane's 8 dims still do)
+  static constexpr int SB = SCALE_BLOCK == 0 ? DEPTH : SCALE_BLOCK;
+  static constexpr int num_k_scales = quantized && SCALE_BLOCK > 0 ? DEPTH / SB : 1;
+  static constexpr int num_v_scales = quantized && SCALE_BLOCK > 0 && SB < DEPTH ? num_v_groups : 1;
+  static_assert(!quantized || SCALE_BLOCK == 0 || (DEPTH % SCALE_BLOCK == 0 && (SCALE_BLOCK % 32 == 0 || SCALE_BLOCK == DEPTH)),
+                "scale block divides the head");
 
-  uint4 k[num_n_tiles][num_k_strips];
-  uint4 v[num_v_groups][4];
+  Raw k[num_n_tiles][num_k_strips];
+  Raw v[num_v_groups][4];
+  float ks[num_n_tiles][num_k_scales];
+  float vs[4][num_v_scales];
+  float tensor_scale_k, tensor_scale_v;  // SCALE_BLOCK 0
+
+  __device__ __forceinline__ void set_tensor_scales(const Op& op) {
+    if constexpr (quantized && SCALE_BLOCK == 0) {
+      tensor_scale_k = op.template load_scale<0>(true, 0, 0, 0);
+      tensor_scale_v = op.template load_scale<0>(false, 0, 0, 0);
+    }
+  }
+
+  static __device__ __forceinline__ Raw load_raw(const typename Op::dtype* p) {
+    if constexpr (quantized) return ldg_stream8(p);
+    else return ldg_stream16(p);
+  }
+  static __device__ __forceinline__ Raw zero_raw() {
+    if constexpr (quantized) return make_uint2(0, 0);
+    else return make_uint4(0, 0, 0, 0);
+  }
 
   // Row index of token t (or -1) when all of [t0, t0+BN) lies on one page (page_size % BN == 0).
   __device__ __forceinline__ static i64 rows_base(const Op& op, int b, int t0) { return op.row_idx(b, t0); }
@@ -50,10 +84,17 @@ struct DecodeStreamingKVBuffer {
     for (int nt = 0; nt < num_n_tiles; ++nt) {
       const int t = t0 + nt * MMA_N + g;
       const i64 row = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
-      const T* p = row >= 0 ? op.row_ptr(true, row, head, 8 * c) : nullptr;
+      const typename Op::dtype* p = row >= 0 ? op.row_ptr(true, row, head, 8 * c) : nullptr;
 #pragma unroll
       for (int s = 0; s < num_k_strips; ++s)
-        k[nt][s] = p ? ldg_stream16(p + s * BK) : make_uint4(0, 0, 0, 0);
+        k[nt][s] = p ? load_raw(p + s * BK) : zero_raw();
+      if constexpr (quantized) {
+#pragma unroll
+        for (int i = 0; i < num_k_scales; ++i) {
+          if constexpr (SCALE_BLOCK == 0) ks[nt][i] = p ? tensor_scale_k : 0.f;
+          else ks[nt][i] = p ? op.template load_scale<SB>(true, row, head, i * SB) : 0.f;
+        }
+      }
     }
   }
 
@@ -63,27 +104,44 @@ struct DecodeStreamingKVBuffer {
     for (int r = 0; r < 4; ++r) {
       const int t = t0 + 2 * c + (r & 1) + (r >> 1) * 8;
       const i64 row = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
-      const T* p = row >= 0 ? op.row_ptr(false, row, head, 8 * g) : nullptr;
+      const typename Op::dtype* p = row >= 0 ? op.row_ptr(false, row, head, 8 * g) : nullptr;
 #pragma unroll
       for (int grp = 0; grp < num_v_groups; ++grp) {
         const bool in_depth = (grp * V_GROUP + 8 * g) < DEPTH;
-        v[grp][r] = (p && in_depth) ? ldg_stream16(p + grp * V_GROUP) : make_uint4(0, 0, 0, 0);
+        v[grp][r] = (p && in_depth) ? load_raw(p + grp * V_GROUP) : zero_raw();
+      }
+      if constexpr (quantized) {
+#pragma unroll
+        for (int i = 0; i < num_v_scales; ++i) {
+          const int dim = num_v_scales == 1 ? 0 : min(i * V_GROUP + 8 * g, DEPTH - 1);
+          if constexpr (SCALE_BLOCK == 0) vs[r][i] = p ? tensor_scale_v : 0.f;
+          else vs[r][i] = p ? op.template load_scale<SB>(false, row, head, dim) : 0.f;
+        }
       }
     }
   }
 
-  // B fragment of the score mma for token tile nt, strip s, k-step ks.
-  __device__ __forceinline__ void k_frag(int nt, int s, int ks, u32& b0, u32& b1) const {
-    b0 = ks == 0 ? k[nt][s].x : k[nt][s].z;
-    b1 = ks == 0 ? k[nt][s].y : k[nt][s].w;
+  // 8 values of T (16 bytes) of K token tile nt, strip s.
+  __device__ __forceinline__ uint4 k_val(int nt, int s) const {
+    if constexpr (quantized) return dequant8<T>(k[nt][s], ks[nt][num_k_scales == 1 ? 0 : s * BK / SB]);
+    else return k[nt][s];
   }
 
-  // B fragment of the P.V mma for output n-tile j of group grp.
-  __device__ __forceinline__ void v_frag(int grp, int j, u32& b0, u32& b1) const {
+  // The 4 rows of V group grp as T.
+  __device__ __forceinline__ void v_group(int grp, uint4 (&out)[4]) const {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if constexpr (quantized) out[r] = dequant8<T>(v[grp][r], vs[r][num_v_scales == 1 ? 0 : grp]);
+      else out[r] = v[grp][r];
+    }
+  }
+
+  // B fragment of the P.V mma for output n-tile j of a group converted by v_group.
+  __device__ __forceinline__ static void v_frag(const uint4 (&vv)[4], int j, u32& b0, u32& b1) {
     const u32 sel = (j & 1) ? 0x7632u : 0x5410u;
     const int i = j >> 1;
-    b0 = __byte_perm(comp(v[grp][0], i), comp(v[grp][1], i), sel);
-    b1 = __byte_perm(comp(v[grp][2], i), comp(v[grp][3], i), sel);
+    b0 = __byte_perm(comp(vv[0], i), comp(vv[1], i), sel);
+    b1 = __byte_perm(comp(vv[2], i), comp(vv[3], i), sel);
   }
 
   __device__ __forceinline__ static u32 comp(const uint4& x, int i) {

@@ -85,12 +85,17 @@ struct KVCacheOperand {
     return row < 0 ? nullptr : row_ptr(is_k, row, head_idx, head_dim_idx);
   }
 
-  // Scale of the granule holding (row, head, dim); `block` is the granule width in dims.
+  // Scale of the granule holding (row, head, dim); BLOCK is the granule width in dims, 0 for one scale per
+  // tensor (its strides are all zero, so every granule reads the one scalar).
   template <int BLOCK>
-  __device__ __forceinline__ float load_scale(bool is_k, i64 row, int head, int dim) const {
+  __device__ __forceinline__ const float* scale_ptr(bool is_k, i64 row, int head, int dim) const {
     const float* base = is_k ? p.k_scales : p.v_scales;
     const i64(&s)[4] = is_k ? p.ks_stride : p.vs_stride;
-    return __ldg(base + offset(s, row, head, dim / BLOCK));
+    return base + offset(s, row, head, BLOCK > 0 ? dim / BLOCK : 0);
+  }
+  template <int BLOCK>
+  __device__ __forceinline__ float load_scale(bool is_k, i64 row, int head, int dim) const {
+    return __ldg(scale_ptr<BLOCK>(is_k, row, head, dim));
   }
 };
 

@@ -52,6 +52,38 @@ def _build(batch, ctx, hq, hkv, d, page_size, rng_seed=0):
     return cache, pt, q, table
 
 
+def _fp8_cache(batch, ctx, hkv, d, page_size, granularity, rng_seed=1):
+    """An FP8 cache of the same geometry with random finite codes (never the NaN codes 0x7f/0xff) and
+    random positive scales: the kernel's work does not depend on the values, but NaN or zeros would hide
+    mistakes."""
+    import cupy as cp
+
+    import cukv
+
+    pages_per = -(-ctx // page_size)
+    num_pages = batch * pages_per
+    cache = cukv.PagedKVCache(num_pages, page_size, hkv, d, dtype="fp8_e4m3", layout="combined",
+                              scale_granularity=granularity)
+    rs = cp.random.RandomState(rng_seed)
+    flat = cache.storage.reshape(num_pages, -1)
+    slab = max(1, (256 << 20) // flat.shape[1])
+    for i in range(0, num_pages, slab):
+        codes = rs.randint(0, 0x7E, size=(min(slab, num_pages - i), flat.shape[1]), dtype=cp.int32)
+        sign = rs.randint(0, 2, size=codes.shape, dtype=cp.int32) << 7
+        flat[i: i + slab] = (codes | sign).astype(cp.uint8)
+    if cache.scale_block:
+        cache.scale_storage[...] = rs.uniform(0.5 / 448, 4.0 / 448, cache.scale_storage.shape).astype(cp.float32)
+    else:
+        cache.set_tensor_scales(3.0 / 448, 3.0 / 448)
+    return cache
+
+
+def fp8_bytes(batch, ctx, hkv, d, scale_block) -> int:
+    """Bytes an FP8 decode reads: codes plus scales (per tensor: two floats)."""
+    scales = 2 * 4 * batch * ctx * hkv * (d // scale_block) if scale_block else 8
+    return 2 * batch * ctx * hkv * d + scales
+
+
 def _contiguous(cache, table, ctx):
     """[B, H_kv, L, D] copies of K and V in sequence order (for the peers)."""
     import cupy as cp
@@ -64,7 +96,10 @@ def _contiguous(cache, table, ctx):
     return k, v
 
 
-def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: bool = False) -> dict:
+def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: bool = False,
+        kv_dtype: str = "bfloat16", scale_granularity="token") -> dict:
+    """Time the grid; ``kv_dtype='fp8_e4m3'`` adds an FP8 cache (``scale_granularity``) beside bf16 in
+    every cell, with its own TB/s (codes + scales) and its speed-up over bf16."""
     import cupy as cp
 
     import cukv
@@ -86,6 +121,17 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
         ms = timer.median_ms(lambda: dec.run(q, cache, pt, out=out), reps=reps)
         row = {"batch": batch, "ctx": ctx, "splits": dec.num_splits, "cukv_ms": ms, "cukv_tbs": nbytes / ms / 1e9,
                "pct_ceiling": 100 * nbytes / ms / 1e9 / ceiling}
+        if kv_dtype == "fp8_e4m3":
+            from ..fp8 import scale_block
+
+            fcache = _fp8_cache(batch, ctx, hkv, d, ps, scale_granularity)
+            fdec = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16", kv_dtype="fp8_e4m3",
+                                    scale_granularity=scale_granularity).plan(batch, ctx)
+            fms = timer.median_ms(lambda: fdec.run(q, fcache, pt, out=out), reps=reps)
+            fb = fp8_bytes(batch, ctx, hkv, d, scale_block(scale_granularity, d))
+            row.update({"fp8_ms": fms, "fp8_tbs": fb / fms / 1e9, "fp8_pct_ceiling": 100 * fb / fms / 1e9 / ceiling,
+                        "fp8_speedup": ms / fms, "fp8_splits": fdec.num_splits})
+            del fcache, fdec
         if sweep:  # other warp counts and split counts, to tune the plan heuristic
             row["sweep"] = {}
             for nw in (4, 8):
@@ -122,7 +168,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
         cp.get_default_memory_pool().free_all_blocks()
         print(_fmt_row(row), flush=True)
     grid = [r for r in rows if (r["batch"], r["ctx"]) not in EXTRA or (r["batch"] in GRID_BATCH and r["ctx"] in GRID_CTX)]
-    summary = {"device": _device_name(), "date": time.strftime("%Y-%m-%d"), "read_ceiling_tbs": ceiling}
+    summary = {"device": _device_name(), "date": time.strftime("%Y-%m-%d"), "read_ceiling_tbs": ceiling,
+               "kv_dtype": kv_dtype, "scale_granularity": scale_granularity if kv_dtype == "fp8_e4m3" else None}
     ratios = [r["ratio_cudnn"] for r in grid if "ratio_cudnn" in r]
     if ratios:
         summary["geomean_ratio_cudnn"] = float(math.exp(np.mean(np.log(ratios))))
@@ -131,9 +178,10 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
     result = {"summary": summary, "rows": rows}
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
+        tag = "" if kv_dtype == "bfloat16" else f"_{kv_dtype}"
+        with open(os.path.join(out_dir, f"bench_decode{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
-        _plot(rows, ceiling, os.path.join(out_dir, "bench_decode.png"))
+        _plot(rows, ceiling, os.path.join(out_dir, f"bench_decode{tag}.png"))
     print(format_table(result))
     return result
 
@@ -159,6 +207,8 @@ def warm_load_ms() -> float:
 
 def _fmt_row(r) -> str:
     s = f"{r['batch']:>5} x {r['ctx']:<6} splits {r['splits']:>2}  cukv {r['cukv_ms'] * 1e3:8.1f} us {r['cukv_tbs']:5.2f} TB/s ({r['pct_ceiling']:5.1f}%)"
+    if "fp8_ms" in r:
+        s += f"  fp8 {r['fp8_ms'] * 1e3:8.1f} us {r['fp8_tbs']:5.2f} TB/s ({r['fp8_pct_ceiling']:5.1f}%) x{r['fp8_speedup']:.2f}"
     for p in ("cudnn", "flash"):
         if f"{p}_ms" in r:
             s += f"  {p} {r[f'{p}_ms'] * 1e3:8.1f} us x{r[f'ratio_{p}']:.2f}"
@@ -178,6 +228,15 @@ def format_table(result) -> str:
         lines.append(f"| {r['batch']} x {r['ctx']} | {r['splits']} | {r['cukv_ms'] * 1e3:.1f} | {r['cukv_tbs']:.2f} | "
                      f"{r['pct_ceiling']:.1f} | {f('cudnn_ms', '.1f', 1e3)} | {f('ratio_cudnn', '.2f')} | "
                      f"{f('flash_ms', '.1f', 1e3)} | {f('ratio_flash', '.2f')} |")
+    if any("fp8_ms" in r for r in result["rows"]):
+        lines += ["", f"FP8 e4m3 cache (scale granularity {s.get('scale_granularity')!r}) beside bf16; TB/s counts codes + scales",
+                  "| batch x ctx | bf16 us | fp8 us | fp8 speed-up | fp8 TB/s | fp8 % ceiling | cuDNN(bf16)/fp8 |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in result["rows"]:
+            if "fp8_ms" in r:
+                cud = f"{r['cudnn_ms'] / r['fp8_ms']:.2f}" if "cudnn_ms" in r else "n/a"
+                lines.append(f"| {r['batch']} x {r['ctx']} | {r['cukv_ms'] * 1e3:.1f} | {r['fp8_ms'] * 1e3:.1f} | "
+                             f"{r['fp8_speedup']:.2f} | {r['fp8_tbs']:.2f} | {r['fp8_pct_ceiling']:.1f} | {cud} |")
     if "geomean_ratio_cudnn" in s:
         lines.append(f"geomean(cuDNN time / cukv time) over the 4x4 grid = {s['geomean_ratio_cudnn']:.3f}, "
                      f"min {s['min_ratio_cudnn']:.3f}")
