@@ -149,7 +149,7 @@ class PagedKVCache:
 
     def dequantize(self):
         """The cache's values as bf16 (uint16 bits) device arrays ``(k, v)`` ``[pages, page_size, H, D]``,
-        for inspection: ``e4m3(code) * scale`` rounded once to bf16. Unwritten slots read as whatever their
+        for inspection: ``e4m3(code) * scale`` computed in float32, then rounded to bf16. Unwritten slots read as whatever their
         bytes and scales hold (NaN codes stay NaN)."""
         import cupy as cp
 
@@ -174,7 +174,7 @@ class PagedKVCache:
         e.g. views of a FlashInfer or vLLM cache, or torch tensors through DLPack) without copying."""
         kd, kdt = as_device(k, "k")
         vd, vdt = as_device(v, "v")
-        dt = canonical_dtype(dtype) if dtype is not None else element_dtype(kd, kdt, "k")
+        dt = canonical_kv_dtype(dtype) if dtype is not None else element_dtype(kd, kdt, "k")
         if element_dtype(vd, vdt or (dt if vd.dtype == kd.dtype else None), "v") != dt:
             raise TypeError(f"k and v dtypes differ ({kd.dtype} vs {vd.dtype})")
         if kd.ndim != 4 or kd.shape != vd.shape:

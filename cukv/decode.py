@@ -63,8 +63,11 @@ class DecodeConfig:
             check_in(c, "scale_block", self.scale_block, (0, 32, 64, 128, self.head_dim))
             check_rule(c, "scale_block", self.scale_block, self.scale_block == 0 or self.head_dim % self.scale_block == 0,
                        f"must divide head_dim={self.head_dim}")
+            check_rule(c, "scale_block", self.scale_block, not (self.scale_block == 32 and self.head_dim > 128),
+                       "32-dim scale blocks need more registers than head_dim > 128 leaves (use 64, 128 or per token)")
         if self.sub is None:
-            object.__setattr__(self, "sub", 2 if self.quantized and self.head_dim <= 128 else 1)
+            # two FP8 strips in flight match a 16-bit strip's bytes; 32-dim scale blocks need the registers
+            object.__setattr__(self, "sub", 2 if self.quantized and self.head_dim <= 128 and self.scale_block != 32 else 1)
         check_in(c, "sub", self.sub, (1, 2, 3, 4))
 
     @property

@@ -47,6 +47,13 @@ struct DecodeKernel {
   static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
   static_assert(PAGE_SIZE >= 1, "page size must be positive");
   static_assert(SUB >= 1 && SUB <= 4, "1..4 strips in flight per warp");
+  // FP8: the query is pre-multiplied by a power of two (bf16), scores by kKFactor * K scale, P by the V scale
+  // times kPPre, and the accumulated output by kOFactor (see fp8.cuh: codes enter the mma exactly).
+  static constexpr float kQPre = QUANTIZED ? CodeScale<T>::q_pre : 1.f;
+  static constexpr float kKFactor = QUANTIZED ? CodeScale<T>::value / CodeScale<T>::q_pre : 1.f;
+  static constexpr float kPPre = 0x1p56f;
+  static constexpr float kOFactor = CodeScale<__nv_bfloat16>::value / kPPre;
+  typedef typename Select<QUANTIZED, __nv_bfloat16, T>::type PVT;  // P.V operand type
 
   struct Smem {
     float m[NUM_WARPS][16];
@@ -80,14 +87,15 @@ struct DecodeKernel {
         for (int i = threadIdx.x; i < 16 * DEPTH / 8; i += NUM_WARPS * 32) {
           const int row = i / (DEPTH / 8), col = (i % (DEPTH / 8)) * 8;
           reinterpret_cast<uint4*>(&sm.q[row][col])[0] =
-              row < GROUP ? *reinterpret_cast<const uint4*>(q + (i64)row * DEPTH + col) : make_uint4(0, 0, 0, 0);
+              row < GROUP ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)row * DEPTH + col), kQPre) : make_uint4(0, 0, 0, 0);
         }
         __syncthreads();
       } else {
 #pragma unroll
         for (int s = 0; s < NK; ++s) {
-          qa[s] = g < GROUP ? *reinterpret_cast<const uint4*>(q + (i64)g * DEPTH + s * 32 + 8 * c) : make_uint4(0, 0, 0, 0);
-          qb[s] = (TWO_ROWS && g + 8 < GROUP) ? *reinterpret_cast<const uint4*>(q + (i64)(g + 8) * DEPTH + s * 32 + 8 * c)
+          qa[s] = g < GROUP ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)g * DEPTH + s * 32 + 8 * c), kQPre)
+                            : make_uint4(0, 0, 0, 0);
+          qb[s] = (TWO_ROWS && g + 8 < GROUP) ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)(g + 8) * DEPTH + s * 32 + 8 * c), kQPre)
                                                : make_uint4(0, 0, 0, 0);
         }
       }
@@ -131,22 +139,37 @@ struct DecodeKernel {
       }
       float s[2][4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+      // K scale blocks (one for a 16-bit cache): a partial score per block, scaled per token after the mma
 #pragma unroll
-        for (int ks = 0; ks < NK; ++ks) {
-          uint4 xa, xb;
-          if constexpr (Q_IN_SMEM) {
-            xa = *reinterpret_cast<const uint4*>(&sm.q[g][ks * 32 + 8 * c]);
-            xb = TWO_ROWS ? *reinterpret_cast<const uint4*>(&sm.q[g + 8][ks * 32 + 8 * c]) : make_uint4(0, 0, 0, 0);
-          } else {
-            xa = qa[ks];
-            xb = qb[ks];
+      for (int kb = 0; kb < Buf::num_k_scales; ++kb) {
+        float acc[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int ks = kb * (NK / Buf::num_k_scales); ks < (kb + 1) * (NK / Buf::num_k_scales); ++ks) {
+            uint4 xa, xb;
+            if constexpr (Q_IN_SMEM) {
+              xa = *reinterpret_cast<const uint4*>(&sm.q[g][ks * 32 + 8 * c]);
+              xb = TWO_ROWS ? *reinterpret_cast<const uint4*>(&sm.q[g + 8][ks * 32 + 8 * c]) : make_uint4(0, 0, 0, 0);
+            } else {
+              xa = qa[ks];
+              xb = qb[ks];
+            }
+            const uint4 kk = buf[sub].k_val(nt, ks);
+            mma_16816<T>(acc[nt], xa.x, xb.x, xa.y, xb.y, kk.x, kk.y);
+            mma_16816<T>(acc[nt], xa.z, xb.z, xa.w, xb.w, kk.z, kk.w);
           }
-          const uint4 kk = buf[sub].k_val(nt, ks);
-          mma_16816<T>(s[nt], xa.x, xb.x, xa.y, xb.y, kk.x, kk.y);
-          mma_16816<T>(s[nt], xa.z, xb.z, xa.w, xb.w, kk.z, kk.w);
         }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if constexpr (QUANTIZED) s[nt][e] += acc[nt][e] * (buf[sub].ks[2 * nt + (e & 1)][kb] * kKFactor);
+            else s[nt][e] = acc[nt][e];
+          }
       }
       if (PIPELINE && has_next) buf[sub].load_k(op, b, hk, nch * BN, start, len, nbase);
       // scores -> base-2 logits; masked columns become -inf by selection, never by arithmetic
@@ -191,31 +214,50 @@ struct DecodeKernel {
       if constexpr (V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
       l0 = l0 * al0 + ps0;
       if constexpr (TWO_ROWS) l1 = l1 * al1 + ps1;
-      const u32 pa0 = ElemTraits<T>::pack(s[0][0], s[0][1]);
-      const u32 pa2 = ElemTraits<T>::pack(s[1][0], s[1][1]);
-      const u32 pa1 = TWO_ROWS ? ElemTraits<T>::pack(s[0][2], s[0][3]) : 0u;
-      const u32 pa3 = TWO_ROWS ? ElemTraits<T>::pack(s[1][2], s[1][3]) : 0u;
 #pragma unroll
       for (int grp = 0; grp < NO / 8; ++grp) {
-        uint4 vv[4];
-        buf[sub].v_group(grp, vv);
+        u32 bf[8][2];
+        buf[sub].v_frags(grp, bf);
+        // P as the A operand, times the V scale of its block (FP8); SCALE_BLOCK 32 puts two blocks in a
+        // 64-dim group: lanes g < 4 hold the first block's columns, so each block's mma gets the other
+        // block's B columns as zeros.
+        constexpr int kBlocks = (Buf::quantized && Buf::SB < 64) ? 2 : 1;
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int j = grp * 8 + jj;
-          o[j][0] *= al0;
-          o[j][1] *= al0;
-          if constexpr (TWO_ROWS) {
-            o[j][2] *= al1;
-            o[j][3] *= al1;
+        for (int hb = 0; hb < kBlocks; ++hb) {
+          float f[4] = {1.f, 1.f, 1.f, 1.f};
+          if constexpr (QUANTIZED) {
+            const int blk = kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) f[r] = buf[sub].vs[r][blk] * kPPre;
           }
-          u32 b0, b1;
-          Buf::v_frag(vv, jj, b0, b1);
-          mma_16816<T>(o[j], pa0, pa1, pa2, pa3, b0, b1);
+          const u32 pa0 = ElemTraits<PVT>::pack(s[0][0] * f[0], s[0][1] * f[1]);
+          const u32 pa2 = ElemTraits<PVT>::pack(s[1][0] * f[2], s[1][1] * f[3]);
+          const u32 pa1 = TWO_ROWS ? ElemTraits<PVT>::pack(s[0][2] * f[0], s[0][3] * f[1]) : 0u;
+          const u32 pa3 = TWO_ROWS ? ElemTraits<PVT>::pack(s[1][2] * f[2], s[1][3] * f[3]) : 0u;
+          const bool mine = kBlocks == 1 || ((g < 4) == (hb == 0));
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int j = grp * 8 + jj;
+            if (hb == 0) {
+              o[j][0] *= al0;
+              o[j][1] *= al0;
+              if constexpr (TWO_ROWS) {
+                o[j][2] *= al1;
+                o[j][3] *= al1;
+              }
+            }
+            mma_16816<PVT>(o[j], pa0, pa1, pa2, pa3, mine ? bf[jj][0] : 0u, mine ? bf[jj][1] : 0u);
+          }
         }
       }
       if (PIPELINE && has_next) buf[sub].load_v(op, b, hk, nch * BN, start, len, nbase);
       base[sub] = nbase;
       }
+    }
+
+    if constexpr (QUANTIZED) {
+#pragma unroll
+      for (int j = 0; j < NO; ++j) o[j][0] *= kOFactor, o[j][1] *= kOFactor, o[j][2] *= kOFactor, o[j][3] *= kOFactor;
     }
 
     // ---- merge the warps of this block: max, rescale, sum in warp order

@@ -37,17 +37,21 @@ struct DecodeStreamingKVBuffer {
   static constexpr int input_frag_size = MMA_K * MMA_N / 32;
   static_assert(BN == 16, "one m16n8k16 k-step of P.V covers 16 tokens");
   static_assert(DEPTH % BK == 0, "depth must be a multiple of 32");
-  // scales per token: K per strip's granule, V per group (a 64-dim group lies in one granule unless g = 32,
-  // where each lane's 8 dims still do)
+  // FP8: the mma sees the codes' exact values (f16 exactly; bf16 as value * 2^-112, all normal numbers)
+  // and the scales are applied outside the reduction: K's to the scores (per granule: one partial score
+  // per block of dims), V's to P (per granule: one P per block). Each lane needs the scales of the tokens
+  // of its score columns, t0 + 8 nt + 2c + {0, 1}, which are also its V rows r = 2 nt + {0, 1}.
   static constexpr int SB = SCALE_BLOCK == 0 ? DEPTH : SCALE_BLOCK;
-  static constexpr int num_k_scales = quantized && SCALE_BLOCK > 0 ? DEPTH / SB : 1;
-  static constexpr int num_v_scales = quantized && SCALE_BLOCK > 0 && SB < DEPTH ? num_v_groups : 1;
+  static constexpr int num_k_scales = quantized ? DEPTH / SB : 1;   // K blocks
+  static constexpr int num_v_scales = quantized ? (DEPTH + SB - 1) / SB : 1;
+  static constexpr int k_strips_per_block = SB / BK;
   static_assert(!quantized || SCALE_BLOCK == 0 || (DEPTH % SCALE_BLOCK == 0 && (SCALE_BLOCK % 32 == 0 || SCALE_BLOCK == DEPTH)),
                 "scale block divides the head");
+  static_assert(!quantized || SB % BK == 0, "a K strip lies in one scale block");
 
   Raw k[num_n_tiles][num_k_strips];
   Raw v[num_v_groups][4];
-  float ks[num_n_tiles][num_k_scales];
+  float ks[4][num_k_scales];
   float vs[4][num_v_scales];
   float tensor_scale_k, tensor_scale_v;  // SCALE_BLOCK 0
 
@@ -88,11 +92,16 @@ struct DecodeStreamingKVBuffer {
 #pragma unroll
       for (int s = 0; s < num_k_strips; ++s)
         k[nt][s] = p ? load_raw(p + s * BK) : zero_raw();
-      if constexpr (quantized) {
+    }
+    if constexpr (quantized) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int t = t0 + 2 * c + (r & 1) + (r >> 1) * 8;
+        const i64 row = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
 #pragma unroll
         for (int i = 0; i < num_k_scales; ++i) {
-          if constexpr (SCALE_BLOCK == 0) ks[nt][i] = p ? tensor_scale_k : 0.f;
-          else ks[nt][i] = p ? op.template load_scale<SB>(true, row, head, i * SB) : 0.f;
+          if constexpr (SCALE_BLOCK == 0) ks[r][i] = row >= 0 ? tensor_scale_k : 0.f;
+          else ks[r][i] = row >= 0 ? op.template load_scale<SB>(true, row, head, i * SB) : 0.f;
         }
       }
     }
@@ -113,35 +122,47 @@ struct DecodeStreamingKVBuffer {
       if constexpr (quantized) {
 #pragma unroll
         for (int i = 0; i < num_v_scales; ++i) {
-          const int dim = num_v_scales == 1 ? 0 : min(i * V_GROUP + 8 * g, DEPTH - 1);
-          if constexpr (SCALE_BLOCK == 0) vs[r][i] = p ? tensor_scale_v : 0.f;
-          else vs[r][i] = p ? op.template load_scale<SB>(false, row, head, dim) : 0.f;
+          if constexpr (SCALE_BLOCK == 0) vs[r][i] = row >= 0 ? tensor_scale_v : 0.f;
+          else vs[r][i] = row >= 0 ? op.template load_scale<SB>(false, row, head, i * SB) : 0.f;
         }
       }
     }
   }
 
-  // 8 values of T (16 bytes) of K token tile nt, strip s.
+  // K token tile nt, strip s as the score mma's operand: T values (16-bit cache) or the codes' exact
+  // values (FP8: f16, or bf16 times 2^-112).
   __device__ __forceinline__ uint4 k_val(int nt, int s) const {
-    if constexpr (quantized) return dequant8<T>(k[nt][s], ks[nt][num_k_scales == 1 ? 0 : s * BK / SB]);
-    else return k[nt][s];
-  }
-
-  // The 4 rows of V group grp as T.
-  __device__ __forceinline__ void v_group(int grp, uint4 (&out)[4]) const {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      if constexpr (quantized) out[r] = dequant8<T>(v[grp][r], vs[r][num_v_scales == 1 ? 0 : grp]);
-      else out[r] = v[grp][r];
+    if constexpr (quantized) {
+      uint4 r;
+      r.x = codes_to_mma<T>((u16)(k[nt][s].x & 0xffffu));
+      r.y = codes_to_mma<T>((u16)(k[nt][s].x >> 16));
+      r.z = codes_to_mma<T>((u16)(k[nt][s].y & 0xffffu));
+      r.w = codes_to_mma<T>((u16)(k[nt][s].y >> 16));
+      return r;
+    } else {
+      return k[nt][s];
     }
   }
 
-  // B fragment of the P.V mma for output n-tile j of a group converted by v_group.
-  __device__ __forceinline__ static void v_frag(const uint4 (&vv)[4], int j, u32& b0, u32& b1) {
-    const u32 sel = (j & 1) ? 0x7632u : 0x5410u;
-    const int i = j >> 1;
-    b0 = __byte_perm(comp(vv[0], i), comp(vv[1], i), sel);
-    b1 = __byte_perm(comp(vv[2], i), comp(vv[3], i), sel);
+  // B fragments (b0, b1) of the P.V mma for the 8 output n-tiles of V group grp. 16-bit cache: T pairs by
+  // byte_perm; FP8: token pairs of codes by prmt, then bf16 times 2^-112 (P.V runs in bf16 for FP8 caches).
+  __device__ __forceinline__ void v_frags(int grp, u32 (&bf)[8][2]) const {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (quantized) {
+        const int w = j >> 2, jb = j & 3;  // word of the 8 codes, byte in it
+        const u32 sel = (u32)(jb | ((4 + jb) << 4));
+        const u32 w0 = w ? v[grp][0].y : v[grp][0].x, w1 = w ? v[grp][1].y : v[grp][1].x;
+        const u32 w2 = w ? v[grp][2].y : v[grp][2].x, w3 = w ? v[grp][3].y : v[grp][3].x;
+        bf[j][0] = codes_to_mma<__nv_bfloat16>((u16)__byte_perm(w0, w1, sel));
+        bf[j][1] = codes_to_mma<__nv_bfloat16>((u16)__byte_perm(w2, w3, sel));
+      } else {
+        const u32 sel = (j & 1) ? 0x7632u : 0x5410u;
+        const int i = j >> 1;
+        bf[j][0] = __byte_perm(comp(v[grp][0], i), comp(v[grp][1], i), sel);
+        bf[j][1] = __byte_perm(comp(v[grp][2], i), comp(v[grp][3], i), sel);
+      }
+    }
   }
 
   __device__ __forceinline__ static u32 comp(const uint4& x, int i) {

@@ -46,6 +46,33 @@ __device__ __forceinline__ uint4 dequant8(uint2 raw, float scale) {
   return r;
 }
 
+// Two codes as an mma operand pair holding their exact values: f16 (cvt), or bf16 scaled by 2^-112 (the
+// f16 bits moved into bf16 position: every e4m3 value is a normal f16 whose low 7 mantissa bits are zero,
+// so dropping 3 bits is exact and the exponent bias moves from 15 to 127; zero stays zero).
+template <typename T> __device__ __forceinline__ u32 codes_to_mma(u16 x);
+template <> __device__ __forceinline__ u32 codes_to_mma<__half>(u16 x) { return f16x2_from_e4m3x2(x); }
+template <> __device__ __forceinline__ u32 codes_to_mma<__nv_bfloat16>(u16 x) {
+  const u32 h = f16x2_from_e4m3x2(x);
+  return ((h & 0x7fff7fffu) >> 3) | (h & 0x80008000u);
+}
+// What a product with code operands of type T must be multiplied by (2^112 for bf16, 1 for f16), and the
+// power of two a bf16 query is multiplied by first so that q * code * 2^-112 stays a normal float.
+template <typename T> struct CodeScale { static constexpr float value = 1.f, q_pre = 1.f; };
+template <> struct CodeScale<__nv_bfloat16> { static constexpr float value = 0x1p112f, q_pre = 0x1p56f; };
+
+// Eight T values times a power of two (exact).
+template <typename T>
+__device__ __forceinline__ uint4 scale8(uint4 x, float f) {
+  if (f == 1.f) return x;
+  const T* e = reinterpret_cast<const T*>(&x);
+  uint4 r;
+  r.x = ElemTraits<T>::pack(ElemTraits<T>::to_float(e[0]) * f, ElemTraits<T>::to_float(e[1]) * f);
+  r.y = ElemTraits<T>::pack(ElemTraits<T>::to_float(e[2]) * f, ElemTraits<T>::to_float(e[3]) * f);
+  r.z = ElemTraits<T>::pack(ElemTraits<T>::to_float(e[4]) * f, ElemTraits<T>::to_float(e[5]) * f);
+  r.w = ElemTraits<T>::pack(ElemTraits<T>::to_float(e[6]) * f, ElemTraits<T>::to_float(e[7]) * f);
+  return r;
+}
+
 __device__ __forceinline__ uint2 ldg_stream8(const void* p) {
   uint2 r;
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));

@@ -125,7 +125,8 @@ def test_cli_rejects_unsupported_kv_dtype_without_a_gpu(capsys):
     assert cli.main(["bench", "prefill", "--kv-dtype", "fp8_e4m3"]) == 2
     err = capsys.readouterr().err
     assert "fp8_e4m3" in err and "bfloat16" in err
-    assert cli.main(["bench", "decode", "--kv-dtype", "fp8_e4m3"]) == 2
+    assert cli.main(["bench", "decode", "--kv-dtype", "int4"]) == 2
+    assert "int4" in capsys.readouterr().err
 
 
 def test_cli_bench_prefill_needs_a_gpu():
