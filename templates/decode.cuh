@@ -226,7 +226,8 @@ struct DecodeKernel {
         for (int hb = 0; hb < kBlocks; ++hb) {
           float f[4] = {1.f, 1.f, 1.f, 1.f};
           if constexpr (QUANTIZED) {
-            const int blk = kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB;
+            // past the head (d96's second group) the B columns are zeros; any finite scale will do
+            const int blk = min(kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB, Buf::num_v_scales - 1);
 #pragma unroll
             for (int r = 0; r < 4; ++r) f[r] = buf[sub].vs[r][blk] * kPPre;
           }
