@@ -123,10 +123,25 @@ class PrefillConfig:
     BN: int = 128
     BK: int = 128
     stages: int = 4
+    #: cache element type: None (same as ``dtype``) or 'fp8_e4m3' (dequantized by the producer warps)
+    kv_dtype: str | None = None
+    #: FP8: dims per scale (the head dim for per-token scales), 0 for per-tensor scales
+    scale_block: int = 0
 
     def __post_init__(self):
         c = "PrefillConfig"
         check_in(c, "dtype", self.dtype, tuple(CTYPES))
+        check_in(c, "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
+        if self.kv_dtype is None:
+            check_in(c, "scale_block", self.scale_block, (0,))
+        else:
+            check_in(c, "scale_block", self.scale_block, (0, 32, 64, 128, self.head_dim))
+            check_rule(c, "scale_block", self.scale_block, self.scale_block == 0 or self.head_dim % self.scale_block == 0,
+                       f"must divide head_dim={self.head_dim}")
+            check_rule(c, "page_size", self.page_size, self.page_size > 0, "FP8 prefill reads a paged cache (not 0)")
+            # the producer holds a whole element's codes and scales in flight (56 registers after setmaxnreg)
+            check_rule(c, "BN", self.BN, self.BN * self.BK <= 8192,
+                       f"BN * BK = {self.BN * self.BK} exceeds 8192 for an FP8 cache (producer registers); lower BN")
         check_in(c, "head_dim", self.head_dim, HEAD_DIMS)
         check_range(c, "page_size", self.page_size, 0, 4096, "0 = contiguous K/V")
         check_in(c, "BM", self.BM, (64, 128, 192))
@@ -176,8 +191,13 @@ class PrefillConfig:
         return 1024 + q + ring + (2 * self.stages + 1) * 8
 
     @property
+    def quantized(self) -> bool:
+        return self.kv_dtype is not None
+
+    @property
     def name(self) -> str:
-        return (f"cukv_prefill_{SHORT[self.dtype]}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
+        q = f"_e4m3s{self.scale_block}" if self.quantized else ""
+        return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
                 f"_k{self.BK}_s{self.stages}")
 
     def render(self) -> str:
@@ -187,7 +207,8 @@ class PrefillConfig:
             BK=self.BK, stages=self.stages, page_size=self.page_size, num_repeats=kb.num_repeats,
             smem_stage_size=kb.smem_stage_size, num_k_tiles=kb.num_k_tiles, num_k_mmas2=kb.num_k_mmas2,
             full_kv=kb.full_kv, num_threads=self.num_threads, num_v_slices=self.num_v_slices,
-            smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize)
+            smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize, quantized=self.quantized,
+            scale_block=self.scale_block)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -206,10 +227,17 @@ DEFAULTS = {
 }
 
 
-def default_config(dtype: str, head_dim: int, page_size: int) -> PrefillConfig:
+def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
+                   scale_block: int = 0) -> PrefillConfig:
+    """The documented default (or this GPU's autotuned winner). FP8 caches take the 16-bit default with BN
+    halved until BN * BK <= 8192 (the producer dequantizes a whole element in registers)."""
     if head_dim not in DEFAULTS:
         raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
     bm, bn, bk, st = DEFAULTS[head_dim]
+    if kv_dtype is not None:
+        while bn * bk > 8192 and bn > 16:
+            bn //= 2
+        return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block)
     from .autotune import lookup
 
     tuned = lookup(dtype, head_dim, page_size)
@@ -230,6 +258,12 @@ class BatchPrefill:
     page_size : int or None
         Tokens per page of the cache this will read; ``None`` for contiguous ``k[total_kv, H, D]``.
     dtype : {'bfloat16', 'float16'}
+        Query and output type (and the cache's, unless ``kv_dtype`` says otherwise).
+    kv_dtype : {None, 'fp8_e4m3'}
+        An FP8 paged cache: the producer warps dequantize K/V (``code * scale``, rounded to ``dtype``) into
+        shared memory, so the tensor cores run at the 16-bit rate.
+    scale_granularity : {'token', 'tensor', 32, 64, 128}
+        The FP8 cache's granularity (default 'token').
     config : PrefillConfig, optional
         Tile shape; by default the documented per-head-dim default (or an autotuned winner).
 
@@ -249,8 +283,9 @@ class BatchPrefill:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int | None = 16,
-                 dtype="bfloat16", config: PrefillConfig | None = None):
-        from .arrays import canonical_dtype
+                 dtype="bfloat16", config: PrefillConfig | None = None, kv_dtype=None, scale_granularity=None):
+        from .arrays import canonical_dtype, canonical_kv_dtype
+        from .fp8 import scale_block
 
         for n, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
@@ -261,12 +296,23 @@ class BatchPrefill:
             raise ValueError(f"page_size={page_size!r} must be an integer in 1..4096, or None for contiguous K/V")
         dt = canonical_dtype(dtype)
         ps = 0 if page_size is None else int(page_size)
+        kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
+        if kvd is not None and kvd != "fp8_e4m3":
+            if kvd != dt:
+                raise TypeError(f"kv_dtype={kv_dtype!r} with dtype={dtype!r}: a 16-bit cache must match the query dtype")
+            kvd = None
+        if kvd is None and scale_granularity is not None:
+            raise ValueError(f"scale_granularity={scale_granularity!r} applies to kv_dtype='fp8_e4m3' only")
+        if kvd is not None and ps == 0:
+            raise ValueError("kv_dtype='fp8_e4m3' needs a paged cache: page_size=None (contiguous K/V) is 16-bit only")
+        sb = scale_block("token" if scale_granularity is None else scale_granularity, int(head_dim)) if kvd else 0
         if config is None:
-            config = default_config(dt, int(head_dim), ps)
+            config = default_config(dt, int(head_dim), ps, kvd, sb)
         elif not isinstance(config, PrefillConfig):
             raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}")
-        if (config.dtype, config.head_dim, config.page_size) != (dt, head_dim, ps):
-            raise ValueError(f"config {config.name} does not match dtype={dt}, head_dim={head_dim}, page_size={ps}")
+        if (config.dtype, config.head_dim, config.page_size, config.kv_dtype, config.scale_block) != (dt, head_dim, ps, kvd, sb):
+            raise ValueError(f"config {config.name} does not match dtype={dt}, head_dim={head_dim}, page_size={ps}, "
+                             f"kv_dtype={kvd}, scale block {sb}")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size, self.dtype, self.config = int(head_dim), page_size, dt, config
         self._planned = False
@@ -364,10 +410,12 @@ class BatchPrefill:
                 raise ValueError("this BatchPrefill was built for contiguous K/V (page_size=None); pass (k, v, kv_offsets)")
             if not isinstance(cache, PagedKVCache) or not isinstance(table, PageTable):
                 raise TypeError("kv must be (PagedKVCache, PageTable)")
-            if cache.dtype != cfg.dtype or cache.head_dim != self.head_dim or cache.num_kv_heads != self.num_kv_heads \
-                    or cache.page_size != cfg.page_size:
-                raise ValueError(f"cache {cache!r} does not match this BatchPrefill (dtype {cfg.dtype}, "
-                                 f"{self.num_kv_heads} KV heads, head_dim {self.head_dim}, page_size {cfg.page_size})")
+            want = cfg.kv_dtype or cfg.dtype
+            if cache.dtype != want or cache.head_dim != self.head_dim or cache.num_kv_heads != self.num_kv_heads \
+                    or cache.page_size != cfg.page_size or (cfg.quantized and cache.scale_block != cfg.scale_block):
+                q = f", scale block {cfg.scale_block}" if cfg.quantized else ""
+                raise ValueError(f"cache {cache!r} does not match this BatchPrefill (cache dtype {want}, "
+                                 f"{self.num_kv_heads} KV heads, head_dim {self.head_dim}, page_size {cfg.page_size}{q})")
             if table.page_size != cfg.page_size:
                 raise ValueError(f"table.page_size={table.page_size}; the cache uses {cfg.page_size}")
             if table.batch_size < self.batch_size:
@@ -434,7 +482,12 @@ def prefill(q, q_offsets, kv, *, mask: str = "causal", window=None, chunk=None, 
     if isinstance(kv, tuple) and len(kv) == 2:
         cache, table = kv
         kl = table.lengths.get()[: qo.size - 1]
-        pf = BatchPrefill(qd.shape[1], cache.num_kv_heads, cache.head_dim, cache.page_size, cache.dtype)
+        if getattr(cache, "quantized", False):
+            qdt = element_dtype(qd, _ or ("bfloat16" if qd.dtype.kind == "u" else None), "q")
+            pf = BatchPrefill(qd.shape[1], cache.num_kv_heads, cache.head_dim, cache.page_size, qdt,
+                              kv_dtype=cache.dtype, scale_granularity=cache.scale_granularity)
+        else:
+            pf = BatchPrefill(qd.shape[1], cache.num_kv_heads, cache.head_dim, cache.page_size, cache.dtype)
     elif isinstance(kv, tuple) and len(kv) == 3:
         k, _, offs = kv
         kd, kdt = as_device(k, "k")

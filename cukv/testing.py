@@ -139,7 +139,7 @@ def reference_decode(case, **kw):
 
 
 def random_prefill_case(rng, *, q_lens, cache_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
-                        dtype="bfloat16", layout="combined", big_page_ids=False):
+                        dtype="bfloat16", layout="combined", big_page_ids=False, kv_dtype=None, scale_granularity=None):
     """A ragged prefill batch over a NaN-poisoned paged cache (random page order): sequence b already holds
     ``cache_lens[b]`` tokens and brings ``q_lens[b]`` new ones; all ``kv_len = cache_len + q_len`` tokens are
     written with :func:`cukv.append_kv` (the step appends first, then attends).
@@ -160,7 +160,8 @@ def random_prefill_case(rng, *, q_lens, cache_lens, num_qo_heads, num_kv_heads, 
     kv_lens = cache_lens + q_lens
     case = random_decode_case(rng, batch=len(q_lens), lengths=kv_lens, num_qo_heads=num_qo_heads,
                               num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
-                              layout=layout, big_page_ids=big_page_ids)
+                              layout=layout, big_page_ids=big_page_ids, kv_dtype=kv_dtype,
+                              scale_granularity=scale_granularity)
     total_q = int(q_lens.sum())
     q = to_storage(rng.standard_normal((total_q, num_qo_heads, head_dim)).astype(np.float32), dtype)
     q_offsets = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -189,6 +190,5 @@ def reference_prefill(case, **kw):
     pos = [np.arange(int(n)) for n in lengths]
     rp = np.concatenate([table[b, p // ps] for b, p in enumerate(pos)] + [np.zeros(0, np.int64)]).astype(np.int64)
     ro = np.concatenate([p % ps for p in pos] + [np.zeros(0, np.int64)]).astype(np.int64)
-    k = from_storage(cache.k[cp.asarray(rp), cp.asarray(ro)].get(), cache.dtype)
-    v = from_storage(cache.v[cp.asarray(rp), cp.asarray(ro)].get(), cache.dtype)
+    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)))
     return reference.prefill_contiguous(case["q_host"], case["q_offsets"], k, v, case["kv_offsets"], **kw)

@@ -12,6 +12,7 @@
 #pragma once
 #include "hopper.cuh"
 #include "kv_operand.cuh"
+#include "fp8.cuh"
 
 namespace cukv {
 
@@ -64,6 +65,41 @@ struct KVBuffer {
         const bool ok = off >= 0 && col < ncols;
         const T* src = ok ? base + off + col0 + col : base;
         cp_async16(dst0 + (u32)(atom * BN * kAtomRowBytes) + swizzle128(r, chunk), src, ok ? 16 : 0);
+      }
+    }
+  }
+
+  // FP8 cache: the same rows and chunks, but each lane loads 8 codes (8 bytes), multiplies them by their
+  // granule's scale and stores 8 values of T into the swizzled element itself (plain loads and shared
+  // stores instead of cp.async: dequantization happens on the way). scale_of(i, col) is the scale of row i
+  // at cache column col (0 for a row that reads as zeros). The caller fences the generic-proxy stores
+  // before handing the element to wgmma.
+  template <typename RowOffset, typename ScaleOf>
+  __device__ __forceinline__ void load_from_dram_fp8(int stage, const unsigned char* base, RowOffset row_off,
+                                                     ScaleOf scale_of, int col0, int ncols, int pw, int lane) const {
+    const u32 dst0 = element(stage);
+    const int chunk = lane % 8;
+    uint2 raw[kRowsPerLane][num_repeats];
+    float sc[kRowsPerLane][num_repeats];
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) {  // every load first, so a lane has them all in flight
+      const i64 off = row_off(i);
+#pragma unroll
+      for (int atom = 0; atom < num_repeats; ++atom) {
+        const int col = atom * bk_smem + chunk * 8;
+        const bool ok = off >= 0 && col < ncols;
+        raw[i][atom] = ok ? ldg_stream8(base + off + col0 + col) : make_uint2(0, 0);
+        sc[i][atom] = ok ? scale_of(i, col0 + col) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int r = pw * (BN / kProducerWarps) + lane / 8 + 4 * i;
+#pragma unroll
+      for (int atom = 0; atom < num_repeats; ++atom) {
+        const uint4 v = dequant8<T>(raw[i][atom], sc[i][atom]);
+        const u32 dst = dst0 + (u32)(atom * BN * kAtomRowBytes) + swizzle128(r, chunk);
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
       }
     }
   }

@@ -31,10 +31,16 @@ struct alignas(8) PrefillArgs {
   int pad_;
 };
 
-template <typename T, int DEPTH, int BM, int BN, int BK, int STAGES, int PAGE_SIZE>
+// QUANTIZED: an FP8 e4m3 cache (scales per SCALE_BLOCK dims, 0 = per tensor); the producer dequantizes to T
+// on the way into shared memory, so the consumers are unchanged.
+template <typename T, int DEPTH, int BM, int BN, int BK, int STAGES, int PAGE_SIZE, bool QUANTIZED = false,
+          int SCALE_BLOCK = 0>
 struct PrefillKernel {
   typedef KVBuffer<T, BN, BK, DEPTH, STAGES> Buf;
-  typedef KVCacheOperand<T, PAGE_SIZE> Cache;
+  typedef typename Select<QUANTIZED, unsigned char, T>::type KVT;
+  typedef KVCacheOperand<KVT, PAGE_SIZE, QUANTIZED> Cache;
+  static_assert(!QUANTIZED || PAGE_SIZE > 0, "FP8 prefill reads a paged cache");
+  static_assert(!QUANTIZED || SCALE_BLOCK == 0 || DEPTH % SCALE_BLOCK == 0, "scale block divides the head");
   static constexpr int kConsumerWGs = BM / 64;
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
@@ -143,9 +149,14 @@ struct PrefillKernel {
     }
     mbar_arrive_cp_async(sm.q_full);
 
-    const T* kbase = static_cast<const T*>(a.kv.k);
-    const T* vbase = static_cast<const T*>(a.kv.v);
+    const KVT* kbase = static_cast<const KVT*>(a.kv.k);
+    const KVT* vbase = static_cast<const KVT*>(a.kv.v);
     const i64 k_head = (i64)kv_head * a.kv.k_stride[2], v_head = (i64)kv_head * a.kv.v_stride[2];
+    float k_tensor_scale = 0.f, v_tensor_scale = 0.f;
+    if constexpr (QUANTIZED && SCALE_BLOCK == 0) {
+      k_tensor_scale = cache.template load_scale<0>(true, 0, 0, 0);
+      v_tensor_scale = cache.template load_scale<0>(false, 0, 0, 0);
+    }
     constexpr int kWarpRows = BN / Buf::kProducerWarps;
     // Paged: lane j of a producer warp looks up the page of the warp's j-th row one tile ahead (the
     // lookup's latency hides behind this tile's copies); rows get their page by shuffle.
@@ -164,7 +175,7 @@ struct PrefillKernel {
       // Lane j forms the 64-bit K and V offsets of the warp's row j once; every lane that copies a chunk
       // of that row takes them by shuffle (8 lanes share a row, so the address math is not repeated).
       const int tok_lane = n * BN + pw * kWarpRows + lane;
-      i64 k_lane = -1, v_lane = -1;
+      i64 k_lane = -1, v_lane = -1, ks_lane = 0, vs_lane = 0;
       if (lane < kWarpRows && tok_lane < kv_len) {
         i64 krow_off = -1, vrow_off = -1;
         if constexpr (Cache::contiguous) {
@@ -180,6 +191,11 @@ struct PrefillKernel {
         if (krow_off >= 0) {
           k_lane = krow_off + k_head;
           v_lane = vrow_off + v_head;
+          if constexpr (QUANTIZED && SCALE_BLOCK > 0) {
+            const i64 row = (i64)page_lane * PAGE_SIZE + tok_lane % PAGE_SIZE;
+            ks_lane = cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales;
+            vs_lane = cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales;
+          }
         }
       }
       auto koff = [&](int i) -> i64 { return __shfl_sync(0xffffffffu, k_lane, (lane / 8 + 4 * i) % 32); };
@@ -188,11 +204,28 @@ struct PrefillKernel {
       for (int e = 0; e <= kKElems; ++e) {
         const int stage = count % STAGES;
         mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
-        if (e < kKElems)
-          buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
-        else
-          buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
-        mbar_arrive_cp_async(sm.full + 8 * stage);
+        if constexpr (QUANTIZED) {
+          const bool is_k = e < kKElems;
+          const i64 s_lane = is_k ? ks_lane : vs_lane;
+          const float* sbase = is_k ? a.kv.k_scales : a.kv.v_scales;
+          const float ts = is_k ? k_tensor_scale : v_tensor_scale;
+          auto scale_of = [&](int i, int col) -> float {
+            if constexpr (SCALE_BLOCK == 0) return ts;
+            else return __ldg(sbase + __shfl_sync(0xffffffffu, s_lane, (lane / 8 + 4 * i) % 32) + col / SCALE_BLOCK);
+          };
+          if (is_k)
+            buf.load_from_dram_fp8(stage, kbase, koff, scale_of, e * BK, min(BK, DEPTH - e * BK), pw, lane);
+          else
+            buf.load_from_dram_fp8(stage, vbase, voff, scale_of, vslice * kVCols, kVCols, pw, lane);
+          fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
+          mbar_arrive(sm.full + 8 * stage);
+        } else {
+          if (e < kKElems)
+            buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
+          else
+            buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
+          mbar_arrive_cp_async(sm.full + 8 * stage);
+        }
         ++count;
       }
     }

@@ -1,0 +1,81 @@
+"""Prefill over FP8 e4m3 paged caches on the GPU.
+
+The producer warps dequantize (``code * scale`` rounded to the query dtype) into shared memory, so the
+kernel matches the float64 prefill over the dequantized cache to the query dtype's tolerance plus that one
+rounding of K and V (bf16: relative 2^-9 per value), and the unquantized tokens to the quantization error.
+"""
+import numpy as np
+import pytest
+
+import cukv
+from cukv.dtypes import from_storage
+from cukv.testing import assert_close, random_prefill_case, reference_prefill
+
+pytestmark = pytest.mark.gpu
+
+
+def _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran):
+    return random_prefill_case(rng, q_lens=q_lens, cache_lens=cache_lens, num_qo_heads=hq, num_kv_heads=hkv,
+                               head_dim=d, page_size=ps, dtype=dtype, kv_dtype="fp8_e4m3", scale_granularity=gran)
+
+
+def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="token", **kw):
+    import cupy as cp
+
+    case = _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran)
+    pf = cukv.BatchPrefill(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran)
+    plan_kw = {k: kw.pop(k) for k in ("mask", "window", "chunk") if k in kw}
+    pf.plan(case["q_offsets"], case["kv_lens"], **plan_kw)
+    nan = np.float16(np.nan) if dtype == "float16" else np.uint16(0x7FC0)
+    out = cp.full(case["q"].shape, nan, case["q"].dtype)
+    lse = cp.full((case["q"].shape[0], hq), np.nan, cp.float32)
+    pf.run(case["q"], (case["cache"], case["table"]), out=out, lse=lse, **kw)
+    ref_o, ref_lse = reference_prefill(case, **plan_kw, **kw)
+    # K and V are rounded once to the query dtype after dequantization: bf16's tolerance for both dtypes
+    assert_close(from_storage(out.get(), dtype), ref_o, "bfloat16", name="out vs dequantized reference")
+    assert_close(lse.get(), ref_lse, "float32", atol=3e-2, rtol=1e-2, name="lse vs dequantized reference")
+    return case, from_storage(out.get(), dtype)
+
+
+@pytest.mark.parametrize("gran", ["token", "tensor", 32, 64, 128])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_granularities(rng, gran, dtype):
+    _check(rng, [300, 17, 1], [100, 0, 700], 16, 4, 128, 16, dtype, gran)
+
+
+@pytest.mark.parametrize("d,gran", [(64, "token"), (64, 32), (80, "token"), (96, 32), (192, 64), (256, "token"),
+                                    (256, 128), (512, "tensor"), (512, 64)])
+def test_head_dims(rng, d, gran):
+    _check(rng, [200, 65], [50, 300], 8, 2, d, 16, "bfloat16", gran)
+
+
+@pytest.mark.parametrize("ps", [1, 48, 256])
+def test_page_sizes(rng, ps):
+    _check(rng, [129, 40], [333, 0], 8, 8, 128, ps, "bfloat16", 64)
+
+
+def test_masks_sink_softcap(rng):
+    import cupy as cp
+
+    sink = cp.asarray(rng.standard_normal(8).astype(np.float32))
+    _check(rng, [250, 90], [0, 500], 8, 2, 128, 16, "bfloat16", 32, window=100, sink=sink, softcap=30.0)
+    _check(rng, [250], [64], 8, 2, 128, 16, "bfloat16", "token", mask="none", chunk=128)
+
+
+def test_close_to_unquantized(rng):
+    from cukv import reference
+
+    case, out = _check(rng, [256], [256], 8, 2, 128, 16, "bfloat16", 32)
+    ref_o, _ = reference.prefill_contiguous(case["q_host"], case["q_offsets"], case["k_new"], case["v_new"],
+                                            case["kv_offsets"])
+    scale = max(1.0, float(np.abs(ref_o).max()))
+    assert_close(out / scale, ref_o / scale, "bfloat16", atol=0.1, rtol=0.1, name="out vs unquantized reference")
+
+
+def test_one_shot_and_contiguous_rejected(rng):
+    case = _case(rng, [64], [10], 8, 2, 128, 16, "bfloat16", 64)
+    out = cukv.prefill(case["q"], case["q_offsets"], (case["cache"], case["table"]))
+    ref_o, _ = reference_prefill(case)
+    assert_close(from_storage(out.get(), "bfloat16"), ref_o, "bfloat16")
+    with pytest.raises(ValueError, match="paged cache"):
+        cukv.BatchPrefill(8, 2, 128, None, "bfloat16", kv_dtype="fp8_e4m3")
