@@ -71,12 +71,14 @@ struct KVBuffer {
 
   // FP8 cache: the same rows and chunks, but each lane loads 8 codes (8 bytes), multiplies them by their
   // granule's scale and stores 8 values of T into the swizzled element itself (plain loads and shared
-  // stores instead of cp.async: dequantization happens on the way). scale_of(i, col) is the scale of row i
-  // at cache column col (0 for a row that reads as zeros). The caller fences the generic-proxy stores
+  // stores instead of cp.async: dequantization happens on the way). scale_row(i) (called by every lane: it
+  // may shuffle) locates row i's scales; scale_of(loc, col) loads the one for cache column col, only for
+  // rows that are read (a row that reads as zeros gets scale 0). The caller fences the generic-proxy stores
   // before handing the element to wgmma.
-  template <typename RowOffset, typename ScaleOf>
+  template <typename RowOffset, typename ScaleRow, typename ScaleOf>
   __device__ __forceinline__ void load_from_dram_fp8(int stage, const unsigned char* base, RowOffset row_off,
-                                                     ScaleOf scale_of, int col0, int ncols, int pw, int lane) const {
+                                                     ScaleRow scale_row, ScaleOf scale_of, int col0, int ncols, int pw,
+                                                     int lane) const {
     const u32 dst0 = element(stage);
     const int chunk = lane % 8;
     uint2 raw[kRowsPerLane][num_repeats];
@@ -84,12 +86,13 @@ struct KVBuffer {
 #pragma unroll
     for (int i = 0; i < kRowsPerLane; ++i) {  // every load first, so a lane has them all in flight
       const i64 off = row_off(i);
+      const i64 loc = scale_row(i);
 #pragma unroll
       for (int atom = 0; atom < num_repeats; ++atom) {
         const int col = atom * bk_smem + chunk * 8;
         const bool ok = off >= 0 && col < ncols;
         raw[i][atom] = ok ? ldg_stream8(base + off + col0 + col) : make_uint2(0, 0);
-        sc[i][atom] = ok ? scale_of(i, col0 + col) : 0.f;
+        sc[i][atom] = ok ? scale_of(loc, col0 + col) : 0.f;
       }
     }
 #pragma unroll

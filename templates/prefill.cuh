@@ -209,14 +209,18 @@ struct PrefillKernel {
           const i64 s_lane = is_k ? ks_lane : vs_lane;
           const float* sbase = is_k ? a.kv.k_scales : a.kv.v_scales;
           const float ts = is_k ? k_tensor_scale : v_tensor_scale;
-          auto scale_of = [&](int i, int col) -> float {
+          auto scale_row = [&](int i) -> i64 {
+            if constexpr (SCALE_BLOCK == 0) return 0;
+            else return __shfl_sync(0xffffffffu, s_lane, (lane / 8 + 4 * i) % 32);
+          };
+          auto scale_of = [&](i64 loc, int col) -> float {
             if constexpr (SCALE_BLOCK == 0) return ts;
-            else return __ldg(sbase + __shfl_sync(0xffffffffu, s_lane, (lane / 8 + 4 * i) % 32) + col / SCALE_BLOCK);
+            else return __ldg(sbase + loc + col / SCALE_BLOCK);
           };
           if (is_k)
-            buf.load_from_dram_fp8(stage, kbase, koff, scale_of, e * BK, min(BK, DEPTH - e * BK), pw, lane);
+            buf.load_from_dram_fp8(stage, kbase, koff, scale_row, scale_of, e * BK, min(BK, DEPTH - e * BK), pw, lane);
           else
-            buf.load_from_dram_fp8(stage, vbase, voff, scale_of, vslice * kVCols, kVCols, pw, lane);
+            buf.load_from_dram_fp8(stage, vbase, voff, scale_row, scale_of, vslice * kVCols, kVCols, pw, lane);
           fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
           mbar_arrive(sm.full + 8 * stage);
         } else {
