@@ -117,7 +117,8 @@ def _bench(args) -> int:
     elif args.what == "prefill":
         from .bench.prefill import failed, run
 
-        bad = failed(run(out_dir=args.out, quick=args.quick, reps=args.reps, kv_dtype=args.kv_dtype))
+        bad = failed(run(out_dir=args.out, quick=args.quick, reps=args.reps, kv_dtype=args.kv_dtype,
+                         scale_granularity=_granularity(args.scale_granularity)))
         if bad:
             print("cukv failed on:\n  " + "\n  ".join(bad), file=sys.stderr)
             return 1
@@ -230,8 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep", action="store_true", help="decode: also time other warp/split counts per cell")
     b.add_argument("--reps", type=int, default=None, help="timed calls per cell (decode default 30; prefill 20, quick 5)")
     b.add_argument("--kv-dtype", default="bfloat16",
-                   help="fp8_e4m3: also time an FP8 cache beside bf16 on every shape (decode; prefill once its FP8 "
-                   "path lands)")
+                   help="fp8_e4m3: also time an FP8 cache beside bf16 on every shape")
     b.add_argument("--scale-granularity", default="token", help="FP8 scales: token, tensor, 32, 64 or 128")
     a = sub.add_parser("autotune", help="time prefill tile shapes on this GPU and keep the fastest (opt-in)",
                        description="prefill: time candidate (BM, BN, BK, stages) around the default on a causal "

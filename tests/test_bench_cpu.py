@@ -101,10 +101,11 @@ def test_failed_lists_cukv_errors_only():
     assert bp.failed(fake_result()) == ["b4 L4096 h16/16 d256 contig: ValueError: no config"]
 
 
-def test_kv_dtype_placeholder():
+def test_kv_dtype_domain():
     assert bp.check_kv_dtype("bfloat16") == "bfloat16"
-    with pytest.raises(ValueError, match="kv_dtype='fp8_e4m3'.*accepted: bfloat16"):
-        bp.check_kv_dtype("fp8_e4m3")
+    assert bp.check_kv_dtype("fp8_e4m3") == "fp8_e4m3"
+    with pytest.raises(ValueError, match="kv_dtype='int8'.*accepted: bfloat16, fp8_e4m3"):
+        bp.check_kv_dtype("int8")
     with pytest.raises(ValueError, match="not supported"):
         bp.run(kv_dtype="float16")  # refused before anything touches a GPU
 
@@ -122,9 +123,9 @@ def test_cli_parses_bench_prefill():
 
 
 def test_cli_rejects_unsupported_kv_dtype_without_a_gpu(capsys):
-    assert cli.main(["bench", "prefill", "--kv-dtype", "fp8_e4m3"]) == 2
+    assert cli.main(["bench", "prefill", "--kv-dtype", "int4"]) == 2
     err = capsys.readouterr().err
-    assert "fp8_e4m3" in err and "bfloat16" in err
+    assert "int4" in err and "bfloat16" in err and "fp8_e4m3" in err
     assert cli.main(["bench", "decode", "--kv-dtype", "int4"]) == 2
     assert "int4" in capsys.readouterr().err
 

@@ -39,7 +39,7 @@ SHAPES = (
 QUICK_SHAPES = (SHAPES[0], SHAPES[4])
 PAGE_SIZE = 16
 DTYPE = "bfloat16"
-SUPPORTED_KV_DTYPES = ("bfloat16",)
+SUPPORTED_KV_DTYPES = ("bfloat16", "fp8_e4m3")
 FLOPS_FORMULA = "flops = 4 * B * Hq * D * L * L / 2 (causal half of QK^T and PV)"
 PEERS = ("flash", "cudnn")
 ENGINES = ("paged", "contig")
@@ -186,8 +186,36 @@ def _finish_row(row):
     return row
 
 
+def _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, granularity):
+    """The same K/V quantized by append_kv into an FP8 cache (same page table), timed like cukv paged."""
+    import cupy as cp
+
+    import cukv
+
+    q, k, v, cache, pt, offsets, lengths = data
+    fcache = cukv.PagedKVCache(cache.num_pages, PAGE_SIZE, hkv, d, dtype="fp8_e4m3", scale_granularity=granularity)
+    if granularity == "tensor":
+        fcache.set_tensor_scales(5.0 / 448, 5.0 / 448)  # N(0,1) data: 5 sigma saturates
+    bt = pt.block_table.get()
+    seq_len = int(lengths[0])
+    pos = np.arange(seq_len)
+    slots = (bt[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).reshape(-1).astype(np.int64)
+    cukv.append_kv(fcache, k, v, cp.asarray(slots))
+    pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                           scale_granularity=granularity)
+    pf.plan(offsets, lengths, mask="causal")
+    out = cp.empty_like(q)
+    pf.run(q, (fcache, pt), out=out)
+    cp.cuda.Device().synchronize()
+    row["fp8_ms"] = timer.median_ms(lambda: pf.run(q, (fcache, pt), out=out), reps=reps, warmup=warmup)
+    row["fp8_config"] = pf.config.name
+    return out
+
+
 def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None, kv_dtype: str = "bfloat16",
-        shapes=None) -> dict:
+        shapes=None, scale_granularity="token") -> dict:
+    """Time every shape; ``kv_dtype='fp8_e4m3'`` adds cukv paged over an FP8 cache holding the same tokens
+    (quantized by append_kv) and its speed ratio against the bf16 cache (> 1: FP8 faster)."""
     check_kv_dtype(kv_dtype)
     import cupy as cp
 
@@ -212,6 +240,14 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None
                 row[f"{engine}_error"] = _err(e)
         if "paged" in outs and "contig" in outs:
             row["maxdiff_paged_contig"] = _maxdiff(outs["paged"], outs["contig"])
+        if kv_dtype == "fp8_e4m3":
+            try:
+                fo = _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, scale_granularity)
+                if "paged" in outs:
+                    row["maxdiff_fp8_bf16"] = _maxdiff(fo, outs["paged"])
+                    row["fp8_vs_bf16"] = row["paged_ms"] / row["fp8_ms"]
+            except Exception as e:  # noqa: BLE001
+                row["fp8_ms"], row["fp8_error"] = None, _err(e)
         if torch is None:
             for p in PEERS:
                 row[f"{p}_ms"], row[f"{p}_error"] = None, no_torch
@@ -229,6 +265,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None
         cp.get_default_memory_pool().free_all_blocks()
         print(_fmt_row(row), flush=True)
     summary = {"device": _device_name(), "date": time.strftime("%Y-%m-%d"), "dtype": DTYPE, "kv_dtype": kv_dtype,
+               "scale_granularity": scale_granularity if kv_dtype == "fp8_e4m3" else None,
                "page_size": PAGE_SIZE, "mask": "causal", "reps": reps, "flops_formula": FLOPS_FORMULA,
                "torch": getattr(torch, "__version__", None), "peers_missing": no_torch}
     for p in PEERS:
@@ -238,9 +275,10 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None
     result = {"summary": summary, "rows": rows}
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_prefill.json"), "w") as f:
+        tag = "" if kv_dtype == "bfloat16" else f"_{kv_dtype}"
+        with open(os.path.join(out_dir, f"bench_prefill{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
-        _plot(rows, summary, os.path.join(out_dir, "bench_prefill.png"))
+        _plot(rows, summary, os.path.join(out_dir, f"bench_prefill{tag}.png"))
     print(format_table(result))
     return result
 
@@ -290,6 +328,15 @@ def format_table(result) -> str:
     for p, name in (("flash", "flash"), ("cudnn", "cuDNN")):
         if s.get(f"geomean_ratio_{p}") is not None:
             lines.append(f"geomean({name} time / cukv paged time) = {s[f'geomean_ratio_{p}']:.3f}")
+    if any("fp8_ms" in r for r in result["rows"]):
+        lines += ["", f"FP8 e4m3 cache (scales {s.get('scale_granularity')!r}, same tokens, quantized by append_kv) vs the "
+                  "bf16 cache, cukv paged", "| shape | bf16 ms | fp8 ms | bf16/fp8 (>= 1: FP8 no slower) | max |fp8-bf16| | config |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["rows"]:
+            if "fp8_ms" in r:
+                lines.append(f"| {shape_label(r)} | {_num(r.get('paged_ms'), '.3f')} | {_num(r.get('fp8_ms'), '.3f')} | "
+                             f"{_num(r.get('fp8_vs_bf16'), '.2f')} | {_num(r.get('maxdiff_fp8_bf16'), '.3f')} | "
+                             f"{r.get('fp8_config', r.get('fp8_error', ''))} |")
     if s.get("peers_missing"):
         lines.append(f"peers: {s['peers_missing']}")
         notes = [n for n in notes if s["peers_missing"] not in n]
