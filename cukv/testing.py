@@ -102,9 +102,10 @@ def cache_pages_host(cache):
     return cache_values_host(cache, (slice(None),))
 
 
-def cache_values_host(cache, index):
+def cache_values_host(cache, index, rounded_to: str | None = None):
     """float64 K and V at ``cache.k[index]`` (a tuple of device indices over (page, token)), dequantized
-    exactly (``e4m3 * scale`` in float64) for an FP8 cache."""
+    exactly (``e4m3 * scale`` in float64) for an FP8 cache, or, with ``rounded_to`` ('bfloat16'/'float16'),
+    as the FP8 prefill stages them: the float32 product rounded to that type."""
     if not getattr(cache, "quantized", False):
         return from_storage(cache.k[index].get(), cache.dtype), from_storage(cache.v[index].get(), cache.dtype)
     from .fp8 import dequantize
@@ -112,7 +113,10 @@ def cache_values_host(cache, index):
     out = []
     for codes, scales in ((cache.k, cache.k_scales), (cache.v, cache.v_scales)):
         sc = scales.get() if cache.scale_block == 0 else scales[index].get()
-        out.append(dequantize(codes[index].get(), sc, cache.scale_block))
+        vals = dequantize(codes[index].get(), sc, cache.scale_block)
+        if rounded_to is not None:
+            vals = from_storage(to_storage(vals.astype(np.float32), rounded_to), rounded_to)
+        out.append(vals)
     return tuple(out)
 
 
@@ -176,11 +180,12 @@ def random_prefill_case(rng, *, q_lens, cache_lens, num_qo_heads, num_kv_heads, 
     return case
 
 
-def reference_prefill(case, **kw):
+def reference_prefill(case, staged: str | None = None, **kw):
     """float64 prefill of a :func:`random_prefill_case`, reading back only the slots the table reaches
     (gathered on the device, like :func:`reference_decode`). ``kw`` are :func:`cukv.reference.prefill_contiguous`'s
     options (``mask``, ``window``, ``chunk``, ``softcap``, ``sink``, ``sm_scale``); a device ``sink`` is copied
-    to the host."""
+    to the host. ``staged='bfloat16'`` (or 'float16') reads an FP8 cache as the prefill kernel stages it
+    (``code * scale`` in float32, rounded to that type)."""
     import cupy as cp
 
     if kw.get("sink") is not None and hasattr(kw["sink"], "get") and not isinstance(kw["sink"], np.ndarray):
@@ -190,5 +195,5 @@ def reference_prefill(case, **kw):
     pos = [np.arange(int(n)) for n in lengths]
     rp = np.concatenate([table[b, p // ps] for b, p in enumerate(pos)] + [np.zeros(0, np.int64)]).astype(np.int64)
     ro = np.concatenate([p % ps for p in pos] + [np.zeros(0, np.int64)]).astype(np.int64)
-    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)))
+    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)), staged)
     return reference.prefill_contiguous(case["q_host"], case["q_offsets"], k, v, case["kv_offsets"], **kw)
