@@ -230,12 +230,15 @@ DEFAULTS = {
 def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
                    scale_block: int = 0) -> PrefillConfig:
     """The documented default (or this GPU's autotuned winner). FP8 caches take the 16-bit default with BN
-    halved until BN * BK <= 8192 (the producer dequantizes a whole element in registers)."""
+    halved until BN * BK <= 8192 (4096 with 32-dim scale blocks): the producer dequantizes a whole element in
+    registers."""
     if head_dim not in DEFAULTS:
         raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
     bm, bn, bk, st = DEFAULTS[head_dim]
     if kv_dtype is not None:
-        while bn * bk > 8192 and bn > 16:
+        # 32-dim scale blocks hold two scales per 64-dim chunk column: half the rows again (measured spills)
+        limit = 4096 if scale_block == 32 else 8192
+        while bn * bk > limit and bn > 16:
             bn //= 2
         return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block)
     from .autotune import lookup
