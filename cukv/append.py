@@ -8,7 +8,7 @@ import numpy as np
 
 from . import compiler
 from .arrays import as_device, check_contiguous, element_dtype
-from .config import CTYPES, SHORT, check_in, check_range
+from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range
 from .operand import APPEND_ARGS, as_kernel_arg, kv_params, ptr
 
 
@@ -27,12 +27,10 @@ class AppendConfig:
 
     def __post_init__(self):
         check_in("AppendConfig", "dtype", self.dtype, tuple(CTYPES))
-        check_in("AppendConfig", "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
-        if self.kv_dtype is not None:
-            check_in("AppendConfig", "scale_block", self.scale_block, (0, 32, 64, 128, self.head_dim))
-            if self.head_dim % 16 or (self.scale_block and self.head_dim % self.scale_block):
-                raise ValueError(f"AppendConfig: head_dim={self.head_dim} must be a multiple of 16 and of "
-                                 f"scale_block={self.scale_block}")
+        check_kv_quant("AppendConfig", self.kv_dtype, self.scale_block, self.head_dim)
+        if self.kv_dtype is not None and self.head_dim % 16:
+            raise ValueError(f"AppendConfig.head_dim={self.head_dim} is not valid: must be a multiple of 16 for an "
+                             "FP8 cache")
         check_range("AppendConfig", "head_dim", self.head_dim, 8, 1024)
         if self.head_dim % 8:
             raise ValueError(f"AppendConfig.head_dim={self.head_dim} is not valid: must be a multiple of 8")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .arrays import as_device, canonical_kv_dtype, element_dtype, elem_strides
-from .dtypes import nan_bits, storage_dtype
+from .dtypes import bf16_bits, nan_bits, storage_dtype
 from .fp8 import scale_block as _scale_block
 
 LAYOUTS = ("separate", "combined", "layers")
@@ -162,10 +162,7 @@ class PagedKVCache:
         for codes, scales in ((self.k, self.k_scales), (self.v, self.v_scales)):
             vals = table[codes]
             s = scales if self.scale_block == 0 else cp.repeat(scales, self.scale_block, axis=-1)
-            f = (vals * s).astype(cp.float32)
-            u = f.view(cp.uint32).astype(cp.uint64)
-            bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(cp.uint16)
-            out.append(cp.where(cp.isnan(f), cp.uint16(0x7FC0), bits))
+            out.append(bf16_bits((vals * s).astype(cp.float32), cp))
         return tuple(out)
 
     @classmethod

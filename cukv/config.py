@@ -32,3 +32,15 @@ def check_range(config: str, field: str, value, lo: int, hi: int, rule: str = ""
 def check_rule(config: str, field: str, value, ok: bool, rule: str) -> None:
     if not ok:
         raise ValueError(f"{config}.{field}={value!r} is not valid: {rule}")
+
+
+def check_kv_quant(config: str, kv_dtype, scale_block, head_dim: int) -> None:
+    """The FP8 fields every kernel config shares: ``kv_dtype`` None or 'fp8_e4m3', and ``scale_block`` 0 (per
+    tensor) or a block of 32/64/128 dims (or the whole head) that divides ``head_dim``; 0 without FP8."""
+    check_in(config, "kv_dtype", kv_dtype, (None, "fp8_e4m3"))
+    if kv_dtype is None:
+        check_in(config, "scale_block", scale_block, (0,))
+        return
+    check_in(config, "scale_block", scale_block, (0, 32, 64, 128, head_dim))
+    check_rule(config, "scale_block", scale_block, scale_block == 0 or head_dim % scale_block == 0,
+               f"must divide head_dim={head_dim}")

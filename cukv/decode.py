@@ -14,7 +14,7 @@ import numpy as np
 
 from . import compiler
 from .arrays import as_device, attention_outputs, check_contiguous, element_dtype
-from .config import CTYPES, SHORT, check_in, check_range, check_rule
+from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
 from .device import sm_count
 from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
 
@@ -56,13 +56,8 @@ class DecodeConfig:
         check_in(c, "min_blocks", self.min_blocks, (1, 2, 3, 4))
         check_in(c, "BN", self.BN, (16,))
         check_in(c, "BK", self.BK, (32,))
-        check_in(c, "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
-        if self.kv_dtype is None:
-            check_in(c, "scale_block", self.scale_block, (0,))
-        else:
-            check_in(c, "scale_block", self.scale_block, (0, 32, 64, 128, self.head_dim))
-            check_rule(c, "scale_block", self.scale_block, self.scale_block == 0 or self.head_dim % self.scale_block == 0,
-                       f"must divide head_dim={self.head_dim}")
+        check_kv_quant(c, self.kv_dtype, self.scale_block, self.head_dim)
+        if self.quantized:
             check_rule(c, "scale_block", self.scale_block, not (self.scale_block == 32 and self.head_dim > 128),
                        "32-dim scale blocks need more registers than head_dim > 128 leaves (use 64, 128 or per token)")
         if self.sub is None:
@@ -197,8 +192,8 @@ class BatchDecode:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype="bfloat16", num_warps: int = 4, kv_dtype=None, scale_granularity=None):
-        from .arrays import canonical_dtype, canonical_kv_dtype
-        from .fp8 import scale_block
+        from .arrays import canonical_dtype
+        from .fp8 import resolve_kv
 
         for n, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(v, (int, np.integer)) or v < 1:
@@ -206,14 +201,7 @@ class BatchDecode:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
-        kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
-        if kvd is not None and kvd != "fp8_e4m3":
-            kvd = None if kvd == canonical_dtype(dtype) else kvd
-            if kvd is not None:
-                raise TypeError(f"kv_dtype={kv_dtype!r} with dtype={dtype!r}: a 16-bit cache must match the query dtype")
-        if kvd is None and scale_granularity is not None:
-            raise ValueError(f"scale_granularity={scale_granularity!r} applies to kv_dtype='fp8_e4m3' only")
-        sb = scale_block("token" if scale_granularity is None else scale_granularity, int(head_dim)) if kvd else 0
+        kvd, sb = resolve_kv(canonical_dtype(dtype), kv_dtype, scale_granularity, int(head_dim))
         self.config = DecodeConfig(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
                                    int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb)
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype

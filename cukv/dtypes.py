@@ -4,15 +4,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def bf16_bits(x) -> np.ndarray:
-    """float array -> uint16 bf16 bits, rounding to nearest even (NaN stays NaN)."""
-    f = np.ascontiguousarray(x, dtype=np.float32)
-    u = f.view(np.uint32).astype(np.uint64)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = np.isnan(f)
-    if nan.any():
-        rounded = np.where(nan, np.uint16(0x7FC0), rounded)
-    return rounded
+def bf16_bits(x, xp=np):
+    """float array -> uint16 bf16 bits, rounding to nearest even (NaN stays NaN). ``xp`` is the array
+    module (NumPy, or CuPy for device arrays)."""
+    f = xp.ascontiguousarray(x, dtype=xp.float32)
+    u = f.view(xp.uint32).astype(xp.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(xp.uint16)
+    return xp.where(xp.isnan(f), xp.uint16(0x7FC0), rounded)
 
 
 def bf16_to_float(bits) -> np.ndarray:

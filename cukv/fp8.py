@@ -80,6 +80,23 @@ def scale_block(granularity, head_dim: int) -> int:
                      "(32/64/128: dims per scale, dividing the head dim)")
 
 
+def resolve_kv(dtype: str, kv_dtype, scale_granularity, head_dim: int) -> tuple[str | None, int]:
+    """A kernel's ``(kv_dtype, scale_block)`` from what a user passed: ``kv_dtype`` None or the query dtype
+    means a 16-bit cache (no granularity allowed); 'fp8_e4m3' takes ``scale_granularity`` (default 'token')."""
+    from .arrays import canonical_kv_dtype
+
+    kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
+    if kvd is not None and kvd != "fp8_e4m3":
+        if kvd != dtype:
+            raise TypeError(f"kv_dtype={kv_dtype!r} with dtype={dtype!r}: a 16-bit cache must match the query dtype")
+        kvd = None
+    if kvd is None:
+        if scale_granularity is not None:
+            raise ValueError(f"scale_granularity={scale_granularity!r} applies to kv_dtype='fp8_e4m3' only")
+        return None, 0
+    return kvd, scale_block("token" if scale_granularity is None else scale_granularity, head_dim)
+
+
 def granule_scales(x, block: int) -> np.ndarray:
     """Scales of ``x[..., D]`` per ``block`` dims (float32, shape ``[..., D // block]``)."""
     x = np.asarray(x, np.float32)

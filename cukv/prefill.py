@@ -14,7 +14,7 @@ import numpy as np
 
 from . import compiler
 from .arrays import as_device, attention_outputs, check_contiguous, element_dtype
-from .config import CTYPES, SHORT, check_in, check_range, check_rule
+from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
 from .operand import KV_PARAMS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
@@ -131,13 +131,8 @@ class PrefillConfig:
     def __post_init__(self):
         c = "PrefillConfig"
         check_in(c, "dtype", self.dtype, tuple(CTYPES))
-        check_in(c, "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
-        if self.kv_dtype is None:
-            check_in(c, "scale_block", self.scale_block, (0,))
-        else:
-            check_in(c, "scale_block", self.scale_block, (0, 32, 64, 128, self.head_dim))
-            check_rule(c, "scale_block", self.scale_block, self.scale_block == 0 or self.head_dim % self.scale_block == 0,
-                       f"must divide head_dim={self.head_dim}")
+        check_kv_quant(c, self.kv_dtype, self.scale_block, self.head_dim)
+        if self.quantized:
             check_rule(c, "page_size", self.page_size, self.page_size > 0, "FP8 prefill reads a paged cache (not 0)")
             # the producer holds a whole element's codes and scales in flight (56 registers after setmaxnreg)
             check_rule(c, "BN", self.BN, self.BN * self.BK <= 8192,
@@ -287,8 +282,8 @@ class BatchPrefill:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int | None = 16,
                  dtype="bfloat16", config: PrefillConfig | None = None, kv_dtype=None, scale_granularity=None):
-        from .arrays import canonical_dtype, canonical_kv_dtype
-        from .fp8 import scale_block
+        from .arrays import canonical_dtype
+        from .fp8 import resolve_kv
 
         for n, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
@@ -299,16 +294,9 @@ class BatchPrefill:
             raise ValueError(f"page_size={page_size!r} must be an integer in 1..4096, or None for contiguous K/V")
         dt = canonical_dtype(dtype)
         ps = 0 if page_size is None else int(page_size)
-        kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
-        if kvd is not None and kvd != "fp8_e4m3":
-            if kvd != dt:
-                raise TypeError(f"kv_dtype={kv_dtype!r} with dtype={dtype!r}: a 16-bit cache must match the query dtype")
-            kvd = None
-        if kvd is None and scale_granularity is not None:
-            raise ValueError(f"scale_granularity={scale_granularity!r} applies to kv_dtype='fp8_e4m3' only")
+        kvd, sb = resolve_kv(dt, kv_dtype, scale_granularity, int(head_dim))
         if kvd is not None and ps == 0:
             raise ValueError("kv_dtype='fp8_e4m3' needs a paged cache: page_size=None (contiguous K/V) is 16-bit only")
-        sb = scale_block("token" if scale_granularity is None else scale_granularity, int(head_dim)) if kvd else 0
         if config is None:
             config = default_config(dt, int(head_dim), ps, kvd, sb)
         elif not isinstance(config, PrefillConfig):
