@@ -19,6 +19,9 @@ from .device import sm_count
 from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
 
 HEAD_DIMS = (64, 96, 128, 256)
+RING_STAGES = (2, 3, 4, 5, 6, 8)
+DEFAULT_STAGES = (3, 2)  # preferred first
+SMEM_LIMIT = 227 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,10 @@ class DecodeConfig:
     scale_block: int = 0
     #: 16-token strips each warp keeps in flight (FP8 defaults to 2 so the bytes in flight match bf16)
     sub: int | None = None
+    #: shared-memory ring slots per warp (cp.async staging, ``decode_ring.cuh``); 0 stages strips in
+    #: registers (``decode.cuh``). The ring needs a 16-bit cache, a page size that is a multiple of 16 and a
+    #: head dim that is a multiple of 64; None picks the ring wherever it applies.
+    stages: int | None = None
 
     def __post_init__(self):
         c = "DecodeConfig"
@@ -64,6 +71,22 @@ class DecodeConfig:
             # two FP8 strips in flight match a 16-bit strip's bytes; 32-dim scale blocks need the registers
             object.__setattr__(self, "sub", 2 if self.quantized and self.head_dim <= 128 and self.scale_block != 32 else 1)
         check_in(c, "sub", self.sub, (1, 2, 3, 4))
+        ring_ok = not self.quantized and self.page_size % 16 == 0 and self.head_dim % 64 == 0
+        if self.stages is None:  # the first default ring that fits in shared memory, else registers
+            for st in DEFAULT_STAGES if ring_ok else ():
+                object.__setattr__(self, "stages", st)
+                if self.total_smem_bytes <= SMEM_LIMIT:
+                    break
+            else:
+                object.__setattr__(self, "stages", 0)
+        check_in(c, "stages", self.stages, (0,) + RING_STAGES)
+        if self.stages:
+            check_rule(c, "stages", self.stages, ring_ok,
+                       "the shared-memory ring needs a 16-bit cache, page_size a multiple of 16 and head_dim a "
+                       "multiple of 64 (use stages=0)")
+            total = self.smem_bytes + self.ring_smem_bytes
+            check_rule(c, "stages", self.stages, total <= SMEM_LIMIT,
+                       f"{total} bytes of shared memory exceed {SMEM_LIMIT}; lower stages or num_warps")
 
     @property
     def quantized(self) -> bool:
@@ -106,10 +129,20 @@ class DecodeConfig:
         return self.MMA_K * self.MMA_N // 32
 
     @property
+    def ring_smem_bytes(self) -> int:
+        """Dynamic shared memory of the ring: per warp, ``stages`` slots of a 16-token K and V strip."""
+        return self.num_warps * self.stages * 2 * self.BN * self.head_dim * 2
+
+    @property
+    def total_smem_bytes(self) -> int:
+        return self.smem_bytes + self.ring_smem_bytes
+
+    @property
     def smem_bytes(self) -> int:
         """Static shared memory: per-warp (m, l), block (M, L), the [group, depth] merge sum, and Q when
-        head_dim > 128 (its registers go to the output accumulator)."""
-        q_smem = 2 * 16 * self.head_dim if self.head_dim > 128 else 16  # Q moves to shared memory past 128
+        head_dim > 128 (its registers go to the output accumulator; the ring kernel pads its rows by 8)."""
+        pitch = self.head_dim + (8 if self.stages else 0)
+        q_smem = 2 * 16 * pitch if self.head_dim > 128 else 16  # Q moves to shared memory past 128
         stats = 4 * (2 * 16 * self.num_warps + 2 * 16 + self.group * self.head_dim + 1)  # + the `last` flag
         return _round16(_round16(stats) + q_smem)  # q is 16-byte aligned, and so is the struct
 
@@ -117,8 +150,9 @@ class DecodeConfig:
     def name(self) -> str:
         q = f"_e4m3s{self.scale_block}" if self.quantized else ""
         sub = f"_s{self.sub}" if self.sub != 1 else ""
+        ring = f"_r{self.stages}" if self.stages else ""
         return (f"cukv_decode_{SHORT[self.dtype]}{q}_d{self.head_dim}_g{self.group}_p{self.page_size}_w{self.num_warps}"
-                f"_b{self.min_blocks}{sub}")
+                f"_b{self.min_blocks}{sub}{ring}")
 
     def render(self) -> str:
         return compiler.render(
@@ -126,7 +160,8 @@ class DecodeConfig:
             head_dim=self.head_dim, group=self.group, num_warps=self.num_warps, min_blocks=self.min_blocks,
             num_k_strips=self.num_k_strips, num_k_mmas2=self.num_k_mmas2, num_mmas=self.num_mmas,
             input_frag_size=self.input_frag_size, smem_bytes=self.smem_bytes, args_bytes=DECODE_ARGS.itemsize,
-            quantized=self.quantized, scale_block=self.scale_block, sub=self.sub)
+            quantized=self.quantized, scale_block=self.scale_block, sub=self.sub, stages=self.stages,
+            ring_smem_bytes=self.ring_smem_bytes)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -175,6 +210,10 @@ class BatchDecode:
         An FP8 cache: codes and scales are dequantized to ``dtype`` in registers right before the mma.
     scale_granularity : {'token', 'tensor', 32, 64, 128}
         The FP8 cache's granularity (default 'token'); it must match the cache passed to :meth:`run`.
+    stages : int, optional
+        Shared-memory ring slots per warp (2..8) for 16-bit caches with a page size that is a multiple of 16
+        and head_dim 64, 128 or 256; 0 stages strips in registers instead. None picks the ring where it
+        applies (see :class:`DecodeConfig`).
 
     Examples
     --------
@@ -191,7 +230,7 @@ class BatchDecode:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 dtype="bfloat16", num_warps: int = 4, kv_dtype=None, scale_granularity=None):
+                 dtype="bfloat16", num_warps: int = 4, kv_dtype=None, scale_granularity=None, stages=None):
         from .arrays import canonical_dtype
         from .fp8 import resolve_kv
 
@@ -203,7 +242,7 @@ class BatchDecode:
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         kvd, sb = resolve_kv(canonical_dtype(dtype), kv_dtype, scale_granularity, int(head_dim))
         self.config = DecodeConfig(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
-                                   int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb)
+                                   int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb, stages=stages)
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
         self._planned = None
 
@@ -220,7 +259,7 @@ class BatchDecode:
         mod = cfg.compiled
         if num_splits is None:
             rep = mod.functions[cfg.name]
-            slots = sm_count() * blocks_per_sm(rep.registers, cfg.num_threads, rep.static_smem)
+            slots = sm_count() * blocks_per_sm(rep.registers, cfg.num_threads, rep.static_smem + cfg.ring_smem_bytes)
             num_splits = choose_splits(batch_size, self.num_kv_heads, max_kv_len, slots)
         elif not isinstance(num_splits, (int, np.integer)) or not (1 <= num_splits <= 1024):
             raise ValueError(f"num_splits={num_splits!r} must be an integer in 1..1024")
@@ -231,7 +270,7 @@ class BatchDecode:
             self._counters = cp.zeros((self.batch_size, self.num_kv_heads), cp.int32)
         else:
             self._part_o = self._part_lse = self._counters = None
-        self._fn = mod.function(cfg.name)
+        self._fn = mod.function(cfg.name, cfg.ring_smem_bytes)
         self._planned = True
         return self
 
@@ -284,7 +323,7 @@ class BatchDecode:
         rec["window"], rec["num_splits"], rec["num_qo_heads"] = int(window or 0), self.num_splits, self.num_qo_heads
         arg = as_kernel_arg(rec)
         with (stream or cp.cuda.get_current_stream()):
-            self._fn((self.num_splits, self.num_kv_heads, b), (cfg.num_threads,), (arg,))
+            self._fn((self.num_splits, self.num_kv_heads, b), (cfg.num_threads,), (arg,), shared_mem=cfg.ring_smem_bytes)
         return (out, lse) if return_lse else out
 
 

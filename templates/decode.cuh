@@ -30,6 +30,158 @@ struct alignas(8) DecodeArgs {
 template <typename T, int DEPTH>
 __device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, int batch);
 
+// Online softmax over one 16-token strip. s holds the raw scores as an m16n8k16 C fragment (rows g and g+8
+// are query heads, columns t0 + 8 nt + 2c + {0, 1} tokens) and leaves as unnormalized probabilities; the
+// running max m and sum l are updated, and the output accumulated so far must be scaled by al0 / al1.
+template <bool TWO_ROWS>
+__device__ __forceinline__ void strip_softmax(const DecodeArgs& a, float scale_log2, float (&s)[2][4], int t0, int start,
+                                              int len, float& m0, float& m1, float& l0, float& l1, float& al0,
+                                              float& al1) {
+  const int c = threadIdx.x & 3;
+  // scores -> base-2 logits; masked columns become -inf by selection, never by arithmetic
+  float mx0 = -CUKV_INF, mx1 = -CUKV_INF;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = t0 + nt * 8 + 2 * c + (e & 1);
+      float x = s[nt][e];
+      if (a.softcap > 0.f) x = a.softcap * tanhf(x * a.sm_scale / a.softcap) * kLog2e;
+      else x *= scale_log2;
+      x = (t >= start && t < len) ? x : -CUKV_INF;
+      s[nt][e] = x;
+      if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+    }
+  mx0 = quad_max(mx0);
+  const float mn0 = fmaxf(m0, mx0);
+  const float mu0 = mn0 == -CUKV_INF ? 0.f : mn0;  // a row with nothing yet must not make NaN
+  al0 = fast_exp2(m0 - mu0);
+  m0 = mn0;
+  float mu1 = 0.f;
+  al1 = 1.f;
+  if constexpr (TWO_ROWS) {
+    mx1 = quad_max(mx1);
+    const float mn1 = fmaxf(m1, mx1);
+    mu1 = mn1 == -CUKV_INF ? 0.f : mn1;
+    al1 = fast_exp2(m1 - mu1);
+    m1 = mn1;
+  }
+  float ps0 = 0.f, ps1 = 0.f;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    s[nt][0] = fast_exp2(s[nt][0] - mu0);
+    s[nt][1] = fast_exp2(s[nt][1] - mu0);
+    ps0 += s[nt][0] + s[nt][1];
+    if constexpr (TWO_ROWS) {
+      s[nt][2] = fast_exp2(s[nt][2] - mu1);
+      s[nt][3] = fast_exp2(s[nt][3] - mu1);
+      ps1 += s[nt][2] + s[nt][3];
+    }
+  }
+  l0 = l0 * al0 + ps0;
+  if constexpr (TWO_ROWS) l1 = l1 * al1 + ps1;
+}
+
+// The end of every decode block: merge the warps' (m, l, o) in shared memory in warp order (deterministic),
+// then write the final output (one split) or this split's fp32 partial and base-2 LSE; the last split
+// block of (b, hk) merges all partials. dim_of(j, e) is the head dim of accumulator o[j][e] in this lane.
+// Smem needs m, l, M, L, o[GROUP][DEPTH] and last.
+template <typename T, int DEPTH, int GROUP, int NUM_WARPS, int NO, typename Smem, typename DimOf>
+__device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, float (&o)[NO][4], float m0, float m1,
+                                                float l0, float l1, DimOf dim_of) {
+  const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  // ---- merge the warps of this block: max, rescale, sum in warp order
+  l0 = quad_sum(l0);
+  l1 = quad_sum(l1);
+  if (c == 0) {
+    sm.m[warp][g] = m0;
+    sm.l[warp][g] = l0;
+    sm.m[warp][g + 8] = m1;
+    sm.l[warp][g + 8] = l1;
+  }
+  __syncthreads();
+  float M[2], L[2], f[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    float mm = -CUKV_INF;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) mm = fmaxf(mm, sm.m[w][row]);
+    float ll = 0.f, mine = 0.f;
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float mw = sm.m[w][row];
+      const float fw = mw == -CUKV_INF ? 0.f : fast_exp2(mw - mm);
+      ll += fw * sm.l[w][row];
+      if (w == warp) mine = fw;
+    }
+    M[r] = mm;
+    L[r] = ll;
+    f[r] = mine;
+  }
+#pragma unroll 1
+  for (int w = 0; w < NUM_WARPS; ++w) {
+    if (w == warp) {
+#pragma unroll
+      for (int j = 0; j < NO; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = g + 8 * (e >> 1);
+          const int dim = dim_of(j, e);
+          if (row < GROUP && dim < DEPTH) {
+            const float val = o[j][e] * f[e >> 1];
+            sm.o[row][dim] = w == 0 ? val : sm.o[row][dim] + val;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // ---- write: final output (one split) or fp32 partial + base-2 LSE
+  if (warp == 0 && c == 0) {
+    sm.M[g] = M[0];
+    sm.L[g] = L[0];
+    sm.M[g + 8] = M[1];
+    sm.L[g + 8] = L[1];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < GROUP * DEPTH; idx += NUM_WARPS * 32) {
+    const int row = idx / DEPTH, dim = idx % DEPTH;
+    const int hq = hk * GROUP + row;
+    const float mm = sm.M[row], ll = sm.L[row];
+    const i64 oi = ((i64)b * a.num_qo_heads + hq) * DEPTH + dim;
+    if (a.num_splits == 1) {
+      float denom = ll;  // ll > 0 implies mm is finite
+      if (a.sink != nullptr && ll > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
+      const float val = ll > 0.f ? sm.o[row][dim] / denom : 0.f;
+      static_cast<T*>(a.out)[oi] = ElemTraits<T>::from_float(val);
+      if (dim == 0 && a.lse != nullptr)
+        a.lse[(i64)b * a.num_qo_heads + hq] = ll > 0.f ? (mm + __log2f(ll)) * kLn2 : -CUKV_INF;
+    } else {
+      const i64 pi = (i64)split * gridDim.z * a.num_qo_heads * DEPTH + oi;
+      a.part_o[pi] = ll > 0.f ? sm.o[row][dim] / ll : 0.f;
+      if (dim == 0)
+        a.part_lse[((i64)split * gridDim.z + b) * a.num_qo_heads + hq] = ll > 0.f ? mm + __log2f(ll) : -CUKV_INF;
+    }
+  }
+  if (a.num_splits == 1) return;
+  // The last block of (b, hk) to finish merges every split's partial (no second launch); it resets the
+  // counter so the next run (or CUDA graph replay) starts from zero.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(a.counters + (i64)b * gridDim.y + hk, 1);
+    sm.last = prev == a.num_splits - 1;
+  }
+  __syncthreads();
+  if (!sm.last) return;
+  __threadfence();
+  for (int r = warp; r < GROUP; r += NUM_WARPS) merge_row<T, DEPTH>(a, b, hk * GROUP + r, gridDim.z);
+  if (threadIdx.x == 0) a.counters[(i64)b * gridDim.y + hk] = 0;
+}
+
 // QUANTIZED: the cache holds FP8 e4m3 codes (scales per SCALE_BLOCK dims, 0 = per tensor), dequantized to T
 // in registers; SUB: strips each warp keeps in flight.
 template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, bool QUANTIZED = false, int SCALE_BLOCK = 0,
@@ -172,48 +324,9 @@ struct DecodeKernel {
           }
       }
       if (PIPELINE && has_next) buf[sub].load_k(op, b, hk, nch * BN, start, len, nbase);
-      // scores -> base-2 logits; masked columns become -inf by selection, never by arithmetic
-      float mx0 = -CUKV_INF, mx1 = -CUKV_INF;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = t0 + nt * 8 + 2 * c + (e & 1);
-          float x = s[nt][e];
-          if (a.softcap > 0.f) x = a.softcap * tanhf(x * a.sm_scale / a.softcap) * kLog2e;
-          else x *= scale_log2;
-          x = (t >= start && t < len) ? x : -CUKV_INF;
-          s[nt][e] = x;
-          if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
-        }
-      mx0 = quad_max(mx0);
-      const float mn0 = fmaxf(m0, mx0);
-      const float mu0 = mn0 == -CUKV_INF ? 0.f : mn0;  // a row with nothing yet must not make NaN
-      const float al0 = fast_exp2(m0 - mu0);
-      m0 = mn0;
-      float mu1 = 0.f, al1 = 1.f;
-      if constexpr (TWO_ROWS) {
-        mx1 = quad_max(mx1);
-        const float mn1 = fmaxf(m1, mx1);
-        mu1 = mn1 == -CUKV_INF ? 0.f : mn1;
-        al1 = fast_exp2(m1 - mu1);
-        m1 = mn1;
-      }
-      float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        s[nt][0] = fast_exp2(s[nt][0] - mu0);
-        s[nt][1] = fast_exp2(s[nt][1] - mu0);
-        ps0 += s[nt][0] + s[nt][1];
-        if constexpr (TWO_ROWS) {
-          s[nt][2] = fast_exp2(s[nt][2] - mu1);
-          s[nt][3] = fast_exp2(s[nt][3] - mu1);
-          ps1 += s[nt][2] + s[nt][3];
-        }
-      }
+            float al0, al1;
+      strip_softmax<TWO_ROWS>(a, scale_log2, s, t0, start, len, m0, m1, l0, l1, al0, al1);
       if constexpr (V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
-      l0 = l0 * al0 + ps0;
-      if constexpr (TWO_ROWS) l1 = l1 * al1 + ps1;
 #pragma unroll
       for (int grp = 0; grp < NO / 8; ++grp) {
         u32 bf[8][2];
@@ -261,96 +374,9 @@ struct DecodeKernel {
       for (int j = 0; j < NO; ++j) o[j][0] *= kOFactor, o[j][1] *= kOFactor, o[j][2] *= kOFactor, o[j][3] *= kOFactor;
     }
 
-    // ---- merge the warps of this block: max, rescale, sum in warp order
-    l0 = quad_sum(l0);
-    l1 = quad_sum(l1);
-    if (c == 0) {
-      sm.m[warp][g] = m0;
-      sm.l[warp][g] = l0;
-      sm.m[warp][g + 8] = m1;
-      sm.l[warp][g + 8] = l1;
-    }
-    __syncthreads();
-    float M[2], L[2], f[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = g + 8 * r;
-      float mm = -CUKV_INF;
-#pragma unroll
-      for (int w = 0; w < NUM_WARPS; ++w) mm = fmaxf(mm, sm.m[w][row]);
-      float ll = 0.f, mine = 0.f;
-#pragma unroll
-      for (int w = 0; w < NUM_WARPS; ++w) {
-        const float mw = sm.m[w][row];
-        const float fw = mw == -CUKV_INF ? 0.f : fast_exp2(mw - mm);
-        ll += fw * sm.l[w][row];
-        if (w == warp) mine = fw;
-      }
-      M[r] = mm;
-      L[r] = ll;
-      f[r] = mine;
-    }
-#pragma unroll 1
-    for (int w = 0; w < NUM_WARPS; ++w) {
-      if (w == warp) {
-#pragma unroll
-        for (int j = 0; j < NO; ++j) {
-          const int dim0 = (j / 8) * 64 + 16 * c + (j % 8);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = g + 8 * (e >> 1);
-            const int dim = dim0 + 8 * (e & 1);
-            if (row < GROUP && dim < DEPTH) {
-              const float val = o[j][e] * f[e >> 1];
-              sm.o[row][dim] = w == 0 ? val : sm.o[row][dim] + val;
-            }
-          }
-        }
-      }
-      __syncthreads();
-    }
-
-    // ---- write: final output (one split) or fp32 partial + base-2 LSE
-    if (warp == 0 && c == 0) {
-      sm.M[g] = M[0];
-      sm.L[g] = L[0];
-      sm.M[g + 8] = M[1];
-      sm.L[g + 8] = L[1];
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < GROUP * DEPTH; idx += NUM_WARPS * 32) {
-      const int row = idx / DEPTH, dim = idx % DEPTH;
-      const int hq = hk * GROUP + row;
-      const float mm = sm.M[row], ll = sm.L[row];
-      const i64 oi = ((i64)b * a.num_qo_heads + hq) * DEPTH + dim;
-      if (a.num_splits == 1) {
-        float denom = ll;  // ll > 0 implies mm is finite
-        if (a.sink != nullptr && ll > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
-        const float val = ll > 0.f ? sm.o[row][dim] / denom : 0.f;
-        static_cast<T*>(a.out)[oi] = ElemTraits<T>::from_float(val);
-        if (dim == 0 && a.lse != nullptr)
-          a.lse[(i64)b * a.num_qo_heads + hq] = ll > 0.f ? (mm + __log2f(ll)) * kLn2 : -CUKV_INF;
-      } else {
-        const i64 pi = (i64)split * gridDim.z * a.num_qo_heads * DEPTH + oi;
-        a.part_o[pi] = ll > 0.f ? sm.o[row][dim] / ll : 0.f;
-        if (dim == 0)
-          a.part_lse[((i64)split * gridDim.z + b) * a.num_qo_heads + hq] = ll > 0.f ? mm + __log2f(ll) : -CUKV_INF;
-      }
-    }
-    if (a.num_splits == 1) return;
-    // The last block of (b, hk) to finish merges every split's partial (no second launch); it resets the
-    // counter so the next run (or CUDA graph replay) starts from zero.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int prev = atomicAdd(a.counters + (i64)b * gridDim.y + hk, 1);
-      sm.last = prev == a.num_splits - 1;
-    }
-    __syncthreads();
-    if (!sm.last) return;
-    __threadfence();
-    for (int r = warp; r < GROUP; r += NUM_WARPS) merge_row<T, DEPTH>(a, b, hk * GROUP + r, gridDim.z);
-    if (threadIdx.x == 0) a.counters[(i64)b * gridDim.y + hk] = 0;
+    decode_epilogue<T, DEPTH, GROUP, NUM_WARPS>(a, sm, o, m0, m1, l0, l1, [&](int j, int e) {
+      return (j / 8) * 64 + 16 * c + (j % 8) + 8 * (e & 1);  // the V strip's permuted output columns
+    });
   }
 };
 

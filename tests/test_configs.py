@@ -46,8 +46,13 @@ def test_decode_every_valid_config_renders(cfg):
     assert f"void __launch_bounds__(NUM_WARPS * 32, {cfg.min_blocks}) {cfg.name}(" in src
     assert "static_assert" in src
     # the sizes Python computed are the ones the source re-checks
-    for member in ("num_k_strips", "num_k_mmas2", "num_mmas", "input_frag_size"):
-        assert f"K::Buf::{member} == {getattr(cfg, member)}," in src, member
+    if cfg.stages:
+        assert f"K::RING_BYTES == {cfg.ring_smem_bytes}," in src
+        assert f"K::NO == {cfg.num_mmas}," in src
+        assert f"DecodeRingKernel<T, PAGE_SIZE, DEPTH, GROUP, NUM_WARPS, {cfg.stages}>" in src
+    else:
+        for member in ("num_k_strips", "num_k_mmas2", "num_mmas", "input_frag_size"):
+            assert f"K::Buf::{member} == {getattr(cfg, member)}," in src, member
     assert f"sizeof(K::Smem) == {cfg.smem_bytes}," in src
     assert f"sizeof(DecodeArgs) == {DECODE_ARGS.itemsize}," in src
     assert f"constexpr int PAGE_SIZE = {cfg.page_size};" in src
@@ -68,14 +73,42 @@ def test_decode_derived_sizes(cfg):
     assert cfg.smem_bytes % 16 == 0
     assert cfg.smem_bytes <= 48 * 1024  # static shared memory: no opt-in needed anywhere in the domain
     short = {"bfloat16": "bf16", "float16": "f16"}[cfg.dtype]
+    ring = f"_r{cfg.stages}" if cfg.stages else ""
     assert cfg.name == (f"cukv_decode_{short}_d{cfg.head_dim}_g{cfg.group}_p{cfg.page_size}_w{cfg.num_warps}"
-                        f"_b{cfg.min_blocks}")
+                        f"_b{cfg.min_blocks}{ring}")
+    # the default staging: the ring wherever it applies and fits, registers elsewhere
+    ring_ok = cfg.page_size % 16 == 0 and cfg.head_dim % 64 == 0
+    assert (cfg.stages > 0) == (ring_ok and cfg.num_warps * 2 * 2 * 16 * cfg.head_dim * 2 + cfg.smem_bytes <= 227 * 1024)
+    assert cfg.stages in (0, 2, 3)
+    assert cfg.total_smem_bytes == cfg.smem_bytes + cfg.ring_smem_bytes <= 227 * 1024
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cfg.name)  # a C identifier: it is the kernel's entry
 
 
 @given(decode_configs(), decode_configs())
 def test_decode_names_identify_configs(a, b):
     assert (a.name == b.name) == (a == b)
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({"stages": 1}, "accepted"), ({"stages": 9}, "accepted"), ({"stages": -1}, "accepted"),
+    ({"stages": 2, "page_size": 24}, "multiple of 16"), ({"stages": 2, "head_dim": 96}, "multiple of 64"),
+    ({"stages": 2, "kv_dtype": "fp8_e4m3", "scale_block": 128}, "16-bit cache"),
+    ({"stages": 8, "num_warps": 8}, "exceed"),
+])
+def test_decode_ring_stages_domain(kw, why):
+    with pytest.raises(ValueError, match=f"DecodeConfig.stages={kw['stages']!r} is not valid.*{why}"):
+        DecodeConfig(**kw)
+
+
+@settings(max_examples=6)
+@given(st.sampled_from((64, 128, 256)), st.sampled_from((1, 4, 8, 16)), st.sampled_from((16, 64)),
+       st.sampled_from((2, 4)), st.sampled_from((2, 3, 4)), st.sampled_from(DTYPES))
+def test_decode_ring_configs_compile_without_spills(d, group, ps, nw, stages, dt):
+    try:
+        cfg = DecodeConfig(dt, d, group, ps, nw, stages=stages)
+    except ValueError:  # too much shared memory for this (warps, stages, head_dim)
+        assume(False)
+    _check_resources(cfg)
 
 
 def test_decode_config_is_frozen_and_hashable():
@@ -90,7 +123,7 @@ def test_decode_config_is_frozen_and_hashable():
 # 1-2 warps at page_size 16. Those points are checked by the xfail test; the rest must be spill-free.
 def _known_to_spill(cfg: DecodeConfig) -> bool:
     return (cfg.num_warps == 8 and cfg.min_blocks == 2 and cfg.head_dim >= 96) or \
-        (cfg.head_dim == 256 and cfg.group > 8 and cfg.num_warps <= 2 and cfg.page_size == 16)
+        (cfg.head_dim == 256 and cfg.group > 8 and cfg.num_warps <= 2 and cfg.page_size == 16 and not cfg.stages)
 
 
 def _check_resources(cfg):
@@ -122,7 +155,7 @@ def test_decode_valid_configs_compile_without_spills(cfg):
 def test_decode_spilling_corners_of_the_domain(args):
     """Either the domain excludes these points or they compile without spills."""
     try:
-        cfg = DecodeConfig(*args)
+        cfg = DecodeConfig(*args, stages=0)  # the register-staged kernel (the ring fits these)
     except ValueError:
         return
     _check_resources(cfg)

@@ -18,6 +18,7 @@ import numpy as np
 GRID_BATCH = (1, 8, 32, 128)
 GRID_CTX = (512, 2048, 8192, 32768)
 EXTRA = ((64, 4096), (16, 32768))  # the bandwidth-bar cells
+SWEEP_VARIANTS = ((4, 0), (4, 2), (4, 3), (4, 4), (2, 4), (2, 6), (8, 2), (8, 3))  # (num_warps, stages)
 
 
 def _torch():
@@ -132,12 +133,17 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
             row.update({"fp8_ms": fms, "fp8_tbs": fb / fms / 1e9, "fp8_pct_ceiling": 100 * fb / fms / 1e9 / ceiling,
                         "fp8_speedup": ms / fms, "fp8_splits": fdec.num_splits})
             del fcache, fdec
-        if sweep:  # other warp counts and split counts, to tune the plan heuristic
+        if sweep:  # warps x staging (ring slots, 0 = registers) x split counts, to tune the defaults
             row["sweep"] = {}
-            for nw in (4, 8):
-                for sp in sorted({max(1, dec.num_splits // 2), dec.num_splits, dec.num_splits * 2, 1}):
-                    alt = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16", num_warps=nw).plan(batch, ctx, num_splits=sp)
-                    row["sweep"][f"w{nw}_s{sp}"] = timer.median_ms(lambda: alt.run(q, cache, pt, out=out), reps=10)
+            for nw, st in SWEEP_VARIANTS:
+                try:
+                    base = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16", num_warps=nw, stages=st).plan(batch, ctx)
+                except ValueError:
+                    continue
+                for sp in sorted({max(1, base.num_splits // 2), base.num_splits, base.num_splits * 2}):
+                    alt = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16", num_warps=nw, stages=st).plan(
+                        batch, ctx, num_splits=sp)
+                    row["sweep"][f"w{nw}_r{st}_s{sp}"] = timer.median_ms(lambda: alt.run(q, cache, pt, out=out), reps=10)
             best = min(row["sweep"], key=row["sweep"].get)
             print(f"   sweep best {best} {row['sweep'][best] * 1e3:.1f} us  "
                   + " ".join(f"{k}:{v * 1e3:.0f}" for k, v in row["sweep"].items()), flush=True)

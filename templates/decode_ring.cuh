@@ -1,0 +1,224 @@
+// Split-KV paged decode with a shared-memory ring per warp (16-bit caches, page size a multiple of 16).
+//
+// Same grid, softmax and epilogue as DecodeKernel (decode.cuh); only the staging differs. Each warp owns a
+// ring of STAGES slots in dynamic shared memory; a slot holds one 16-token strip of K and of V
+// (DecodeRingStrip). The warp issues cp.async copies STAGES - 1 strips ahead of the one it computes, so
+// the bytes in flight cost shared memory instead of registers, and reads its operands back with ldmatrix:
+// K rows as the score mma's B fragments, V rows transposed as the P.V mma's B fragments. Rows are 16-byte
+// chunks XOR-swizzled by (row % 8), so the eight rows one ldmatrix reads sit in eight different banks.
+// Tokens outside [start, len) and rows on unmapped pages are zero-filled by the copy (src size 0), never
+// read: NaN in unused slots cannot reach an output.
+#pragma once
+#include "decode.cuh"
+#include "hopper.cuh"
+
+namespace cukv {
+
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// One ring slot: K rows [BN][DEPTH] then V rows [BN][DEPTH], 16-bit elements, chunk-swizzled rows.
+template <int DEPTH>
+struct DecodeRingStrip {
+  static constexpr int BN = 16;
+  static constexpr int CHUNKS = DEPTH / 8;              // 16-byte chunks per row
+  static constexpr int ROW_BYTES = DEPTH * 2;
+  static constexpr int HALF_BYTES = BN * ROW_BYTES;     // K (or V) part
+  static constexpr int BYTES = 2 * HALF_BYTES;
+  static constexpr int COPIES = BN * CHUNKS / 32;       // 16-byte copies per lane for K (and again for V)
+  static_assert(CHUNKS % 8 == 0, "the swizzle permutes chunks within groups of 8: head dim a multiple of 64");
+  static_assert(COPIES >= 1 && (BN * CHUNKS) % 32 == 0, "whole copies per lane");
+
+  static __device__ __forceinline__ u32 offset(int row, int chunk) {
+    return (u32)(row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
+  }
+};
+
+template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, int STAGES>
+struct DecodeRingKernel {
+  typedef KVCacheOperand<T, PAGE_SIZE, false> Op;
+  typedef DecodeRingStrip<DEPTH> Strip;
+  static constexpr int BN = 16;
+  static constexpr bool TWO_ROWS = GROUP > 8;
+  static constexpr int NO = DEPTH / 8;               // output n-tiles of 8 dims
+  static constexpr int NKS = DEPTH / 16;             // k-steps of the score mma
+  static constexpr bool Q_IN_SMEM = DEPTH > 128;     // registers go to the output accumulator instead
+  static constexpr int Q_PITCH = DEPTH + 8;          // padded rows: the 8 rows of a fragment load hit 8 banks
+  static constexpr int RING_BYTES = NUM_WARPS * STAGES * Strip::BYTES;
+  static_assert(PAGE_SIZE % BN == 0, "a strip lies in one page");
+  static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
+  static_assert(STAGES >= 2 && STAGES <= 8, "2..8 ring slots per warp");
+
+  struct Smem {
+    float m[NUM_WARPS][16];
+    float l[NUM_WARPS][16];
+    float M[16], L[16];
+    float o[GROUP][DEPTH];
+    int last;
+    alignas(16) T q[Q_IN_SMEM ? 16 : 1][Q_IN_SMEM ? Q_PITCH : 8];
+  };
+
+  // Copies strip t0 of (b, head) into the slot at `slot` (shared address); base is the row of token t0
+  // (-1: an unmapped page).
+  static __device__ __forceinline__ void issue(const Op& op, u32 slot, int head, int t0, int start, int len, i64 base) {
+    const int lane = threadIdx.x & 31;
+    const T* pk = static_cast<const T*>(op.p.k);
+    const T* pv = static_cast<const T*>(op.p.v);
+    if (base >= 0) {
+      pk = op.row_ptr(true, base, head);
+      pv = op.row_ptr(false, base, head);
+    }
+    const i64 ks = op.p.k_stride[1], vs = op.p.v_stride[1];
+#pragma unroll
+    for (int i = 0; i < Strip::COPIES; ++i) {
+      const int idx = lane + 32 * i, row = idx / Strip::CHUNKS, chunk = idx % Strip::CHUNKS;
+      const int t = t0 + row;
+      const bool ok = base >= 0 && t >= start && t < len;
+      const u32 dst = slot + Strip::offset(row, chunk);
+      cp_async16(dst, ok ? pk + row * ks + 8 * chunk : pk, ok ? 16 : 0);
+      cp_async16(dst + Strip::HALF_BYTES, ok ? pv + row * vs + 8 * chunk : pv, ok ? 16 : 0);
+    }
+  }
+
+  static __device__ __forceinline__ i64 strip_base(const Op& op, int b, int st, int my_hi) {
+    return st < my_hi ? op.row_idx(b, st * BN) : (i64)-1;
+  }
+
+  static __device__ __forceinline__ void run(const DecodeArgs& a) {
+    __shared__ Smem sm;
+    extern __shared__ __align__(16) unsigned char ring[];  // 16 B: banks depend on offsets, not the base
+    const Op op(a.kv);
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+
+    const int len = op.cache_length(b);
+    const int start = a.window > 0 ? max(0, len - a.window) : 0;
+    const int c_lo = start / BN, c_hi = (len + BN - 1) / BN;
+    const int per = (c_hi - c_lo + a.num_splits - 1) / a.num_splits;
+    const int my_lo = c_lo + split * per, my_hi = min(c_hi, my_lo + per);
+    const u32 my_ring = smem_addr(ring) + (u32)(warp * STAGES * Strip::BYTES);
+
+    // Strips of this warp: my_lo + warp + NUM_WARPS * k. The ring runs STAGES - 1 strips ahead; page rows
+    // are looked up one strip further ahead still, so a copy never waits on the page table.
+    const int step = NUM_WARPS;
+    int st_issue = my_lo + warp;
+    i64 base_next = strip_base(op, b, st_issue, my_hi);
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) {
+      const i64 base = base_next;
+      base_next = strip_base(op, b, st_issue + step, my_hi);
+      if (st_issue < my_hi) issue(op, my_ring + k * Strip::BYTES, hk, st_issue * BN, start, len, base);
+      cp_async_commit();
+      st_issue += step;
+    }
+
+    // Q as A fragments: a0 = Q[g][16ks + 2c..], a1 = Q[g+8][..], a2 = Q[g][16ks + 8 + 2c..], a3 = Q[g+8][+8..]
+    const T* qg = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
+    u32 qf[Q_IN_SMEM ? 1 : NKS][4];
+    if constexpr (Q_IN_SMEM) {
+      for (int i = threadIdx.x; i < 16 * DEPTH / 8; i += NUM_WARPS * 32) {
+        const int row = i / (DEPTH / 8), col = (i % (DEPTH / 8)) * 8;
+        *reinterpret_cast<uint4*>(&sm.q[row][col]) =
+            row < GROUP ? *reinterpret_cast<const uint4*>(qg + (i64)row * DEPTH + col) : make_uint4(0, 0, 0, 0);
+      }
+      __syncthreads();
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < NKS; ++ks) {
+        const int d = 16 * ks + 2 * c;
+        qf[ks][0] = g < GROUP ? *reinterpret_cast<const u32*>(qg + (i64)g * DEPTH + d) : 0u;
+        qf[ks][2] = g < GROUP ? *reinterpret_cast<const u32*>(qg + (i64)g * DEPTH + d + 8) : 0u;
+        qf[ks][1] = (TWO_ROWS && g + 8 < GROUP) ? *reinterpret_cast<const u32*>(qg + (i64)(g + 8) * DEPTH + d) : 0u;
+        qf[ks][3] = (TWO_ROWS && g + 8 < GROUP) ? *reinterpret_cast<const u32*>(qg + (i64)(g + 8) * DEPTH + d + 8) : 0u;
+      }
+    }
+    const float scale_log2 = a.sm_scale * kLog2e;
+
+    float o[NO][4];
+#pragma unroll
+    for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
+
+    // ldmatrix lane roles: lane l addresses row (l & 7) of matrix (l >> 3)
+    const int mi = lane >> 3, mr = lane & 7;
+    int slot = 0, slot_issue = STAGES - 1;
+    for (int st = my_lo + warp; st < my_hi; st += step) {
+      {
+        const i64 base = base_next;
+        base_next = strip_base(op, b, st_issue + step, my_hi);
+        if (st_issue < my_hi) issue(op, my_ring + slot_issue * Strip::BYTES, hk, st_issue * BN, start, len, base);
+        cp_async_commit();
+        st_issue += step;
+        slot_issue = slot_issue + 1 == STAGES ? 0 : slot_issue + 1;
+      }
+      cp_async_wait<STAGES - 1>();
+      __syncwarp();
+      const u32 sk = my_ring + slot * Strip::BYTES, sv = sk + Strip::HALF_BYTES;
+      const int t0 = st * BN;
+
+      // S = Q K^T: matrices (tokens 0-7, dims lo), (0-7, hi), (8-15, lo), (8-15, hi) of each k-step
+      float s[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < NKS; ++ks) {
+        u32 k0, k1, k2, k3;
+        ldmatrix_x4(sk + Strip::offset(8 * (mi >> 1) + mr, 2 * ks + (mi & 1)), k0, k1, k2, k3);
+        u32 a0, a1, a2, a3;
+        if constexpr (Q_IN_SMEM) {
+          const int d = 16 * ks + 2 * c;
+          a0 = *reinterpret_cast<const u32*>(&sm.q[g][d]);
+          a2 = *reinterpret_cast<const u32*>(&sm.q[g][d + 8]);
+          a1 = TWO_ROWS ? *reinterpret_cast<const u32*>(&sm.q[g + 8][d]) : 0u;
+          a3 = TWO_ROWS ? *reinterpret_cast<const u32*>(&sm.q[g + 8][d + 8]) : 0u;
+        } else {
+          a0 = qf[ks][0], a1 = qf[ks][1], a2 = qf[ks][2], a3 = qf[ks][3];
+        }
+        mma_16816<T>(s[0], a0, a1, a2, a3, k0, k1);
+        mma_16816<T>(s[1], a0, a1, a2, a3, k2, k3);
+      }
+      float al0, al1;
+      strip_softmax<TWO_ROWS>(a, scale_log2, s, t0, start, len, m0, m1, l0, l1, al0, al1);
+
+      // O += P V: P is the scores' C fragment repacked as an A fragment; V transposed by ldmatrix,
+      // matrices (tokens 0-7, dims 8j..), (8-15, 8j..), (0-7, 8j+8..), (8-15, 8j+8..)
+      const u32 pa0 = ElemTraits<T>::pack(s[0][0], s[0][1]);
+      const u32 pa2 = ElemTraits<T>::pack(s[1][0], s[1][1]);
+      const u32 pa1 = TWO_ROWS ? ElemTraits<T>::pack(s[0][2], s[0][3]) : 0u;
+      const u32 pa3 = TWO_ROWS ? ElemTraits<T>::pack(s[1][2], s[1][3]) : 0u;
+#pragma unroll
+      for (int j = 0; j < NO; j += 2) {
+        u32 v0, v1, v2, v3;
+        ldmatrix_x4_trans(sv + Strip::offset(8 * (mi & 1) + mr, j + (mi >> 1)), v0, v1, v2, v3);
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          o[j + jj][0] *= al0;
+          o[j + jj][1] *= al0;
+          if constexpr (TWO_ROWS) {
+            o[j + jj][2] *= al1;
+            o[j + jj][3] *= al1;
+          }
+        }
+        mma_16816<T>(o[j], pa0, pa1, pa2, pa3, v0, v1);
+        mma_16816<T>(o[j + 1], pa0, pa1, pa2, pa3, v2, v3);
+      }
+      __syncwarp();  // every lane is done with this slot before a later issue overwrites it
+      slot = slot + 1 == STAGES ? 0 : slot + 1;
+    }
+    cp_async_wait<0>();  // nothing may land in shared memory after the block moves on
+
+    decode_epilogue<T, DEPTH, GROUP, NUM_WARPS>(a, sm, o, m0, m1, l0, l1,
+                                                [&](int j, int e) { return 8 * j + 2 * c + (e & 1); });
+  }
+};
+
+}  // namespace cukv
