@@ -192,7 +192,8 @@ class CompiledModule:
 
     def function(self, entry: str, dynamic_smem: int = 0):
         fn = self.module().get_function(entry)
-        if dynamic_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < dynamic_smem:
+        # the default cap is 48 KB minus the static shared memory, so any dynamic size may need the opt-in
+        if dynamic_smem > 0 and fn.max_dynamic_shared_size_bytes < dynamic_smem:
             fn.max_dynamic_shared_size_bytes = dynamic_smem
         return fn
 

@@ -22,6 +22,10 @@ HEAD_DIMS = (64, 96, 128, 256)
 RING_STAGES = (2, 3, 4, 5, 6, 8)
 DEFAULT_STAGES = (3, 2)  # preferred first
 SMEM_LIMIT = 227 * 1024
+# plan() stages strips in registers below this much K/V: short work is bound by each strip's latency, which
+# the register kernel has less of; above it the ring's deeper pipeline wins (H100 sweep, 32q/8kv d128 page 16:
+# registers ahead up to 134 MB, even at 268 MB, the ring ahead from there and by 10-25% at 64 x 4096).
+RING_MIN_BYTES = 192 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,14 +186,19 @@ def blocks_per_sm(registers: int, threads: int, smem_bytes: int) -> int:
     return max(1, min(by_regs, by_smem, 64 // warps, 32))
 
 
+def kv_bytes(batch_size: int, max_kv_len: int, num_kv_heads: int, head_dim: int) -> int:
+    """K and V bytes of a 16-bit cache that one decode step reads at most."""
+    return 2 * 2 * batch_size * max_kv_len * num_kv_heads * head_dim
+
+
 def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: int) -> int:
     """Split the context only as far as one wave of resident blocks needs (``slots`` = SMs x blocks per SM):
-    short blocks pay their prologue and merge again and again. No split gets under 64 tokens (a 16-token
-    strip per warp of a 4-warp block)."""
+    short blocks pay their prologue and merge again and again. No split gets under 128 tokens (two 16-token
+    strips per warp of a 4-warp block; H100 sweeps: 64-token splits lose at 1 x 2048)."""
     blocks = max(1, batch_size * num_kv_heads)
     if blocks >= slots:
         return 1
-    most = max(1, math.ceil(max_kv_len / 64))
+    most = max(1, math.ceil(max_kv_len / 128))
     return int(max(1, min(slots // blocks, most, 128)))
 
 
@@ -212,8 +221,8 @@ class BatchDecode:
         The FP8 cache's granularity (default 'token'); it must match the cache passed to :meth:`run`.
     stages : int, optional
         Shared-memory ring slots per warp (2..8) for 16-bit caches with a page size that is a multiple of 16
-        and head_dim 64, 128 or 256; 0 stages strips in registers instead. None picks the ring where it
-        applies (see :class:`DecodeConfig`).
+        and head_dim 64, 128 or 256; 0 stages strips in registers instead. None lets :meth:`plan` choose: the
+        ring where it applies and the step reads at least ``RING_MIN_BYTES`` of K/V, registers otherwise.
 
     Examples
     --------
@@ -244,6 +253,7 @@ class BatchDecode:
         self.config = DecodeConfig(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
                                    int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb, stages=stages)
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
+        self._auto_stages = stages is None
         self._planned = None
 
     def plan(self, batch_size: int, max_kv_len: int, num_splits: int | None = None) -> "BatchDecode":
@@ -255,6 +265,11 @@ class BatchDecode:
             raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
         if not isinstance(max_kv_len, (int, np.integer)) or max_kv_len < 1:
             raise ValueError(f"max_kv_len={max_kv_len!r} must be a positive integer")
+        if self._auto_stages and self.config.stages and \
+                kv_bytes(batch_size, max_kv_len, self.num_kv_heads, self.config.head_dim) < RING_MIN_BYTES:
+            self.config = dataclasses.replace(self.config, stages=0)
+        elif self._auto_stages and not self.config.stages:
+            self.config = dataclasses.replace(self.config, stages=None)  # back to the default (ring if it applies)
         cfg = self.config
         mod = cfg.compiled
         if num_splits is None:

@@ -8,17 +8,37 @@ from cukv.testing import assert_close, random_decode_case, reference_decode
 
 pytestmark = pytest.mark.gpu
 
+STAGING = {"registers": 0, "ring": 3}
+
+
+@pytest.fixture(params=sorted(STAGING), autouse=True)
+def staging(request):
+    """Every test runs on both kernels: strips staged in registers and through the shared-memory ring (plan
+    would pick registers for these small problems, so the ring is forced where it applies)."""
+    return STAGING[request.param]
+
+
+def _decoder(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, stages):
+    if stages and (page_size % 16 or head_dim % 64):
+        pytest.skip("the shared-memory ring needs page_size % 16 == 0 and head_dim % 64 == 0")
+    return cukv.BatchDecode(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, stages=stages)
+
 
 def _run(case, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, num_splits=None, **kw):
     import cupy as cp
 
     b = len(case["lengths"])
-    dec = cukv.BatchDecode(num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+    dec = _decoder(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, _run.stages)
     dec.plan(b, max(1, int(case["lengths"].max())), num_splits=num_splits)
     out = cp.full(case["q"].shape, np.float16(np.nan) if dtype == "float16" else np.uint16(0x7FC0), case["q"].dtype)
     lse = cp.full((b, num_qo_heads), np.nan, cp.float32)
     dec.run(case["q"], case["cache"], case["table"], out=out, lse=lse, **kw)
     return from_storage(out.get(), dtype), lse.get()
+
+
+@pytest.fixture(autouse=True)
+def _set_stages(staging):
+    _run.stages = staging
 
 
 def _check(rng, batch, lengths, hq, hkv, d, ps, dtype="bfloat16", num_splits=None, **kw):
@@ -81,6 +101,15 @@ def test_big_page_ids(rng):
     assert_close(out, ref_o, "bfloat16")
 
 
+def test_plan_picks_staging_by_size():
+    dec = cukv.BatchDecode(32, 8, 128, 16, "bfloat16")
+    assert dec.plan(1, 512).config.stages == 0
+    assert dec.plan(64, 4096).config.stages > 0
+    assert dec.plan(2, 100).config.stages == 0
+    assert cukv.BatchDecode(32, 8, 128, 16, "bfloat16", stages=2).plan(1, 512).config.stages == 2
+    assert cukv.BatchDecode(32, 8, 96, 16, "bfloat16").plan(64, 4096).config.stages == 0  # no ring for d96
+
+
 def test_repeat_runs_bit_identical(rng):
     case = random_decode_case(rng, batch=5, lengths=[3000, 20, 900, 1, 4099], num_qo_heads=32, num_kv_heads=8,
                               head_dim=128, page_size=16)
@@ -106,12 +135,12 @@ def test_append_exact(rng):
     assert np.array_equal(before.view(np.uint16), cache.k.get().view(np.uint16))
 
 
-def test_graph_capture_replay(rng):
+def test_graph_capture_replay(rng, staging):
     import cupy as cp
 
     case = random_decode_case(rng, batch=4, lengths=[600, 1000, 33, 999], num_qo_heads=16, num_kv_heads=4,
                               head_dim=128, page_size=16)
-    dec = cukv.BatchDecode(16, 4, 128, 16, "bfloat16").plan(4, 1000)
+    dec = _decoder(16, 4, 128, 16, "bfloat16", staging).plan(4, 1000)
     out = cp.empty(case["q"].shape, case["q"].dtype)
     lse = cp.empty((4, 16), cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)

@@ -11,10 +11,21 @@ class Timer:
         self._flush = cp.empty(flush_bytes // 4, cp.int32)
         self._start, self._end = cp.cuda.Event(), cp.cuda.Event()
 
-    def median_ms(self, fn, reps: int = 30, warmup: int = 5) -> float:
-        """Median of ``reps`` timed calls; L2 is flushed (outside the timed region) before each."""
-        for _ in range(warmup):
+    def median_ms(self, fn, reps: int = 30, warmup: int = 5, warmup_ms: float = 50.0) -> float:
+        """Median of ``reps`` timed calls; L2 is flushed (outside the timed region) before each. Warm-up runs
+        at least ``warmup`` calls and at least ``warmup_ms`` of GPU time (flushes included): after the host
+        has built a new problem the GPU comes back from idle clocks, and a few short calls do not lift it."""
+        import time
+
+        t_end = time.perf_counter() + warmup_ms * 1e-3
+        n = 0
+        while n < warmup or time.perf_counter() < t_end:
+            self._flush.fill(1)
             fn()
+            n += 1
+            if n % 8 == 0:
+                self._end.record()
+                self._end.synchronize()
         times = []
         for _ in range(reps):
             self._flush.fill(1)
