@@ -279,6 +279,7 @@ class BatchDecode:
         elif not isinstance(num_splits, (int, np.integer)) or not (1 <= num_splits <= 1024):
             raise ValueError(f"num_splits={num_splits!r} must be an integer in 1..1024")
         self.batch_size, self.max_kv_len, self.num_splits = int(batch_size), int(max_kv_len), int(num_splits)
+        self._split_strips = -(-(-(-self.max_kv_len // cfg.BN)) // self.num_splits)  # 16-token strips per split
         if self.num_splits > 1:
             self._part_o = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads, cfg.head_dim), cp.float32)
             self._part_lse = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads), cp.float32)
@@ -336,6 +337,7 @@ class BatchDecode:
         rec["counters"] = ptr(self._counters)
         rec["sm_scale"], rec["softcap"] = scale, float(softcap or 0.0)
         rec["window"], rec["num_splits"], rec["num_qo_heads"] = int(window or 0), self.num_splits, self.num_qo_heads
+        rec["split_strips"] = self._split_strips
         arg = as_kernel_arg(rec)
         with (stream or cp.cuda.get_current_stream()):
             self._fn((self.num_splits, self.num_kv_heads, b), (cfg.num_threads,), (arg,), shared_mem=cfg.ring_smem_bytes)

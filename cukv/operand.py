@@ -20,7 +20,7 @@ DECODE_ARGS = np.dtype([
     ("kv", KV_PARAMS),
     ("q", "u8"), ("out", "u8"), ("lse", "u8"), ("part_o", "u8"), ("part_lse", "u8"), ("sink", "u8"),
     ("counters", "u8"), ("sm_scale", "f4"), ("softcap", "f4"), ("window", "i4"), ("num_splits", "i4"), ("num_qo_heads", "i4"),
-    ("pad_", "i4"),
+    ("split_strips", "i4"),
 ], align=True)
 
 APPEND_ARGS = np.dtype([

@@ -24,11 +24,31 @@ struct alignas(8) DecodeArgs {
   int window;           // 0: off; else keys in (p - window, p]
   int num_splits;
   int num_qo_heads;
-  int pad_;
+  int split_strips;     // 16-token strips per split when there is no window (from plan's max_kv_len)
 };
 
 template <typename T, int DEPTH>
 __device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, int batch);
+
+// Strips [lo, hi) of this split and the first visible token. Without a window the splits take fixed runs of
+// split_strips strips, so lo does not wait for the length load and the first page lookups go out beside it;
+// the last split also takes whatever lies past the planned length. With a window, [start, len) is divided
+// evenly.
+__device__ __forceinline__ void split_range(const DecodeArgs& a, int len, int split, int& start, int& lo, int& hi) {
+  constexpr int BN = 16;
+  const int c_hi = (len + BN - 1) / BN;
+  if (a.window > 0) {
+    start = max(0, len - a.window);
+    const int c_lo = start / BN;
+    const int per = (c_hi - c_lo + a.num_splits - 1) / a.num_splits;
+    lo = c_lo + split * per;
+    hi = min(c_hi, lo + per);
+  } else {
+    start = 0;
+    lo = split * a.split_strips;
+    hi = split == a.num_splits - 1 ? c_hi : min(c_hi, lo + a.split_strips);
+  }
+}
 
 // Online softmax over one 16-token strip. s holds the raw scores as an m16n8k16 C fragment (rows g and g+8
 // are query heads, columns t0 + 8 nt + 2c + {0, 1} tokens) and leaves as unnormalized probabilities; the
@@ -223,12 +243,10 @@ struct DecodeKernel {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 
     const int len = op.cache_length(b);
-    const int start = a.window > 0 ? max(0, len - a.window) : 0;
     // Chunks are 16-token strips aligned to absolute positions (so a strip never straddles a page whose
     // size is a multiple of 16); splits take contiguous runs of chunks.
-    const int c_lo = start / BN, c_hi = (len + BN - 1) / BN;
-    const int per = (c_hi - c_lo + a.num_splits - 1) / a.num_splits;
-    const int my_lo = c_lo + split * per, my_hi = min(c_hi, my_lo + per);
+    int start, my_lo, my_hi;
+    split_range(a, len, split, start, my_lo, my_hi);
 
     // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
     // in shared memory: its registers go to the wider output accumulator.
@@ -270,7 +288,7 @@ struct DecodeKernel {
     for (int sub = 0; sub < SUB; ++sub) {
       buf[sub].set_tensor_scales(op);
       const int st = ch + sub * NUM_WARPS;
-      base[sub] = (PAGE_SIZE % BN == 0 && st < my_hi) ? Buf::rows_base(op, b, st * BN) : (i64)0;
+      base[sub] = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, st * BN) : (i64)0;  // speculative: in-table
       if (PIPELINE && st < my_hi) {
         buf[sub].load_k(op, b, hk, st * BN, start, len, base[sub]);
         buf[sub].load_v(op, b, hk, st * BN, start, len, base[sub]);

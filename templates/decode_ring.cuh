@@ -89,9 +89,9 @@ struct DecodeRingKernel {
     }
   }
 
-  static __device__ __forceinline__ i64 strip_base(const Op& op, int b, int st, int my_hi) {
-    return st < my_hi ? op.row_idx(b, st * BN) : (i64)-1;
-  }
+  // Page row of strip st, looked up whether or not st lies before the sequence's end (row_idx never reads
+  // past the table's columns), so the first lookups need not wait for the length.
+  static __device__ __forceinline__ i64 strip_base(const Op& op, int b, int st) { return op.row_idx(b, st * BN); }
 
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
@@ -101,21 +101,19 @@ struct DecodeRingKernel {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 
     const int len = op.cache_length(b);
-    const int start = a.window > 0 ? max(0, len - a.window) : 0;
-    const int c_lo = start / BN, c_hi = (len + BN - 1) / BN;
-    const int per = (c_hi - c_lo + a.num_splits - 1) / a.num_splits;
-    const int my_lo = c_lo + split * per, my_hi = min(c_hi, my_lo + per);
+    int start, my_lo, my_hi;
+    split_range(a, len, split, start, my_lo, my_hi);
     const u32 my_ring = smem_addr(ring) + (u32)(warp * STAGES * Strip::BYTES);
 
     // Strips of this warp: my_lo + warp + NUM_WARPS * k. The ring runs STAGES - 1 strips ahead; page rows
     // are looked up one strip further ahead still, so a copy never waits on the page table.
     const int step = NUM_WARPS;
     int st_issue = my_lo + warp;
-    i64 base_next = strip_base(op, b, st_issue, my_hi);
+    i64 base_next = strip_base(op, b, st_issue);
 #pragma unroll
     for (int k = 0; k < STAGES - 1; ++k) {
       const i64 base = base_next;
-      base_next = strip_base(op, b, st_issue + step, my_hi);
+      base_next = strip_base(op, b, st_issue + step);
       if (st_issue < my_hi) issue(op, my_ring + k * Strip::BYTES, hk, st_issue * BN, start, len, base);
       cp_async_commit();
       st_issue += step;
@@ -154,7 +152,7 @@ struct DecodeRingKernel {
     for (int st = my_lo + warp; st < my_hi; st += step) {
       {
         const i64 base = base_next;
-        base_next = strip_base(op, b, st_issue + step, my_hi);
+        base_next = strip_base(op, b, st_issue + step);
         if (st_issue < my_hi) issue(op, my_ring + slot_issue * Strip::BYTES, hk, st_issue * BN, start, len, base);
         cp_async_commit();
         st_issue += step;

@@ -75,6 +75,19 @@ def test_forced_splits(rng, splits):
     _check(rng, 2, [4099, 3], 8, 2, 128, 16, num_splits=splits)
 
 
+def test_lengths_past_the_planned_max(rng, staging):
+    """plan() sizes the splits from max_kv_len; a longer sequence is still attended in full (the last split
+    takes the rest), never truncated."""
+    import cupy as cp
+
+    case = random_decode_case(rng, batch=2, lengths=[1000, 300], num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                              page_size=16)
+    dec = _decoder(8, 2, 128, 16, "bfloat16", staging).plan(2, 100, num_splits=4)
+    out = dec.run(case["q"], case["cache"], case["table"])
+    ref_o, _ = reference_decode(case)
+    assert_close(from_storage(cp.asnumpy(out), "bfloat16"), ref_o, "bfloat16")
+
+
 def test_sink_window_softcap(rng):
     import cupy as cp
 
