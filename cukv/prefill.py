@@ -183,7 +183,17 @@ class PrefillConfig:
     def smem_bytes(self) -> int:
         q = self.BM * _round64(self.head_dim) * 2
         ring = self.stages * self.kv_buffer.stage_bytes
-        return 1024 + q + ring + (2 * self.stages + 1) * 8
+        return 1024 + q + ring + self.raw_bytes + (2 * self.stages + 1) * 8
+
+    @property
+    def raw_bytes(self) -> int:
+        """FP8: two raw tile slots (codes and scales of the K elements and the V element) that cp.async fills
+        a tile ahead of the producer's conversion into the ring; 8 + 4 bytes per 8 dims of a row."""
+        if not self.quantized:
+            return 0
+        kb = self.kv_buffer
+        per_elem = self.BN * kb.BK // 8 * 12
+        return 2 * (kb.num_k_tiles + 1) * per_elem
 
     @property
     def quantized(self) -> bool:

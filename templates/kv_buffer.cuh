@@ -69,38 +69,52 @@ struct KVBuffer {
     }
   }
 
-  // FP8 cache: the same rows and chunks, but each lane loads 8 codes (8 bytes), multiplies them by their
-  // granule's scale and stores 8 values of T into the swizzled element itself (plain loads and shared
-  // stores instead of cp.async: dequantization happens on the way). scale_row(i) (called by every lane: it
-  // may shuffle) locates row i's scales; scale_of(loc, col) loads the one for cache column col, only for
-  // rows that are read (a row that reads as zeros gets scale 0). The caller fences the generic-proxy stores
-  // before handing the element to wgmma.
-  template <typename RowOffset, typename ScaleRow, typename ScaleOf>
-  __device__ __forceinline__ void load_from_dram_fp8(int stage, const unsigned char* base, RowOffset row_off,
-                                                     ScaleRow scale_row, ScaleOf scale_of, int col0, int ncols, int pw,
-                                                     int lane) const {
-    const u32 dst0 = element(stage);
-    const int chunk = lane % 8;
-    uint2 raw[kRowsPerLane][num_repeats];
-    float sc[kRowsPerLane][num_repeats];
+  // FP8 cache, in two steps. copy_raw_fp8: the same rows and chunks as load_from_dram, but each lane copies
+  // its 8 codes (8 bytes) and, with SB > 0, its granule's scale (4 bytes) by cp.async into a raw element,
+  // laid out [row i][atom][producer thread] so that a warp's reads of it are contiguous. Rows that read as
+  // zeros get zero codes and a zero scale. convert_raw_fp8 (after this lane's cp.async.wait_group): codes
+  // times scale, stored as 8 values of T into the swizzled ring element. A lane converts only what it
+  // copied itself. The caller fences the generic-proxy stores before handing the element to wgmma.
+  static constexpr int kProducerThreads = kProducerWarps * 32;
+  static constexpr int raw_code_bytes = kRowsPerLane * num_repeats * kProducerThreads * 8;
+  static constexpr int raw_elem_bytes = raw_code_bytes + kRowsPerLane * num_repeats * kProducerThreads * 4;
+
+  template <int SB, typename RowOffset, typename ScaleRow>
+  __device__ __forceinline__ void copy_raw_fp8(u32 dst, const unsigned char* base, const float* scales, RowOffset row_off,
+                                               ScaleRow scale_row, int col0, int ncols, int pw, int lane) const {
+    const int chunk = lane % 8, tid = pw * 32 + lane;
 #pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) {  // every load first, so a lane has them all in flight
+    for (int i = 0; i < kRowsPerLane; ++i) {
       const i64 off = row_off(i);
-      const i64 loc = scale_row(i);
+      const i64 loc = SB > 0 ? scale_row(i) : 0;
 #pragma unroll
       for (int atom = 0; atom < num_repeats; ++atom) {
         const int col = atom * bk_smem + chunk * 8;
         const bool ok = off >= 0 && col < ncols;
-        raw[i][atom] = ok ? ldg_stream8(base + off + col0 + col) : make_uint2(0, 0);
-        sc[i][atom] = ok ? scale_of(loc, col0 + col) : 0.f;
+        const int slot = (i * num_repeats + atom) * kProducerThreads + tid;
+        cp_async8(dst + (u32)(slot * 8), ok ? base + off + col0 + col : base, ok ? 8 : 0);
+        if constexpr (SB > 0)
+          cp_async4(dst + (u32)(raw_code_bytes + slot * 4), ok ? scales + loc + (col0 + col) / SB : scales, ok ? 4 : 0);
       }
     }
+  }
+
+  template <int SB>
+  __device__ __forceinline__ void convert_raw_fp8(int stage, u32 src, float tensor_scale, int pw, int lane) const {
+    const u32 dst0 = element(stage);
+    const int chunk = lane % 8, tid = pw * 32 + lane;
 #pragma unroll
     for (int i = 0; i < kRowsPerLane; ++i) {
       const int r = pw * (BN / kProducerWarps) + lane / 8 + 4 * i;
 #pragma unroll
       for (int atom = 0; atom < num_repeats; ++atom) {
-        const uint4 v = dequant8<T>(raw[i][atom], sc[i][atom]);
+        const int slot = (i * num_repeats + atom) * kProducerThreads + tid;
+        uint2 raw;
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(raw.x), "=r"(raw.y) : "r"(src + (u32)(slot * 8)) : "memory");
+        float sc = tensor_scale;
+        if constexpr (SB > 0)
+          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(sc) : "r"(src + (u32)(raw_code_bytes + slot * 4)) : "memory");
+        const uint4 v = dequant8<T>(raw, sc);
         const u32 dst = dst0 + (u32)(atom * BN * kAtomRowBytes) + swizzle128(r, chunk);
         asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
       }

@@ -56,8 +56,12 @@ struct PrefillKernel {
   static constexpr int kQBytes = BM * kQAtoms * kAtomRowBytes;
   static constexpr int kRingBytes = STAGES * Buf::stage_bytes;
   static constexpr int kRowOffBytes = 0;
+  // FP8: raw codes and scales of a whole tile (K elements and the V element) land by cp.async in one of two
+  // raw slots, a tile ahead of the conversion into the ring (Buf::raw_elem_bytes per element).
+  static constexpr int kRawTileBytes = QUANTIZED ? (kKElems + 1) * Buf::raw_elem_bytes : 0;
+  static constexpr int kRawBytes = 2 * kRawTileBytes;
   static constexpr int kBarBytes = (2 * STAGES + 1) * 8;
-  static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kBarBytes;
+  static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kRawBytes + kBarBytes;
   static_assert(BM % 64 == 0 && BM <= 192, "BM: one to three consumer warpgroups");
   static_assert(DEPTH % 16 == 0, "head dims are multiples of 16");
   static_assert(Buf::full_kv ? BK == kQAtoms * 64 : DEPTH % BK == 0, "BK covers the head, or divides it");
@@ -65,7 +69,7 @@ struct PrefillKernel {
   static_assert(STAGES >= kKElems + 1, "the ring holds a tile's K elements and the previous V element");
 
   struct Smem {
-    u32 q, ring;
+    u32 q, ring, raw;
     u32 full, empty, q_full;  // barrier addresses
   };
 
@@ -74,7 +78,8 @@ struct PrefillKernel {
     u32 base = (smem_addr(raw) + 1023u) & ~1023u;
     s.q = base;
     s.ring = base + kQBytes;
-    s.full = base + kQBytes + kRingBytes + kRowOffBytes;
+    s.raw = base + kQBytes + kRingBytes + kRowOffBytes;
+    s.full = s.raw + kRawBytes;
     s.empty = s.full + 8 * STAGES;
     s.q_full = s.empty + 8 * STAGES;
     return s;
@@ -166,16 +171,12 @@ struct PrefillKernel {
       else return (lane < kWarpRows && tok < kv_len) ? cache.physical_page(b, tok) : -1;
     };
     static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
-    int page_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : -1;
-    int count = 0;
-    for (int it = 0; it < n_tiles; ++it) {
-      const int n = n_first + n_tiles - 1 - it;
-      const int page_lane = page_next;
-      if (it + 1 < n_tiles) page_next = lookup(n - 1);
-      // Lane j forms the 64-bit K and V offsets of the warp's row j once; every lane that copies a chunk
-      // of that row takes them by shuffle (8 lanes share a row, so the address math is not repeated).
+    // Lane j (< kWarpRows) of a producer warp forms the 64-bit K and V offsets (and FP8 scale offsets) of the
+    // warp's row j of tile n once, from its page; every lane that copies a chunk of that row takes them by
+    // shuffle (8 lanes share a row, so the address math is not repeated).
+    auto row_offsets = [&](int n, int page_lane, i64& k_lane, i64& v_lane, i64& ks_lane, i64& vs_lane) {
       const int tok_lane = n * BN + pw * kWarpRows + lane;
-      i64 k_lane = -1, v_lane = -1, ks_lane = 0, vs_lane = 0;
+      k_lane = -1, v_lane = -1, ks_lane = 0, vs_lane = 0;
       if (lane < kWarpRows && tok_lane < kv_len) {
         i64 krow_off = -1, vrow_off = -1;
         if constexpr (Cache::contiguous) {
@@ -198,40 +199,80 @@ struct PrefillKernel {
           }
         }
       }
-      auto koff = [&](int i) -> i64 { return __shfl_sync(0xffffffffu, k_lane, (lane / 8 + 4 * i) % 32); };
-      auto voff = [&](int i) -> i64 { return __shfl_sync(0xffffffffu, v_lane, (lane / 8 + 4 * i) % 32); };
+    };
+    auto row_of = [&](i64 x, int i) -> i64 { return __shfl_sync(0xffffffffu, x, (lane / 8 + 4 * i) % 32); };
+    int page_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : -1;
+    int count = 0;
+    if constexpr (QUANTIZED) {
+      // FP8: cp.async brings tile it + 1's codes and scales into raw slot (it + 1) % 2 while tile it is
+      // converted from slot it % 2 into the ring. Each lane converts exactly the bytes it copied, so its own
+      // cp.async.wait_group is the only synchronization the raw slots need.
+      auto issue_raw = [&](int n, int page_lane, int slot) {
+        i64 k_lane, v_lane, ks_lane, vs_lane;
+        row_offsets(n, page_lane, k_lane, v_lane, ks_lane, vs_lane);
+#pragma unroll
+        for (int e = 0; e <= kKElems; ++e) {
+          const bool is_k = e < kKElems;
+          const u32 dst = sm.raw + (u32)(slot * kRawTileBytes + e * Buf::raw_elem_bytes);
+          if (is_k)
+            buf.template copy_raw_fp8<SCALE_BLOCK>(dst, kbase, a.kv.k_scales, [&](int i) { return row_of(k_lane, i); },
+                                                   [&](int i) { return row_of(ks_lane, i); }, e * BK,
+                                                   min(BK, DEPTH - e * BK), pw, lane);
+          else
+            buf.template copy_raw_fp8<SCALE_BLOCK>(dst, vbase, a.kv.v_scales, [&](int i) { return row_of(v_lane, i); },
+                                                   [&](int i) { return row_of(vs_lane, i); }, vslice * kVCols,
+                                                   kVCols, pw, lane);
+        }
+      };
+      if (n_tiles > 0) {
+        const int page_lane = page_next;
+        if (n_tiles > 1) page_next = lookup(n_first + n_tiles - 2);
+        issue_raw(n_first + n_tiles - 1, page_lane, 0);
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+      for (int it = 0; it < n_tiles; ++it) {
+        const int n = n_first + n_tiles - 1 - it;
+        if (it + 1 < n_tiles) {
+          const int page_lane = page_next;
+          if (it + 2 < n_tiles) page_next = lookup(n - 2);
+          issue_raw(n - 1, page_lane, (it + 1) & 1);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's copies of tile it have landed
+#pragma unroll
+        for (int e = 0; e <= kKElems; ++e) {
+          const int stage = count % STAGES;
+          const bool is_k = e < kKElems;
+          mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+          buf.template convert_raw_fp8<SCALE_BLOCK>(
+              stage, sm.raw + (u32)((it & 1) * kRawTileBytes + e * Buf::raw_elem_bytes),
+              is_k ? k_tensor_scale : v_tensor_scale, pw, lane);
+          fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
+          mbar_arrive(sm.full + 8 * stage);
+          ++count;
+        }
+      }
+    } else {
+    for (int it = 0; it < n_tiles; ++it) {
+      const int n = n_first + n_tiles - 1 - it;
+      const int page_lane = page_next;
+      if (it + 1 < n_tiles) page_next = lookup(n - 1);
+      i64 k_lane, v_lane, ks_lane, vs_lane;
+      row_offsets(n, page_lane, k_lane, v_lane, ks_lane, vs_lane);
+      auto koff = [&](int i) -> i64 { return row_of(k_lane, i); };
+      auto voff = [&](int i) -> i64 { return row_of(v_lane, i); };
 #pragma unroll
       for (int e = 0; e <= kKElems; ++e) {
         const int stage = count % STAGES;
         mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
-        if constexpr (QUANTIZED) {
-          const bool is_k = e < kKElems;
-          const i64 s_lane = is_k ? ks_lane : vs_lane;
-          const float* sbase = is_k ? a.kv.k_scales : a.kv.v_scales;
-          const float ts = is_k ? k_tensor_scale : v_tensor_scale;
-          auto scale_row = [&](int i) -> i64 {
-            if constexpr (SCALE_BLOCK == 0) return 0;
-            else return __shfl_sync(0xffffffffu, s_lane, (lane / 8 + 4 * i) % 32);
-          };
-          auto scale_of = [&](i64 loc, int col) -> float {
-            if constexpr (SCALE_BLOCK == 0) return ts;
-            else return __ldg(sbase + loc + col / SCALE_BLOCK);
-          };
-          if (is_k)
-            buf.load_from_dram_fp8(stage, kbase, koff, scale_row, scale_of, e * BK, min(BK, DEPTH - e * BK), pw, lane);
-          else
-            buf.load_from_dram_fp8(stage, vbase, voff, scale_row, scale_of, vslice * kVCols, kVCols, pw, lane);
-          fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
-          mbar_arrive(sm.full + 8 * stage);
-        } else {
-          if (e < kKElems)
-            buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
-          else
-            buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
-          mbar_arrive_cp_async(sm.full + 8 * stage);
-        }
+        if (e < kKElems)
+          buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
+        else
+          buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
+        mbar_arrive_cp_async(sm.full + 8 * stage);
         ++count;
       }
+    }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // leave only after every copy has landed
   }
