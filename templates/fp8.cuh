@@ -22,20 +22,17 @@ __device__ __forceinline__ u32 f16x2_from_e4m3x2(u16 x) {
   return r;
 }
 
-// Four codes of a word, scaled, packed as two pairs of T. The conversion pipe (16 ops/clk/SM) is what an FP8
-// producer runs out of, so only two of its ops are spent per code pair (e4m3x2 -> f16x2 and the final pack):
-// the codes' exact values reach f32 by bit moves (codes_to_mma<bf16> gives value * 2^-112 as bf16, and bf16 ->
-// f32 is a shift), then two multiplies: by 2^112 (exact) and by the scale (rounded once, as in cukv/fp8.py).
-template <typename T>
-__device__ __forceinline__ void dequant4(u32 w, float scale, u32& lo, u32& hi);
+// Two codes (low byte first) -> two floats.
+__device__ __forceinline__ float2 floats_from_e4m3x2(u16 x) {
+  const u32 h = f16x2_from_e4m3x2(x);
+  return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
 
-// Two codes (low byte first) -> their exact values as floats, without conversion-pipe ops past the first.
-__device__ __forceinline__ float2 exact_floats_from_e4m3x2(u16 x);
-
+// Four codes of a word, scaled, packed as two pairs of T.
 template <typename T>
 __device__ __forceinline__ void dequant4(u32 w, float scale, u32& lo, u32& hi) {
-  const float2 a = exact_floats_from_e4m3x2((u16)(w & 0xffffu));
-  const float2 b = exact_floats_from_e4m3x2((u16)(w >> 16));
+  const float2 a = floats_from_e4m3x2((u16)(w & 0xffffu));
+  const float2 b = floats_from_e4m3x2((u16)(w >> 16));
   lo = ElemTraits<T>::pack(a.x * scale, a.y * scale);
   hi = ElemTraits<T>::pack(b.x * scale, b.y * scale);
 }
@@ -58,11 +55,6 @@ template <> __device__ __forceinline__ u32 codes_to_mma<__nv_bfloat16>(u16 x) {
   const u32 h = f16x2_from_e4m3x2(x);
   return ((h & 0x7fff7fffu) >> 3) | (h & 0x80008000u);
 }
-__device__ __forceinline__ float2 exact_floats_from_e4m3x2(u16 x) {
-  const u32 bb = codes_to_mma<__nv_bfloat16>(x);  // bf16 pair: value * 2^-112, exact
-  return make_float2(__uint_as_float(bb << 16) * 0x1p112f, __uint_as_float(bb & 0xffff0000u) * 0x1p112f);
-}
-
 // What a product with code operands of type T must be multiplied by (2^112 for bf16, 1 for f16), and the
 // power of two a bf16 query is multiplied by first so that q * code * 2^-112 stays a normal float.
 template <typename T> struct CodeScale { static constexpr float value = 1.f, q_pre = 1.f; };
