@@ -21,7 +21,10 @@ def shipped():
             for ps in PAGE_SIZES:
                 out.append(AppendConfig(dt, d, ps))
                 for g in GROUPS:
-                    out.append(DecodeConfig(dt, d, g, ps))
+                    cfg = DecodeConfig(dt, d, g, ps)
+                    out.append(cfg)
+                    if cfg.stages:  # plan() takes the register kernel for small steps: ship it too
+                        out.append(DecodeConfig(dt, d, g, ps, stages=0))
         for d in PREFILL_HEAD_DIMS:
             for ps in (16, 0):  # page 16 and contiguous K/V
                 out.append(prefill_default(dt, d, ps))
