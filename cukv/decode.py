@@ -88,9 +88,8 @@ class DecodeConfig:
             check_rule(c, "stages", self.stages, ring_ok,
                        "the shared-memory ring needs a 16-bit cache, page_size a multiple of 16 and head_dim a "
                        "multiple of 64 (use stages=0)")
-            total = self.smem_bytes + self.ring_smem_bytes
-            check_rule(c, "stages", self.stages, total <= SMEM_LIMIT,
-                       f"{total} bytes of shared memory exceed {SMEM_LIMIT}; lower stages or num_warps")
+            check_rule(c, "stages", self.stages, self.total_smem_bytes <= SMEM_LIMIT,
+                       f"{self.total_smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages or num_warps")
 
     @property
     def quantized(self) -> bool:
@@ -253,7 +252,8 @@ class BatchDecode:
         self.config = DecodeConfig(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
                                    int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb, stages=stages)
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
-        self._auto_stages = stages is None
+        # stages=None: plan() chooses per problem between the default and the register kernel
+        self._configs = (self.config, dataclasses.replace(self.config, stages=0)) if stages is None else (self.config,)
         self._planned = None
 
     def plan(self, batch_size: int, max_kv_len: int, num_splits: int | None = None) -> "BatchDecode":
@@ -265,12 +265,8 @@ class BatchDecode:
             raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
         if not isinstance(max_kv_len, (int, np.integer)) or max_kv_len < 1:
             raise ValueError(f"max_kv_len={max_kv_len!r} must be a positive integer")
-        if self._auto_stages and self.config.stages and \
-                kv_bytes(batch_size, max_kv_len, self.num_kv_heads, self.config.head_dim) < RING_MIN_BYTES:
-            self.config = dataclasses.replace(self.config, stages=0)
-        elif self._auto_stages and not self.config.stages:
-            self.config = dataclasses.replace(self.config, stages=None)  # back to the default (ring if it applies)
-        cfg = self.config
+        small = kv_bytes(batch_size, max_kv_len, self.num_kv_heads, self._configs[0].head_dim) < RING_MIN_BYTES
+        self.config = cfg = self._configs[-1] if small else self._configs[0]
         mod = cfg.compiled
         if num_splits is None:
             rep = mod.functions[cfg.name]
@@ -279,7 +275,8 @@ class BatchDecode:
         elif not isinstance(num_splits, (int, np.integer)) or not (1 <= num_splits <= 1024):
             raise ValueError(f"num_splits={num_splits!r} must be an integer in 1..1024")
         self.batch_size, self.max_kv_len, self.num_splits = int(batch_size), int(max_kv_len), int(num_splits)
-        self._split_strips = -(-(-(-self.max_kv_len // cfg.BN)) // self.num_splits)  # 16-token strips per split
+        strips = -(-self.max_kv_len // cfg.BN)
+        self._split_strips = -(-strips // self.num_splits)  # strips per split (the kernel's split_range)
         if self.num_splits > 1:
             self._part_o = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads, cfg.head_dim), cp.float32)
             self._part_lse = cp.empty((self.num_splits, self.batch_size, self.num_qo_heads), cp.float32)

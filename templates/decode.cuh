@@ -30,6 +30,29 @@ struct alignas(8) DecodeArgs {
 template <typename T, int DEPTH>
 __device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, int batch);
 
+// Static shared memory of a decode block: what decode_epilogue merges through, and Q (16 rows of Q_PITCH
+// elements, rows past the group zero) when the head is too wide to keep Q in registers.
+template <typename T, int NUM_WARPS, int GROUP, int DEPTH, bool Q_IN_SMEM, int Q_PITCH>
+struct DecodeSmem {
+  float m[NUM_WARPS][16];
+  float l[NUM_WARPS][16];
+  float M[16], L[16];
+  float o[GROUP][DEPTH];
+  int last;
+  alignas(16) T q[Q_IN_SMEM ? 16 : 1][Q_IN_SMEM ? Q_PITCH : 8];
+
+  // The block's GROUP query rows (times f, a power of two) into q; every thread of the block calls it.
+  __device__ __forceinline__ void stage_q(const T* qg, float f) {
+    static_assert(Q_IN_SMEM, "Q lives in registers for this head dim");
+    for (int i = threadIdx.x; i < 16 * DEPTH / 8; i += NUM_WARPS * 32) {
+      const int row = i / (DEPTH / 8), col = (i % (DEPTH / 8)) * 8;
+      *reinterpret_cast<uint4*>(&q[row][col]) =
+          row < GROUP ? scale8<T>(*reinterpret_cast<const uint4*>(qg + (i64)row * DEPTH + col), f) : make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();
+  }
+};
+
 // Strips [lo, hi) of this split and the first visible token. Without a window the splits take fixed runs of
 // split_strips strips, so lo does not wait for the length load and the first page lookups go out beside it;
 // the last split also takes whatever lies past the planned length. With a window, [start, len) is divided
@@ -227,14 +250,7 @@ struct DecodeKernel {
   static constexpr float kOFactor = CodeScale<__nv_bfloat16>::value / kPPre;
   typedef typename Select<QUANTIZED, __nv_bfloat16, T>::type PVT;  // P.V operand type
 
-  struct Smem {
-    float m[NUM_WARPS][16];
-    float l[NUM_WARPS][16];
-    float M[16], L[16];
-    float o[GROUP][DEPTH];
-    int last;
-    alignas(16) T q[Q_IN_SMEM ? 16 : 1][Q_IN_SMEM ? DEPTH : 8];
-  };
+  typedef DecodeSmem<T, NUM_WARPS, GROUP, DEPTH, Q_IN_SMEM, DEPTH> Smem;
 
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
@@ -254,12 +270,7 @@ struct DecodeKernel {
     {
       const T* q = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
       if constexpr (Q_IN_SMEM) {
-        for (int i = threadIdx.x; i < 16 * DEPTH / 8; i += NUM_WARPS * 32) {
-          const int row = i / (DEPTH / 8), col = (i % (DEPTH / 8)) * 8;
-          reinterpret_cast<uint4*>(&sm.q[row][col])[0] =
-              row < GROUP ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)row * DEPTH + col), kQPre) : make_uint4(0, 0, 0, 0);
-        }
-        __syncthreads();
+        sm.stage_q(q, kQPre);
       } else {
 #pragma unroll
         for (int s = 0; s < NK; ++s) {

@@ -58,14 +58,7 @@ struct DecodeRingKernel {
   static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
   static_assert(STAGES >= 2 && STAGES <= 8, "2..8 ring slots per warp");
 
-  struct Smem {
-    float m[NUM_WARPS][16];
-    float l[NUM_WARPS][16];
-    float M[16], L[16];
-    float o[GROUP][DEPTH];
-    int last;
-    alignas(16) T q[Q_IN_SMEM ? 16 : 1][Q_IN_SMEM ? Q_PITCH : 8];
-  };
+  typedef DecodeSmem<T, NUM_WARPS, GROUP, DEPTH, Q_IN_SMEM, Q_PITCH> Smem;
 
   // Copies strip t0 of (b, head) into the slot at `slot` (shared address); base is the row of token t0
   // (-1: an unmapped page).
@@ -123,12 +116,7 @@ struct DecodeRingKernel {
     const T* qg = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
     u32 qf[Q_IN_SMEM ? 1 : NKS][4];
     if constexpr (Q_IN_SMEM) {
-      for (int i = threadIdx.x; i < 16 * DEPTH / 8; i += NUM_WARPS * 32) {
-        const int row = i / (DEPTH / 8), col = (i % (DEPTH / 8)) * 8;
-        *reinterpret_cast<uint4*>(&sm.q[row][col]) =
-            row < GROUP ? *reinterpret_cast<const uint4*>(qg + (i64)row * DEPTH + col) : make_uint4(0, 0, 0, 0);
-      }
-      __syncthreads();
+      sm.stage_q(qg, 1.f);
     } else {
 #pragma unroll
       for (int ks = 0; ks < NKS; ++ks) {

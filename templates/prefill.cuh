@@ -253,26 +253,26 @@ struct PrefillKernel {
         }
       }
     } else {
-    for (int it = 0; it < n_tiles; ++it) {
-      const int n = n_first + n_tiles - 1 - it;
-      const int page_lane = page_next;
-      if (it + 1 < n_tiles) page_next = lookup(n - 1);
-      i64 k_lane, v_lane, ks_lane, vs_lane;
-      row_offsets(n, page_lane, k_lane, v_lane, ks_lane, vs_lane);
-      auto koff = [&](int i) -> i64 { return row_of(k_lane, i); };
-      auto voff = [&](int i) -> i64 { return row_of(v_lane, i); };
+      for (int it = 0; it < n_tiles; ++it) {
+        const int n = n_first + n_tiles - 1 - it;
+        const int page_lane = page_next;
+        if (it + 1 < n_tiles) page_next = lookup(n - 1);
+        i64 k_lane, v_lane, ks_lane, vs_lane;
+        row_offsets(n, page_lane, k_lane, v_lane, ks_lane, vs_lane);
+        auto koff = [&](int i) -> i64 { return row_of(k_lane, i); };
+        auto voff = [&](int i) -> i64 { return row_of(v_lane, i); };
 #pragma unroll
-      for (int e = 0; e <= kKElems; ++e) {
-        const int stage = count % STAGES;
-        mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
-        if (e < kKElems)
-          buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
-        else
-          buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
-        mbar_arrive_cp_async(sm.full + 8 * stage);
-        ++count;
+        for (int e = 0; e <= kKElems; ++e) {
+          const int stage = count % STAGES;
+          mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+          if (e < kKElems)
+            buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
+          else
+            buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
+          mbar_arrive_cp_async(sm.full + 8 * stage);
+          ++count;
+        }
       }
-    }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // leave only after every copy has landed
   }
