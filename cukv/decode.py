@@ -141,13 +141,28 @@ class DecodeConfig:
         return self.smem_bytes + self.ring_smem_bytes
 
     @property
+    def merge_slot_floats(self) -> int:
+        """Floats of one warp's merge slot: its [group, head_dim] output, rows padded by 8 (bank spread)."""
+        return self.group * (self.head_dim + 8)
+
+    @property
+    def warp_slots(self) -> bool:
+        """The register kernel merges its warps through per-warp slots (one barrier) when they fit in static
+        shared memory beside Q; otherwise warps take turns on one [group, head_dim] sum. The ring kernel
+        always has them: each warp's slot lies in its own ring slots once its strips are done."""
+        return self.stages == 0 and 4 * self.num_warps * self.merge_slot_floats <= 36 * 1024
+
+    @property
     def smem_bytes(self) -> int:
-        """Static shared memory: per-warp (m, l), block (M, L), the [group, depth] merge sum, and Q when
-        head_dim > 128 (its registers go to the output accumulator; the ring kernel pads its rows by 8)."""
+        """Static shared memory: per-warp (m, l), block (M, L), the merge (a [group, head_dim] sum or the warp
+        slots), and Q when head_dim > 128 (its registers go to the output accumulator; the ring kernel pads
+        its rows by 8)."""
         pitch = self.head_dim + (8 if self.stages else 0)
         q_smem = 2 * 16 * pitch if self.head_dim > 128 else 16  # Q moves to shared memory past 128
-        stats = 4 * (2 * 16 * self.num_warps + 2 * 16 + self.group * self.head_dim + 1)  # + the `last` flag
-        return _round16(_round16(stats) + q_smem)  # q is 16-byte aligned, and so is the struct
+        o_sum = 1 if self.warp_slots else self.group * self.head_dim
+        slots = 4 * self.num_warps * self.merge_slot_floats if self.warp_slots else 4
+        head = _round16(4 * (2 * 16 * self.num_warps + 2 * 16 + o_sum)) + slots + 4  # slots 16-byte aligned; `last`
+        return _round16(_round16(head) + q_smem)  # q is 16-byte aligned, and so is the struct
 
     @property
     def name(self) -> str:
@@ -164,7 +179,8 @@ class DecodeConfig:
             num_k_strips=self.num_k_strips, num_k_mmas2=self.num_k_mmas2, num_mmas=self.num_mmas,
             input_frag_size=self.input_frag_size, smem_bytes=self.smem_bytes, args_bytes=DECODE_ARGS.itemsize,
             quantized=self.quantized, scale_block=self.scale_block, sub=self.sub, stages=self.stages,
-            ring_smem_bytes=self.ring_smem_bytes)
+            ring_smem_bytes=self.ring_smem_bytes, warp_slots=self.warp_slots,
+            merge_slot_floats=self.merge_slot_floats)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:

@@ -31,13 +31,18 @@ template <typename T, int DEPTH>
 __device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, int batch);
 
 // Static shared memory of a decode block: what decode_epilogue merges through, and Q (16 rows of Q_PITCH
-// elements, rows past the group zero) when the head is too wide to keep Q in registers.
-template <typename T, int NUM_WARPS, int GROUP, int DEPTH, bool Q_IN_SMEM, int Q_PITCH>
+// elements, rows past the group zero) when the head is too wide to keep Q in registers. WARP_SLOTS gives each
+// warp its own slot for its output (one barrier instead of one per warp in the merge); without it the warps
+// accumulate into o in turn.
+template <typename T, int NUM_WARPS, int GROUP, int DEPTH, bool Q_IN_SMEM, int Q_PITCH, bool WARP_SLOTS = false>
 struct DecodeSmem {
+  static constexpr int O_PITCH = DEPTH + 8;  // rows of a warp slot 8 banks apart: the quad's stores spread out
+  static constexpr int SLOT_FLOATS = GROUP * O_PITCH;
   float m[NUM_WARPS][16];
   float l[NUM_WARPS][16];
   float M[16], L[16];
-  float o[GROUP][DEPTH];
+  float o[WARP_SLOTS ? 1 : GROUP][WARP_SLOTS ? 1 : DEPTH];
+  alignas(16) float slots[WARP_SLOTS ? NUM_WARPS : 1][WARP_SLOTS ? SLOT_FLOATS : 1];
   int last;
   alignas(16) T q[Q_IN_SMEM ? 16 : 1][Q_IN_SMEM ? Q_PITCH : 8];
 
@@ -128,10 +133,14 @@ __device__ __forceinline__ void strip_softmax(const DecodeArgs& a, float scale_l
 // The end of every decode block: merge the warps' (m, l, o) in shared memory in warp order (deterministic),
 // then write the final output (one split) or this split's fp32 partial and base-2 LSE; the last split
 // block of (b, hk) merges all partials. dim_of(j, e) is the head dim of accumulator o[j][e] in this lane.
-// Smem needs m, l, M, L, o[GROUP][DEPTH] and last.
+// Smem needs m, l, M, L, o[GROUP][DEPTH] and last. slots (may be nullptr): per-warp scratch of
+// Smem::SLOT_FLOATS floats, warp w's at slots + w * slot_stride, that only warp w has touched so far; with
+// it every warp stores its rescaled output at once and the sum over warps (still in warp order, so the
+// result is the same bits) is read back after a single barrier.
 template <typename T, int DEPTH, int GROUP, int NUM_WARPS, int NO, typename Smem, typename DimOf>
 __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, float (&o)[NO][4], float m0, float m1,
-                                                float l0, float l1, DimOf dim_of) {
+                                                float l0, float l1, DimOf dim_of, float* slots = nullptr,
+                                                int slot_stride = 0) {
   const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   // ---- merge the warps of this block: max, rescale, sum in warp order
@@ -163,6 +172,18 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
     L[r] = ll;
     f[r] = mine;
   }
+  constexpr int OP = Smem::O_PITCH;
+  if (slots != nullptr) {
+    float* mine = slots + warp * slot_stride;
+#pragma unroll
+    for (int j = 0; j < NO; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e >> 1);
+        const int dim = dim_of(j, e);
+        if (row < GROUP && dim < DEPTH) mine[row * OP + dim] = o[j][e] * f[e >> 1];
+      }
+  } else {
 #pragma unroll 1
   for (int w = 0; w < NUM_WARPS; ++w) {
     if (w == warp) {
@@ -181,6 +202,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
     }
     __syncthreads();
   }
+  }
 
   // ---- write: final output (one split) or fp32 partial + base-2 LSE
   if (warp == 0 && c == 0) {
@@ -194,17 +216,25 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
     const int row = idx / DEPTH, dim = idx % DEPTH;
     const int hq = hk * GROUP + row;
     const float mm = sm.M[row], ll = sm.L[row];
+    float acc;
+    if (slots != nullptr) {
+      acc = slots[row * OP + dim];
+#pragma unroll
+      for (int w = 1; w < NUM_WARPS; ++w) acc += slots[w * slot_stride + row * OP + dim];
+    } else {
+      acc = sm.o[row][dim];
+    }
     const i64 oi = ((i64)b * a.num_qo_heads + hq) * DEPTH + dim;
     if (a.num_splits == 1) {
       float denom = ll;  // ll > 0 implies mm is finite
       if (a.sink != nullptr && ll > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
-      const float val = ll > 0.f ? sm.o[row][dim] / denom : 0.f;
+      const float val = ll > 0.f ? acc / denom : 0.f;
       static_cast<T*>(a.out)[oi] = ElemTraits<T>::from_float(val);
       if (dim == 0 && a.lse != nullptr)
         a.lse[(i64)b * a.num_qo_heads + hq] = ll > 0.f ? (mm + __log2f(ll)) * kLn2 : -CUKV_INF;
     } else {
       const i64 pi = (i64)split * gridDim.z * a.num_qo_heads * DEPTH + oi;
-      a.part_o[pi] = ll > 0.f ? sm.o[row][dim] / ll : 0.f;
+      a.part_o[pi] = ll > 0.f ? acc / ll : 0.f;
       if (dim == 0)
         a.part_lse[((i64)split * gridDim.z + b) * a.num_qo_heads + hq] = ll > 0.f ? mm + __log2f(ll) : -CUKV_INF;
     }
@@ -228,7 +258,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
 // QUANTIZED: the cache holds FP8 e4m3 codes (scales per SCALE_BLOCK dims, 0 = per tensor), dequantized to T
 // in registers; SUB: strips each warp keeps in flight.
 template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, bool QUANTIZED = false, int SCALE_BLOCK = 0,
-          int SUB = 1>
+          int SUB = 1, bool WARP_SLOTS = false>
 struct DecodeKernel {
   typedef KVCacheOperand<typename Select<QUANTIZED, unsigned char, T>::type, PAGE_SIZE, QUANTIZED> Op;
   typedef DecodeStreamingKVBuffer<Op, T, DEPTH, SCALE_BLOCK> Buf;
@@ -250,7 +280,8 @@ struct DecodeKernel {
   static constexpr float kOFactor = CodeScale<__nv_bfloat16>::value / kPPre;
   typedef typename Select<QUANTIZED, __nv_bfloat16, T>::type PVT;  // P.V operand type
 
-  typedef DecodeSmem<T, NUM_WARPS, GROUP, DEPTH, Q_IN_SMEM, DEPTH> Smem;
+  // WARP_SLOTS: per-warp merge slots in static shared memory (DecodeConfig.warp_slots says when they fit)
+  typedef DecodeSmem<T, NUM_WARPS, GROUP, DEPTH, Q_IN_SMEM, DEPTH, WARP_SLOTS> Smem;
 
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
@@ -405,39 +436,58 @@ struct DecodeKernel {
 
     decode_epilogue<T, DEPTH, GROUP, NUM_WARPS>(a, sm, o, m0, m1, l0, l1, [&](int j, int e) {
       return (j / 8) * 64 + 16 * c + (j % 8) + 8 * (e & 1);  // the V strip's permuted output columns
-    });
+    }, WARP_SLOTS ? &sm.slots[0][0] : nullptr, Smem::SLOT_FLOATS);
   }
 };
 
-// One warp combines the num_splits partials of (b, hq) by their LSE; empty partitions (-inf) are skipped.
-// Partials are read through L2 (ld.cg): other blocks wrote them during this launch.
+// One warp combines the num_splits partials of (b, hq) by their LSE; empty partitions (-inf, zero output)
+// get weight 0. Partials are read through L2 (ld.cg): other blocks wrote them during this launch. The lanes
+// load 32 LSEs at a time and the partial rows go out 8 at a time, so the merge costs a few L2 round trips
+// rather than two per split.
 template <typename T, int DEPTH>
 __device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, int batch) {
+  constexpr int NI = (DEPTH + 31) / 32;
+  constexpr int U = NI > 4 ? 4 : 8;  // partial rows in flight (32 registers of them)
   const int lane = threadIdx.x & 31;
+  const int n = a.num_splits;
   const i64 bh = (i64)b * a.num_qo_heads + hq;
   const i64 stride = (i64)batch * a.num_qo_heads;
-  float mm = -CUKV_INF;
-  for (int s = lane; s < a.num_splits; s += 32) mm = fmaxf(mm, __ldcg(a.part_lse + s * stride + bh));
+  const float x0 = lane < n ? __ldcg(a.part_lse + lane * stride + bh) : -CUKV_INF;
+  float mm = x0;
+  for (int s = lane + 32; s < n; s += 32) mm = fmaxf(mm, __ldcg(a.part_lse + s * stride + bh));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, o));
-  float acc[(DEPTH + 31) / 32];
+  float acc[NI];
 #pragma unroll
-  for (int i = 0; i < (DEPTH + 31) / 32; ++i) acc[i] = 0.f;
+  for (int i = 0; i < NI; ++i) acc[i] = 0.f;
   float wsum = 0.f;
-  for (int s = 0; s < a.num_splits; ++s) {
-    const float x = __ldcg(a.part_lse + s * stride + bh);
-    if (x == -CUKV_INF) continue;
-    const float w = fast_exp2(x - mm);
+  for (int s0 = 0; s0 < n; s0 += 32) {
+    const float x = s0 == 0 ? x0 : (s0 + lane < n ? __ldcg(a.part_lse + (s0 + lane) * stride + bh) : -CUKV_INF);
+    const float w = x == -CUKV_INF ? 0.f : fast_exp2(x - mm);  // lane j: the weight of split s0 + j
     wsum += w;
-    const float* po = a.part_o + (s * stride + bh) * DEPTH;
+    const int cnt = min(32, n - s0);
+    for (int j0 = 0; j0 < cnt; j0 += U) {
+      float v[U][NI];
 #pragma unroll
-    for (int i = 0; i < (DEPTH + 31) / 32; ++i)
-      if (i * 32 + lane < DEPTH) acc[i] += w * __ldcg(po + i * 32 + lane);
+      for (int u = 0; u < U; ++u) {
+        const float* po = a.part_o + ((s0 + j0 + u) * stride + bh) * DEPTH;
+#pragma unroll
+        for (int i = 0; i < NI; ++i) v[u][i] = (j0 + u < cnt && i * 32 + lane < DEPTH) ? __ldcg(po + i * 32 + lane) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float wu = __shfl_sync(0xffffffffu, w, j0 + u);
+#pragma unroll
+        for (int i = 0; i < NI; ++i) acc[i] += wu * v[u][i];
+      }
+    }
   }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
   float denom = wsum;
   if (a.sink != nullptr && wsum > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
 #pragma unroll
-  for (int i = 0; i < (DEPTH + 31) / 32; ++i)
+  for (int i = 0; i < NI; ++i)
     if (i * 32 + lane < DEPTH)
       static_cast<T*>(a.out)[bh * DEPTH + i * 32 + lane] = ElemTraits<T>::from_float(wsum > 0.f ? acc[i] / denom : 0.f);
   if (lane == 0 && a.lse != nullptr) a.lse[bh] = wsum > 0.f ? (mm + __log2f(wsum)) * kLn2 : -CUKV_INF;

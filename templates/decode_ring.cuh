@@ -59,6 +59,8 @@ struct DecodeRingKernel {
   static_assert(STAGES >= 2 && STAGES <= 8, "2..8 ring slots per warp");
 
   typedef DecodeSmem<T, NUM_WARPS, GROUP, DEPTH, Q_IN_SMEM, Q_PITCH> Smem;
+  // after its last strip a warp's own ring slots hold its merge slot (decode_epilogue)
+  static_assert(Smem::SLOT_FLOATS * 4 <= STAGES * Strip::BYTES, "a warp's merge slot fits in its ring");
 
   // Copies strip t0 of (b, head) into the slot at `slot` (shared address); base is the row of token t0
   // (-1: an unmapped page).
@@ -203,7 +205,8 @@ struct DecodeRingKernel {
     cp_async_wait<0>();  // nothing may land in shared memory after the block moves on
 
     decode_epilogue<T, DEPTH, GROUP, NUM_WARPS>(a, sm, o, m0, m1, l0, l1,
-                                                [&](int j, int e) { return 8 * j + 2 * c + (e & 1); });
+                                                [&](int j, int e) { return 8 * j + 2 * c + (e & 1); },
+                                                reinterpret_cast<float*>(ring), STAGES * Strip::BYTES / 4);
   }
 };
 

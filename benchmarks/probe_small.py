@@ -1,0 +1,49 @@
+"""Small decode steps: where does the time go? Times cukv variants (staging, splits, warps) and the SDPA peers
+at the latency-bound cells with and without the L2 flush, in interleaved rounds.
+
+    PYTHONPATH=. python3 benchmarks/probe_small.py [--cells 1x512,1x2048,8x512]
+"""
+import argparse
+
+import cupy as cp
+import numpy as np
+
+import cukv
+from cukv.bench.decode import _build, _peer_fns, _torch
+from cukv.bench.timing import Timer
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cells", default="1x512,1x2048,8x512")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="0:4:a,0:4:1,0:4:2,0:4:8,0:2:a,0:8:a,3:4:a")
+    args = ap.parse_args()
+    torch = _torch()
+    hq, hkv, d, ps = 32, 8, 128, 16
+    timers = {"flush": Timer(), "noflush": Timer(flush_bytes=4096)}
+    tiny = cp.empty(4096, cp.uint16)
+    for cell in args.cells.split(","):
+        batch, ctx = map(int, cell.split("x"))
+        cache, pt, q, table = _build(batch, ctx, hq, hkv, d, ps)
+        out = cp.empty_like(q)
+        fns = {"floor": lambda: tiny.fill(0)}
+        for v in args.variants.split(","):
+            st, nw, sp = v.split(":")
+            dec = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16", num_warps=int(nw), stages=int(st)).plan(
+                batch, ctx, num_splits=None if sp == "a" else int(sp))
+            fns[f"r{st}w{nw}s{dec.num_splits}"] = (lambda dec=dec: dec.run(q, cache, pt, out=out))
+        if torch is not None:
+            fns.update(_peer_fns(torch, cache, table, q, out, batch, ctx, hq, d, {}))
+        for tname, timer in timers.items():
+            got = {k: [] for k in fns}
+            for _ in range(args.rounds):
+                for k, fn in fns.items():
+                    got[k].append(timer.median_ms(fn, reps=15, warmup_ms=20) * 1e3)
+            print(f"{batch} x {ctx} [{tname}] " + "  ".join(f"{k} {np.median(v):.1f}" for k, v in got.items()), flush=True)
+        del cache, pt, q, out, fns
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
