@@ -21,6 +21,7 @@ from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
 HEAD_DIMS = (64, 96, 128, 256)
 RING_STAGES = (2, 3, 4, 5, 6, 8)
 DEFAULT_STAGES = (3, 2)  # preferred first
+DEFAULT_FP8_STAGES = (4, 3, 2)  # FP8 lane ring: strips are half the bytes, so one more slot in flight
 SMEM_LIMIT = 227 * 1024
 # plan() stages strips in registers below this much K/V: short work is bound by each strip's latency, which
 # the register kernel has less of; above it the ring's deeper pipeline wins (H100 sweep, 32q/8kv d128 page 16:
@@ -71,23 +72,27 @@ class DecodeConfig:
         if self.quantized:
             check_rule(c, "scale_block", self.scale_block, not (self.scale_block == 32 and self.head_dim > 128),
                        "32-dim scale blocks need more registers than head_dim > 128 leaves (use 64, 128 or per token)")
-        if self.sub is None:
-            # two FP8 strips in flight match a 16-bit strip's bytes; 32-dim scale blocks need the registers
-            object.__setattr__(self, "sub", 2 if self.quantized and self.head_dim <= 128 and self.scale_block != 32 else 1)
-        check_in(c, "sub", self.sub, (1, 2, 3, 4))
-        ring_ok = not self.quantized and self.page_size % 16 == 0 and self.head_dim % 64 == 0
+        # the 16-bit ring (decode_ring.cuh) needs whole 16-token strips per page and 64-dim swizzle groups;
+        # the FP8 lane ring (decode.cuh, STAGES > 0) is the register kernel's loads made asynchronous
+        ring_ok = self.quantized or (self.page_size % 16 == 0 and self.head_dim % 64 == 0)
         if self.stages is None:  # the first default ring that fits in shared memory, else registers
-            for st in DEFAULT_STAGES if ring_ok else ():
+            for st in (DEFAULT_FP8_STAGES if self.quantized else DEFAULT_STAGES) if ring_ok and self.sub in (None, 1) else ():
                 object.__setattr__(self, "stages", st)
                 if self.total_smem_bytes <= SMEM_LIMIT:
                     break
             else:
                 object.__setattr__(self, "stages", 0)
         check_in(c, "stages", self.stages, (0,) + RING_STAGES)
+        if self.sub is None:
+            # two FP8 strips in flight match a 16-bit strip's bytes; 32-dim scale blocks need the registers
+            fp8_regs = self.quantized and self.stages == 0 and self.head_dim <= 128 and self.scale_block != 32
+            object.__setattr__(self, "sub", 2 if fp8_regs else 1)
+        check_in(c, "sub", self.sub, (1, 2, 3, 4))
         if self.stages:
             check_rule(c, "stages", self.stages, ring_ok,
                        "the shared-memory ring needs a 16-bit cache, page_size a multiple of 16 and head_dim a "
-                       "multiple of 64 (use stages=0)")
+                       "multiple of 64, or an FP8 cache (use stages=0)")
+            check_rule(c, "stages", self.stages, self.sub == 1, f"a ring (stages={self.stages}) replaces sub={self.sub}: use sub=1")
             check_rule(c, "stages", self.stages, self.total_smem_bytes <= SMEM_LIMIT,
                        f"{self.total_smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages or num_warps")
 
@@ -132,9 +137,21 @@ class DecodeConfig:
         return self.MMA_K * self.MMA_N // 32
 
     @property
+    def ring_slot_bytes(self) -> int:
+        """One ring slot: a 16-token K and V strip (16-bit), or for FP8 every lane's codes (8 bytes per load:
+        K 2 x head_dim/32, V 4 per 64-dim group) and scales (4 tokens per lane for K and for V, one per
+        scale block)."""
+        if not self.quantized:
+            return 2 * self.BN * self.head_dim * 2
+        sb = self.scale_block or self.head_dim
+        k_items, v_items = 2 * self.num_k_strips, 4 * self.num_v_groups
+        scales = 4 * (self.head_dim // sb + -(-self.head_dim // sb))
+        return 32 * (8 * (k_items + v_items) + 4 * scales)
+
+    @property
     def ring_smem_bytes(self) -> int:
-        """Dynamic shared memory of the ring: per warp, ``stages`` slots of a 16-token K and V strip."""
-        return self.num_warps * self.stages * 2 * self.BN * self.head_dim * 2
+        """Dynamic shared memory of the ring: per warp, ``stages`` slots."""
+        return self.num_warps * self.stages * self.ring_slot_bytes
 
     @property
     def total_smem_bytes(self) -> int:
@@ -148,16 +165,17 @@ class DecodeConfig:
     @property
     def warp_slots(self) -> bool:
         """The register kernel merges its warps through per-warp slots (one barrier) when they fit in static
-        shared memory beside Q; otherwise warps take turns on one [group, head_dim] sum. The ring kernel
-        always has them: each warp's slot lies in its own ring slots once its strips are done."""
-        return self.stages == 0 and 4 * self.num_warps * self.merge_slot_floats <= 36 * 1024
+        shared memory beside Q; otherwise warps take turns on one [group, head_dim] sum. The 16-bit ring
+        kernel always has them: each warp's slot lies in its own ring slots once its strips are done."""
+        register_kernel = self.stages == 0 or self.quantized
+        return register_kernel and 4 * self.num_warps * self.merge_slot_floats <= 36 * 1024
 
     @property
     def smem_bytes(self) -> int:
         """Static shared memory: per-warp (m, l), block (M, L), the merge (a [group, head_dim] sum or the warp
         slots), and Q when head_dim > 128 (its registers go to the output accumulator; the ring kernel pads
         its rows by 8)."""
-        pitch = self.head_dim + (8 if self.stages else 0)
+        pitch = self.head_dim + (8 if self.stages and not self.quantized else 0)
         q_smem = 2 * 16 * pitch if self.head_dim > 128 else 16  # Q moves to shared memory past 128
         o_sum = 1 if self.warp_slots else self.group * self.head_dim
         slots = 4 * self.num_warps * self.merge_slot_floats if self.warp_slots else 4
@@ -179,7 +197,7 @@ class DecodeConfig:
             num_k_strips=self.num_k_strips, num_k_mmas2=self.num_k_mmas2, num_mmas=self.num_mmas,
             input_frag_size=self.input_frag_size, smem_bytes=self.smem_bytes, args_bytes=DECODE_ARGS.itemsize,
             quantized=self.quantized, scale_block=self.scale_block, sub=self.sub, stages=self.stages,
-            ring_smem_bytes=self.ring_smem_bytes, warp_slots=self.warp_slots,
+            ring_smem_bytes=self.ring_smem_bytes, ring_slot_bytes=self.ring_slot_bytes, warp_slots=self.warp_slots,
             merge_slot_floats=self.merge_slot_floats)
 
     @cached_property
@@ -208,13 +226,16 @@ def kv_bytes(batch_size: int, max_kv_len: int, num_kv_heads: int, head_dim: int)
 
 def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: int) -> int:
     """Split the context only as far as one wave of resident blocks needs (``slots`` = SMs x blocks per SM):
-    short blocks pay their prologue and merge again and again. No split gets under 128 tokens (two 16-token
-    strips per warp of a 4-warp block; H100 sweeps: 64-token splits lose at 1 x 2048)."""
+    short blocks pay their prologue and merge again and again. No split gets under 64 tokens (one 16-token
+    strip per warp of a 4-warp block), and the count is trimmed so that no split is left empty (the kernel
+    gives each split ``ceil(strips / num_splits)`` strips). H100, session 5 (merge loads in parallel):
+    1 x 512 takes 11.3 us with 8 splits against 12.5 us with 4; 1 x 8192 24.5 us with 32 against 26.0 with 33."""
     blocks = max(1, batch_size * num_kv_heads)
     if blocks >= slots:
         return 1
-    most = max(1, math.ceil(max_kv_len / 128))
-    return int(max(1, min(slots // blocks, most, 128)))
+    strips = max(1, math.ceil(max_kv_len / 16))
+    n = int(max(1, min(slots // blocks, math.ceil(strips / 4), 128)))
+    return math.ceil(strips / math.ceil(strips / n))
 
 
 class BatchDecode:
@@ -269,7 +290,7 @@ class BatchDecode:
                                    int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb, stages=stages)
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
         # stages=None: plan() chooses per problem between the default and the register kernel
-        self._configs = (self.config, dataclasses.replace(self.config, stages=0)) if stages is None else (self.config,)
+        self._configs = (self.config, dataclasses.replace(self.config, stages=0, sub=None)) if stages is None else (self.config,)
         self._planned = None
 
     def plan(self, batch_size: int, max_kv_len: int, num_splits: int | None = None) -> "BatchDecode":

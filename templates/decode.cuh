@@ -256,9 +256,10 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
 }
 
 // QUANTIZED: the cache holds FP8 e4m3 codes (scales per SCALE_BLOCK dims, 0 = per tensor), dequantized to T
-// in registers; SUB: strips each warp keeps in flight.
+// in registers; SUB: strips each warp keeps in flight in registers; STAGES > 0: instead a ring of that many
+// lane-private shared-memory slots per warp, filled by cp.async (DecodeStreamingKVBuffer's async form).
 template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, bool QUANTIZED = false, int SCALE_BLOCK = 0,
-          int SUB = 1, bool WARP_SLOTS = false>
+          int SUB = 1, bool WARP_SLOTS = false, int STAGES = 0>
 struct DecodeKernel {
   typedef KVCacheOperand<typename Select<QUANTIZED, unsigned char, T>::type, PAGE_SIZE, QUANTIZED> Op;
   typedef DecodeStreamingKVBuffer<Op, T, DEPTH, SCALE_BLOCK> Buf;
@@ -272,6 +273,8 @@ struct DecodeKernel {
   static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
   static_assert(PAGE_SIZE >= 1, "page size must be positive");
   static_assert(SUB >= 1 && SUB <= 4, "1..4 strips in flight per warp");
+  static_assert(STAGES == 0 || (SUB == 1 && STAGES >= 2 && STAGES <= 8), "a ring of 2..8 slots replaces SUB");
+  static constexpr int RING_BYTES = NUM_WARPS * STAGES * Buf::SLOT_BYTES;
   // FP8: the query is pre-multiplied by a power of two (bf16), scores by kKFactor * K scale, P by the V scale
   // times kPPre, and the accumulated output by kOFactor (see fp8.cuh: codes enter the mma exactly).
   static constexpr float kQPre = QUANTIZED ? CodeScale<T>::q_pre : 1.f;
@@ -319,36 +322,9 @@ struct DecodeKernel {
     for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
 
-    // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V
-    // loads right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB
-    // strips of loads in flight while it computes, in the same registers. A warp's strips in one round are
-    // ch + sub * NUM_WARPS (sub < SUB); FP8 caches use SUB = 2 so the bytes in flight match the 16-bit cache.
-    Buf buf[SUB];
-    i64 base[SUB];
-    int ch = my_lo + warp;
-#pragma unroll
-    for (int sub = 0; sub < SUB; ++sub) {
-      buf[sub].set_tensor_scales(op);
-      const int st = ch + sub * NUM_WARPS;
-      base[sub] = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, st * BN) : (i64)0;  // speculative: in-table
-      if (PIPELINE && st < my_hi) {
-        buf[sub].load_k(op, b, hk, st * BN, start, len, base[sub]);
-        buf[sub].load_v(op, b, hk, st * BN, start, len, base[sub]);
-      }
-    }
-    for (; ch < my_hi; ch += NUM_WARPS * SUB) {
-#pragma unroll
-      for (int sub = 0; sub < SUB; ++sub) {
-      const int st = ch + sub * NUM_WARPS;
-      if (st >= my_hi) break;
-      const int t0 = st * BN;
-      const int nch = st + NUM_WARPS * SUB;
-      const bool has_next = nch < my_hi;
-      const i64 nbase = (PAGE_SIZE % BN == 0 && has_next) ? Buf::rows_base(op, b, nch * BN) : (i64)0;
-      if constexpr (!PIPELINE) {
-        buf[sub].load_k(op, b, hk, t0, start, len, base[sub]);
-        if constexpr (!V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
-      }
+    // One strip of scores, softmax and P.V from bb's registers. after_scores runs once the K registers are
+    // consumed (the pipeline reloads them there), after_pv once the V registers are.
+    auto strip = [&](Buf& bb, int t0, auto&& after_scores, auto&& after_pv) {
       float s[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
@@ -370,7 +346,7 @@ struct DecodeKernel {
               xa = qa[ks];
               xb = qb[ks];
             }
-            const uint4 kk = buf[sub].k_val(nt, ks);
+            const uint4 kk = bb.k_val(nt, ks);
             mma_16816<T>(acc[nt], xa.x, xb.x, xa.y, xb.y, kk.x, kk.y);
             mma_16816<T>(acc[nt], xa.z, xb.z, xa.w, xb.w, kk.z, kk.w);
           }
@@ -379,18 +355,17 @@ struct DecodeKernel {
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            if constexpr (QUANTIZED) s[nt][e] += acc[nt][e] * (buf[sub].ks[2 * nt + (e & 1)][kb] * kKFactor);
+            if constexpr (QUANTIZED) s[nt][e] += acc[nt][e] * (bb.ks[2 * nt + (e & 1)][kb] * kKFactor);
             else s[nt][e] = acc[nt][e];
           }
       }
-      if (PIPELINE && has_next) buf[sub].load_k(op, b, hk, nch * BN, start, len, nbase);
-            float al0, al1;
+      after_scores();
+      float al0, al1;
       strip_softmax<TWO_ROWS>(a, scale_log2, s, t0, start, len, m0, m1, l0, l1, al0, al1);
-      if constexpr (V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
 #pragma unroll
       for (int grp = 0; grp < NO / 8; ++grp) {
         u32 bf[8][2];
-        buf[sub].v_frags(grp, bf);
+        bb.v_frags(grp, bf);
         // P as the A operand, times the V scale of its block (FP8); SCALE_BLOCK 32 puts two blocks in a
         // 64-dim group: lanes g < 4 hold the first block's columns, so each block's mma gets the other
         // block's B columns as zeros.
@@ -402,7 +377,7 @@ struct DecodeKernel {
             // past the head (d96's second group) the B columns are zeros; any finite scale will do
             const int blk = min(kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB, Buf::num_v_scales - 1);
 #pragma unroll
-            for (int r = 0; r < 4; ++r) f[r] = buf[sub].vs[r][blk] * kPPre;
+            for (int r = 0; r < 4; ++r) f[r] = bb.vs[r][blk] * kPPre;
           }
           const u32 pa0 = ElemTraits<PVT>::pack(s[0][0] * f[0], s[0][1] * f[1]);
           const u32 pa2 = ElemTraits<PVT>::pack(s[1][0] * f[2], s[1][1] * f[3]);
@@ -424,9 +399,88 @@ struct DecodeKernel {
           }
         }
       }
-      if (PIPELINE && has_next) buf[sub].load_v(op, b, hk, nch * BN, start, len, nbase);
-      base[sub] = nbase;
+      after_pv();
+    };
+    auto nothing = [] {};
+
+    if constexpr (STAGES > 0) {
+      // Ring: each lane copies its strip loads (cp.async) STAGES - 1 strips ahead into its private bytes of
+      // the warp's slots and reads them back right before the strip; page rows are looked up one strip
+      // further ahead still.
+      extern __shared__ __align__(16) unsigned char ring[];
+      unsigned char* my_ring = ring + warp * STAGES * Buf::SLOT_BYTES;
+      const u32 my_ring_s = smem_addr(my_ring);
+      Buf buf;
+      const int step = NUM_WARPS;
+      int st_issue = my_lo + warp;
+      i64 base_next = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, st_issue * BN) : (i64)0;
+      auto issue = [&](int slot_i) {
+        const i64 base = base_next;
+        base_next = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, (st_issue + step) * BN) : (i64)0;
+        if (st_issue < my_hi) {
+          const u32 dst = my_ring_s + slot_i * Buf::SLOT_BYTES;
+          buf.template load_k<true>(op, b, hk, st_issue * BN, start, len, base, dst);
+          buf.template load_v<true>(op, b, hk, st_issue * BN, start, len, base, dst);
+        }
+        cp_async_commit();
+        st_issue += step;
+      };
+#pragma unroll
+      for (int k = 0; k < STAGES - 1; ++k) issue(k);
+      int slot = 0, slot_issue = STAGES - 1;
+      for (int st = my_lo + warp; st < my_hi; st += step) {
+        issue(slot_issue);
+        slot_issue = slot_issue + 1 == STAGES ? 0 : slot_issue + 1;
+        cp_async_wait<STAGES - 1>();
+        const unsigned char* here = my_ring + slot * Buf::SLOT_BYTES;
+        buf.fetch_k(here);
+        strip(buf, st * BN, [&] { buf.fetch_v(here); }, nothing);
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
       }
+      cp_async_wait<0>();
+    } else {
+    // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V
+    // loads right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB
+    // strips of loads in flight while it computes, in the same registers. A warp's strips in one round are
+    // ch + sub * NUM_WARPS (sub < SUB); FP8 caches use SUB = 2 so the bytes in flight match the 16-bit cache.
+    Buf buf[SUB];
+    i64 base[SUB];
+    int ch = my_lo + warp;
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) {
+      buf[sub].set_tensor_scales(op);
+      const int st = ch + sub * NUM_WARPS;
+      base[sub] = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, st * BN) : (i64)0;  // speculative: in-table
+      if (PIPELINE && st < my_hi) {
+        buf[sub].load_k(op, b, hk, st * BN, start, len, base[sub]);
+        buf[sub].load_v(op, b, hk, st * BN, start, len, base[sub]);
+      }
+    }
+    for (; ch < my_hi; ch += NUM_WARPS * SUB) {
+#pragma unroll
+      for (int sub = 0; sub < SUB; ++sub) {
+        const int st = ch + sub * NUM_WARPS;
+        if (st >= my_hi) break;
+        const int t0 = st * BN;
+        const int nch = st + NUM_WARPS * SUB;
+        const bool has_next = nch < my_hi;
+        const i64 nbase = (PAGE_SIZE % BN == 0 && has_next) ? Buf::rows_base(op, b, nch * BN) : (i64)0;
+        if constexpr (!PIPELINE) {
+          buf[sub].load_k(op, b, hk, t0, start, len, base[sub]);
+          if constexpr (!V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
+        }
+        strip(
+            buf[sub], t0,
+            [&] {
+              if (PIPELINE && has_next) buf[sub].load_k(op, b, hk, nch * BN, start, len, nbase);
+              if constexpr (V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
+            },
+            [&] {
+              if (PIPELINE && has_next) buf[sub].load_v(op, b, hk, nch * BN, start, len, nbase);
+            });
+        base[sub] = nbase;
+      }
+    }
     }
 
     if constexpr (QUANTIZED) {

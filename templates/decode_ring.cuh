@@ -22,9 +22,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u3
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 // One ring slot: K rows [BN][DEPTH] then V rows [BN][DEPTH], 16-bit elements, chunk-swizzled rows.
 template <int DEPTH>

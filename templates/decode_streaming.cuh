@@ -15,9 +15,15 @@
 // 8 values (16 bytes), with the scale of their granule; k_val / v_group dequantize to T in registers right
 // before the mma, so the fragments and the mma code are the same for both. Rows that are not loaded get
 // scale 0 (a scale slot may hold NaN too).
+//
+// Asynchronous form (the ring of DecodeKernel with STAGES > 0): load_k/load_v<true> issue the same loads as
+// cp.async copies into a lane-private slot of shared memory (src size 0 where the register form writes
+// zero, so skipped rows come back as zero codes and zero scales) and fetch() reads them back into the
+// registers. Only the issuing lane reads its bytes, so cp.async.wait_group is the only synchronization.
 #pragma once
 #include "kv_operand.cuh"
 #include "fp8.cuh"
+#include "hopper.cuh"
 
 namespace cukv {
 
@@ -48,6 +54,26 @@ struct DecodeStreamingKVBuffer {
   static_assert(!quantized || SCALE_BLOCK == 0 || (DEPTH % SCALE_BLOCK == 0 && (SCALE_BLOCK % 32 == 0 || SCALE_BLOCK == DEPTH)),
                 "scale block divides the head");
   static_assert(!quantized || SB % BK == 0, "a K strip lies in one scale block");
+
+  // lane-private ring slot: items [k (nt, s)][v (grp, r)] of 32 lanes x sizeof(Raw), then scales [ks][vs] of
+  // 32 lanes x 4 bytes; item-major, so a warp's reads of one item are contiguous (no bank conflicts)
+  static constexpr int num_k_items = num_n_tiles * num_k_strips;
+  static constexpr int num_v_items = num_v_groups * 4;
+  static constexpr int num_scale_items = quantized ? 4 * (num_k_scales + num_v_scales) : 0;
+  static constexpr int RAW_ITEM = 32 * (int)sizeof(Raw);
+  static constexpr int SLOT_BYTES = RAW_ITEM * (num_k_items + num_v_items) + 128 * num_scale_items;
+  static __device__ __forceinline__ u32 k_off(int nt, int s) { return (nt * num_k_strips + s) * RAW_ITEM; }
+  static __device__ __forceinline__ u32 v_off(int grp, int r) { return (num_k_items + grp * 4 + r) * RAW_ITEM; }
+  static __device__ __forceinline__ u32 ks_off(int r, int i) {
+    return RAW_ITEM * (num_k_items + num_v_items) + 128 * (r * num_k_scales + i);
+  }
+  static __device__ __forceinline__ u32 vs_off(int r, int i) {
+    return RAW_ITEM * (num_k_items + num_v_items) + 128 * (4 * num_k_scales + r * num_v_scales + i);
+  }
+  static __device__ __forceinline__ void copy_raw(u32 dst, const void* src, bool ok) {
+    if constexpr (quantized) cp_async8(dst, src, ok ? 8 : 0);
+    else cp_async16(dst, src, ok ? 16 : 0);
+  }
 
   Raw k[num_n_tiles][num_k_strips];
   Raw v[num_v_groups][4];
@@ -82,7 +108,10 @@ struct DecodeStreamingKVBuffer {
     }
   }
 
-  __device__ __forceinline__ void load_k(const Op& op, int b, int head, int t0, int start, int end, i64 base) {
+  // ASYNC: cp.async into the lane-private slot at shared address `slot` instead of loads into registers.
+  template <bool ASYNC = false>
+  __device__ __forceinline__ void load_k(const Op& op, int b, int head, int t0, int start, int end, i64 base,
+                                         u32 slot = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < num_n_tiles; ++nt) {
@@ -90,8 +119,10 @@ struct DecodeStreamingKVBuffer {
       const i64 row = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
       const typename Op::dtype* p = row >= 0 ? op.row_ptr(true, row, head, 8 * c) : nullptr;
 #pragma unroll
-      for (int s = 0; s < num_k_strips; ++s)
-        k[nt][s] = p ? load_raw(p + s * BK) : zero_raw();
+      for (int s = 0; s < num_k_strips; ++s) {
+        if constexpr (ASYNC) copy_raw(slot + k_off(nt, s) + lane * sizeof(Raw), p ? p + s * BK : op.p.k, p != nullptr);
+        else k[nt][s] = p ? load_raw(p + s * BK) : zero_raw();
+      }
     }
     if constexpr (quantized) {
 #pragma unroll
@@ -100,14 +131,19 @@ struct DecodeStreamingKVBuffer {
         const i64 row = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
 #pragma unroll
         for (int i = 0; i < num_k_scales; ++i) {
-          if constexpr (SCALE_BLOCK == 0) ks[r][i] = row >= 0 ? tensor_scale_k : 0.f;
+          if constexpr (ASYNC)  // per tensor: the scalar itself (scale_ptr<0> ignores the row)
+            cp_async4(slot + ks_off(r, i) + 4 * lane, op.template scale_ptr<SCALE_BLOCK>(true, row >= 0 ? row : 0, head, i * SB),
+                      row >= 0 ? 4 : 0);
+          else if constexpr (SCALE_BLOCK == 0) ks[r][i] = row >= 0 ? tensor_scale_k : 0.f;
           else ks[r][i] = row >= 0 ? op.template load_scale<SB>(true, row, head, i * SB) : 0.f;
         }
       }
     }
   }
 
-  __device__ __forceinline__ void load_v(const Op& op, int b, int head, int t0, int start, int end, i64 base) {
+  template <bool ASYNC = false>
+  __device__ __forceinline__ void load_v(const Op& op, int b, int head, int t0, int start, int end, i64 base,
+                                         u32 slot = 0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -117,15 +153,49 @@ struct DecodeStreamingKVBuffer {
 #pragma unroll
       for (int grp = 0; grp < num_v_groups; ++grp) {
         const bool in_depth = (grp * V_GROUP + 8 * g) < DEPTH;
-        v[grp][r] = (p && in_depth) ? load_raw(p + grp * V_GROUP) : zero_raw();
+        if constexpr (ASYNC)
+          copy_raw(slot + v_off(grp, r) + lane * sizeof(Raw), (p && in_depth) ? p + grp * V_GROUP : op.p.v, p && in_depth);
+        else v[grp][r] = (p && in_depth) ? load_raw(p + grp * V_GROUP) : zero_raw();
       }
       if constexpr (quantized) {
 #pragma unroll
         for (int i = 0; i < num_v_scales; ++i) {
-          if constexpr (SCALE_BLOCK == 0) vs[r][i] = row >= 0 ? tensor_scale_v : 0.f;
+          if constexpr (ASYNC)
+            cp_async4(slot + vs_off(r, i) + 4 * lane, op.template scale_ptr<SCALE_BLOCK>(false, row >= 0 ? row : 0, head, i * SB),
+                      row >= 0 ? 4 : 0);
+          else if constexpr (SCALE_BLOCK == 0) vs[r][i] = row >= 0 ? tensor_scale_v : 0.f;
           else vs[r][i] = row >= 0 ? op.template load_scale<SB>(false, row, head, i * SB) : 0.f;
         }
       }
+    }
+  }
+
+  // The registers of a strip that load_k/load_v<true> copied into the slot at `base` (after this lane's
+  // wait_group): K (and its scales) first, V once the scores have freed K's registers.
+  __device__ __forceinline__ void fetch_k(const unsigned char* base) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int nt = 0; nt < num_n_tiles; ++nt)
+#pragma unroll
+      for (int s = 0; s < num_k_strips; ++s) k[nt][s] = *reinterpret_cast<const Raw*>(base + k_off(nt, s) + lane * sizeof(Raw));
+    if constexpr (quantized) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int i = 0; i < num_k_scales; ++i) ks[r][i] = *reinterpret_cast<const float*>(base + ks_off(r, i) + 4 * lane);
+    }
+  }
+  __device__ __forceinline__ void fetch_v(const unsigned char* base) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int grp = 0; grp < num_v_groups; ++grp)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) v[grp][r] = *reinterpret_cast<const Raw*>(base + v_off(grp, r) + lane * sizeof(Raw));
+    if constexpr (quantized) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+#pragma unroll
+        for (int i = 0; i < num_v_scales; ++i) vs[r][i] = *reinterpret_cast<const float*>(base + vs_off(r, i) + 4 * lane);
     }
   }
 

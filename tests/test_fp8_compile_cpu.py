@@ -11,12 +11,15 @@ DECODE = [("bfloat16", 128, 4, sb) for sb in (0, 32, 64, 128)] + [
 PREFILL = [("bfloat16", d, sb) for d, sb in ((128, 128), (128, 0), (128, 32), (64, 64), (256, 256), (96, 32), (512, 64))]
 
 
+@pytest.mark.parametrize("stages", [None, 0], ids=["lane_ring", "registers"])
 @pytest.mark.parametrize("dtype,d,group,sb", DECODE)
-def test_decode_fp8_compiles_without_spills(dtype, d, group, sb):
-    cfg = DecodeConfig(dtype, d, group, 16, kv_dtype="fp8_e4m3", scale_block=sb)
+def test_decode_fp8_compiles_without_spills(dtype, d, group, sb, stages):
+    cfg = DecodeConfig(dtype, d, group, 16, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages)
+    assert (cfg.stages > 0) == (stages is None) and cfg.sub == (1 if cfg.stages else cfg.sub)
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0, rep
     assert rep.static_smem == cfg.smem_bytes
+    assert cfg.total_smem_bytes <= 227 * 1024
 
 
 @pytest.mark.parametrize("dtype,d,sb", PREFILL)

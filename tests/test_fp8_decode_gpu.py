@@ -20,13 +20,23 @@ from cukv.testing import assert_close, random_decode_case, reference_decode
 pytestmark = pytest.mark.gpu
 
 GRANULARITIES = ["token", "tensor", 32, 64, 128]
+STAGING = {"registers": 0, "ring": 3}
+_stages = {"now": 0}
+
+
+@pytest.fixture(params=sorted(STAGING), autouse=True)
+def staging(request):
+    """Every test runs on both FP8 stagings: loads straight into registers, and the lane-private cp.async ring
+    (plan would pick registers for these small problems, so the ring is forced)."""
+    _stages["now"] = STAGING[request.param]
+    return STAGING[request.param]
 
 
 def _run(case, hq, hkv, d, ps, dtype, gran, num_splits=None, **kw):
     import cupy as cp
 
     b = len(case["lengths"])
-    dec = cukv.BatchDecode(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran)
+    dec = cukv.BatchDecode(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran, stages=_stages["now"])
     dec.plan(b, max(1, int(case["lengths"].max())), num_splits=num_splits)
     out = cp.full(case["q"].shape, np.float16(np.nan) if dtype == "float16" else np.uint16(0x7FC0), case["q"].dtype)
     lse = cp.full((b, hq), np.nan, cp.float32)
@@ -96,7 +106,8 @@ def test_graph_capture_replay_and_repeat(rng):
     import cupy as cp
 
     case = _case(rng, [600, 1000, 33, 999], 16, 4, 128, 16, "bfloat16", "tensor")
-    dec = cukv.BatchDecode(16, 4, 128, 16, "bfloat16", kv_dtype="fp8_e4m3", scale_granularity="tensor").plan(4, 1000)
+    dec = cukv.BatchDecode(16, 4, 128, 16, "bfloat16", kv_dtype="fp8_e4m3", scale_granularity="tensor",
+                           stages=_stages["now"]).plan(4, 1000)
     out = cp.empty(case["q"].shape, case["q"].dtype)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
