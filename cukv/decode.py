@@ -21,7 +21,7 @@ from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
 HEAD_DIMS = (64, 96, 128, 256)
 RING_STAGES = (2, 3, 4, 5, 6, 8)
 DEFAULT_STAGES = (3, 2)  # preferred first
-DEFAULT_FP8_STAGES = (4, 3, 2)  # FP8 lane ring: strips are half the bytes, so one more slot in flight
+DEFAULT_FP8_STAGES = (3, 2)  # FP8 ring: 3 slots keep a third block per SM (H200 probe: r3 262 us, r4 273, r2 268)
 SMEM_LIMIT = 227 * 1024
 # plan() stages strips in registers below this much K/V: short work is bound by each strip's latency, which
 # the register kernel has less of; above it the ring's deeper pipeline wins (H100 sweep, 32q/8kv d128 page 16:
@@ -73,7 +73,7 @@ class DecodeConfig:
             check_rule(c, "scale_block", self.scale_block, not (self.scale_block == 32 and self.head_dim > 128),
                        "32-dim scale blocks need more registers than head_dim > 128 leaves (use 64, 128 or per token)")
         # the 16-bit ring (decode_ring.cuh) needs whole 16-token strips per page and 64-dim swizzle groups;
-        # the FP8 lane ring (decode.cuh, STAGES > 0) is the register kernel's loads made asynchronous
+        # the FP8 ring (decode.cuh, STAGES > 0) stages whole code rows for the register kernel's fragments
         ring_ok = self.quantized or (self.page_size % 16 == 0 and self.head_dim % 64 == 0)
         if self.stages is None:  # the first default ring that fits in shared memory, else registers
             for st in (DEFAULT_FP8_STAGES if self.quantized else DEFAULT_STAGES) if ring_ok and self.sub in (None, 1) else ():
@@ -138,15 +138,13 @@ class DecodeConfig:
 
     @property
     def ring_slot_bytes(self) -> int:
-        """One ring slot: a 16-token K and V strip (16-bit), or for FP8 every lane's codes (8 bytes per load:
-        K 2 x head_dim/32, V 4 per 64-dim group) and scales (4 tokens per lane for K and for V, one per
-        scale block)."""
+        """One ring slot: a 16-token K and V strip (16-bit), or for FP8 the strip's K and V code rows (pitch 128
+        bytes, 256 past head_dim 128) and their float32 scales (one per token and scale block)."""
         if not self.quantized:
             return 2 * self.BN * self.head_dim * 2
         sb = self.scale_block or self.head_dim
-        k_items, v_items = 2 * self.num_k_strips, 4 * self.num_v_groups
-        scales = 4 * (self.head_dim // sb + -(-self.head_dim // sb))
-        return 32 * (8 * (k_items + v_items) + 4 * scales)
+        pitch = 256 if self.head_dim > 128 else 128
+        return 2 * self.BN * pitch + 4 * self.BN * (self.head_dim // sb + -(-self.head_dim // sb))
 
     @property
     def ring_smem_bytes(self) -> int:
@@ -171,12 +169,18 @@ class DecodeConfig:
         return register_kernel and 4 * self.num_warps * self.merge_slot_floats <= 36 * 1024
 
     @property
+    def q_in_smem(self) -> bool:
+        """Q lives in shared memory past head_dim 128 (its registers go to the output accumulator) and in the
+        FP8 ring kernel (its registers buy a third block per SM)."""
+        return self.head_dim > 128 or (self.quantized and self.stages > 0)
+
+    @property
     def smem_bytes(self) -> int:
         """Static shared memory: per-warp (m, l), block (M, L), the merge (a [group, head_dim] sum or the warp
         slots), and Q when head_dim > 128 (its registers go to the output accumulator; the ring kernel pads
         its rows by 8)."""
         pitch = self.head_dim + (8 if self.stages and not self.quantized else 0)
-        q_smem = 2 * 16 * pitch if self.head_dim > 128 else 16  # Q moves to shared memory past 128
+        q_smem = 2 * 16 * pitch if self.q_in_smem else 16
         o_sum = 1 if self.warp_slots else self.group * self.head_dim
         slots = 4 * self.num_warps * self.merge_slot_floats if self.warp_slots else 4
         head = _round16(4 * (2 * 16 * self.num_warps + 2 * 16 + o_sum)) + slots + 4  # slots 16-byte aligned; `last`
@@ -197,7 +201,7 @@ class DecodeConfig:
             num_k_strips=self.num_k_strips, num_k_mmas2=self.num_k_mmas2, num_mmas=self.num_mmas,
             input_frag_size=self.input_frag_size, smem_bytes=self.smem_bytes, args_bytes=DECODE_ARGS.itemsize,
             quantized=self.quantized, scale_block=self.scale_block, sub=self.sub, stages=self.stages,
-            ring_smem_bytes=self.ring_smem_bytes, ring_slot_bytes=self.ring_slot_bytes, warp_slots=self.warp_slots,
+            ring_smem_bytes=self.ring_smem_bytes, ring_slot_bytes=self.ring_slot_bytes, q_in_smem=self.q_in_smem, warp_slots=self.warp_slots,
             merge_slot_floats=self.merge_slot_floats)
 
     @cached_property

@@ -257,7 +257,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
 
 // QUANTIZED: the cache holds FP8 e4m3 codes (scales per SCALE_BLOCK dims, 0 = per tensor), dequantized to T
 // in registers; SUB: strips each warp keeps in flight in registers; STAGES > 0: instead a ring of that many
-// lane-private shared-memory slots per warp, filled by cp.async (DecodeStreamingKVBuffer's async form).
+// shared-memory slots per warp, filled with whole code rows by cp.async (DecodeStreamingKVBuffer::issue).
 template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, bool QUANTIZED = false, int SCALE_BLOCK = 0,
           int SUB = 1, bool WARP_SLOTS = false, int STAGES = 0>
 struct DecodeKernel {
@@ -267,7 +267,8 @@ struct DecodeKernel {
   static constexpr bool TWO_ROWS = GROUP > 8;       // rows g+8 carry heads too
   static constexpr int NK = Buf::num_k_strips;
   static constexpr int NO = Buf::num_mmas;           // output n-tiles
-  static constexpr bool Q_IN_SMEM = DEPTH > 128;     // registers go to the output accumulator instead
+  // registers go to the output accumulator (wide heads) or to occupancy (the FP8 ring) instead
+  static constexpr bool Q_IN_SMEM = DEPTH > 128 || STAGES > 0;
   static constexpr bool V_LATE = DEPTH > 128;        // V loads wait until K's registers are free
   static constexpr bool PIPELINE = !V_LATE;          // prefetch the next strip into the same registers
   static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
@@ -404,8 +405,8 @@ struct DecodeKernel {
     auto nothing = [] {};
 
     if constexpr (STAGES > 0) {
-      // Ring: each lane copies its strip loads (cp.async) STAGES - 1 strips ahead into its private bytes of
-      // the warp's slots and reads them back right before the strip; page rows are looked up one strip
+      // Ring (FP8): the warp copies whole rows of each strip (cp.async) STAGES - 1 strips ahead into its
+      // slots and reads its fragments back right before the strip; page rows are looked up one strip
       // further ahead still.
       extern __shared__ __align__(16) unsigned char ring[];
       unsigned char* my_ring = ring + warp * STAGES * Buf::SLOT_BYTES;
@@ -417,11 +418,7 @@ struct DecodeKernel {
       auto issue = [&](int slot_i) {
         const i64 base = base_next;
         base_next = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, (st_issue + step) * BN) : (i64)0;
-        if (st_issue < my_hi) {
-          const u32 dst = my_ring_s + slot_i * Buf::SLOT_BYTES;
-          buf.template load_k<true>(op, b, hk, st_issue * BN, start, len, base, dst);
-          buf.template load_v<true>(op, b, hk, st_issue * BN, start, len, base, dst);
-        }
+        if (st_issue < my_hi) Buf::issue(op, b, hk, st_issue * BN, start, len, base, my_ring_s + slot_i * Buf::SLOT_BYTES);
         cp_async_commit();
         st_issue += step;
       };
@@ -432,9 +429,11 @@ struct DecodeKernel {
         issue(slot_issue);
         slot_issue = slot_issue + 1 == STAGES ? 0 : slot_issue + 1;
         cp_async_wait<STAGES - 1>();
+        __syncwarp();  // every lane's copies of this strip have landed
         const unsigned char* here = my_ring + slot * Buf::SLOT_BYTES;
         buf.fetch_k(here);
         strip(buf, st * BN, [&] { buf.fetch_v(here); }, nothing);
+        __syncwarp();  // every lane is done with this slot before a later issue overwrites it
         slot = slot + 1 == STAGES ? 0 : slot + 1;
       }
       cp_async_wait<0>();

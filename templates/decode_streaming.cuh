@@ -16,10 +16,12 @@
 // before the mma, so the fragments and the mma code are the same for both. Rows that are not loaded get
 // scale 0 (a scale slot may hold NaN too).
 //
-// Asynchronous form (the ring of DecodeKernel with STAGES > 0): load_k/load_v<true> issue the same loads as
-// cp.async copies into a lane-private slot of shared memory (src size 0 where the register form writes
-// zero, so skipped rows come back as zero codes and zero scales) and fetch() reads them back into the
-// registers. Only the issuing lane reads its bytes, so cp.async.wait_group is the only synchronization.
+// Shared-memory ring (FP8 caches; DecodeKernel with STAGES > 0): issue() copies a strip's K and V rows and
+// their scales into a ring slot with cp.async, 16-byte chunks covering whole rows (so each copy instruction
+// asks L2 for full lines, where the register form's 8-byte loads ask for 32-byte pieces), and
+// fetch_k/fetch_v read back exactly the registers load_k/load_v would have loaded. Rows are XOR-swizzled
+// by 16-byte chunk, differently for K and V, so both read patterns are free of bank conflicts. Skipped rows
+// are zero-filled (src size 0): zero codes and zero scales, as in the register form.
 #pragma once
 #include "kv_operand.cuh"
 #include "fp8.cuh"
@@ -55,26 +57,6 @@ struct DecodeStreamingKVBuffer {
                 "scale block divides the head");
   static_assert(!quantized || SB % BK == 0, "a K strip lies in one scale block");
 
-  // lane-private ring slot: items [k (nt, s)][v (grp, r)] of 32 lanes x sizeof(Raw), then scales [ks][vs] of
-  // 32 lanes x 4 bytes; item-major, so a warp's reads of one item are contiguous (no bank conflicts)
-  static constexpr int num_k_items = num_n_tiles * num_k_strips;
-  static constexpr int num_v_items = num_v_groups * 4;
-  static constexpr int num_scale_items = quantized ? 4 * (num_k_scales + num_v_scales) : 0;
-  static constexpr int RAW_ITEM = 32 * (int)sizeof(Raw);
-  static constexpr int SLOT_BYTES = RAW_ITEM * (num_k_items + num_v_items) + 128 * num_scale_items;
-  static __device__ __forceinline__ u32 k_off(int nt, int s) { return (nt * num_k_strips + s) * RAW_ITEM; }
-  static __device__ __forceinline__ u32 v_off(int grp, int r) { return (num_k_items + grp * 4 + r) * RAW_ITEM; }
-  static __device__ __forceinline__ u32 ks_off(int r, int i) {
-    return RAW_ITEM * (num_k_items + num_v_items) + 128 * (r * num_k_scales + i);
-  }
-  static __device__ __forceinline__ u32 vs_off(int r, int i) {
-    return RAW_ITEM * (num_k_items + num_v_items) + 128 * (4 * num_k_scales + r * num_v_scales + i);
-  }
-  static __device__ __forceinline__ void copy_raw(u32 dst, const void* src, bool ok) {
-    if constexpr (quantized) cp_async8(dst, src, ok ? 8 : 0);
-    else cp_async16(dst, src, ok ? 16 : 0);
-  }
-
   Raw k[num_n_tiles][num_k_strips];
   Raw v[num_v_groups][4];
   float ks[4][num_k_scales];
@@ -108,10 +90,7 @@ struct DecodeStreamingKVBuffer {
     }
   }
 
-  // ASYNC: cp.async into the lane-private slot at shared address `slot` instead of loads into registers.
-  template <bool ASYNC = false>
-  __device__ __forceinline__ void load_k(const Op& op, int b, int head, int t0, int start, int end, i64 base,
-                                         u32 slot = 0) {
+  __device__ __forceinline__ void load_k(const Op& op, int b, int head, int t0, int start, int end, i64 base) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < num_n_tiles; ++nt) {
@@ -119,10 +98,8 @@ struct DecodeStreamingKVBuffer {
       const i64 row = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
       const typename Op::dtype* p = row >= 0 ? op.row_ptr(true, row, head, 8 * c) : nullptr;
 #pragma unroll
-      for (int s = 0; s < num_k_strips; ++s) {
-        if constexpr (ASYNC) copy_raw(slot + k_off(nt, s) + lane * sizeof(Raw), p ? p + s * BK : op.p.k, p != nullptr);
-        else k[nt][s] = p ? load_raw(p + s * BK) : zero_raw();
-      }
+      for (int s = 0; s < num_k_strips; ++s)
+        k[nt][s] = p ? load_raw(p + s * BK) : zero_raw();
     }
     if constexpr (quantized) {
 #pragma unroll
@@ -131,19 +108,14 @@ struct DecodeStreamingKVBuffer {
         const i64 row = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
 #pragma unroll
         for (int i = 0; i < num_k_scales; ++i) {
-          if constexpr (ASYNC)  // per tensor: the scalar itself (scale_ptr<0> ignores the row)
-            cp_async4(slot + ks_off(r, i) + 4 * lane, op.template scale_ptr<SCALE_BLOCK>(true, row >= 0 ? row : 0, head, i * SB),
-                      row >= 0 ? 4 : 0);
-          else if constexpr (SCALE_BLOCK == 0) ks[r][i] = row >= 0 ? tensor_scale_k : 0.f;
+          if constexpr (SCALE_BLOCK == 0) ks[r][i] = row >= 0 ? tensor_scale_k : 0.f;
           else ks[r][i] = row >= 0 ? op.template load_scale<SB>(true, row, head, i * SB) : 0.f;
         }
       }
     }
   }
 
-  template <bool ASYNC = false>
-  __device__ __forceinline__ void load_v(const Op& op, int b, int head, int t0, int start, int end, i64 base,
-                                         u32 slot = 0) {
+  __device__ __forceinline__ void load_v(const Op& op, int b, int head, int t0, int start, int end, i64 base) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -153,49 +125,94 @@ struct DecodeStreamingKVBuffer {
 #pragma unroll
       for (int grp = 0; grp < num_v_groups; ++grp) {
         const bool in_depth = (grp * V_GROUP + 8 * g) < DEPTH;
-        if constexpr (ASYNC)
-          copy_raw(slot + v_off(grp, r) + lane * sizeof(Raw), (p && in_depth) ? p + grp * V_GROUP : op.p.v, p && in_depth);
-        else v[grp][r] = (p && in_depth) ? load_raw(p + grp * V_GROUP) : zero_raw();
+        v[grp][r] = (p && in_depth) ? load_raw(p + grp * V_GROUP) : zero_raw();
       }
       if constexpr (quantized) {
 #pragma unroll
         for (int i = 0; i < num_v_scales; ++i) {
-          if constexpr (ASYNC)
-            cp_async4(slot + vs_off(r, i) + 4 * lane, op.template scale_ptr<SCALE_BLOCK>(false, row >= 0 ? row : 0, head, i * SB),
-                      row >= 0 ? 4 : 0);
-          else if constexpr (SCALE_BLOCK == 0) vs[r][i] = row >= 0 ? tensor_scale_v : 0.f;
+          if constexpr (SCALE_BLOCK == 0) vs[r][i] = row >= 0 ? tensor_scale_v : 0.f;
           else vs[r][i] = row >= 0 ? op.template load_scale<SB>(false, row, head, i * SB) : 0.f;
         }
       }
     }
   }
 
-  // The registers of a strip that load_k/load_v<true> copied into the slot at `base` (after this lane's
-  // wait_group): K (and its scales) first, V once the scores have freed K's registers.
-  __device__ __forceinline__ void fetch_k(const unsigned char* base) {
+  // ---- the shared-memory ring (FP8): slot = K rows [BN][ROW_PITCH], V rows, K scales [num_k_scales][BN],
+  // V scales [num_v_scales][BN]
+  static constexpr int ROW_BYTES = DEPTH * elem_bytes;
+  static constexpr int ROW_PITCH = ROW_BYTES > 128 ? 256 : 128;  // 8 or 16 chunks: the swizzles stay in the row
+  static constexpr int CHUNKS = ROW_BYTES / 16;                  // 16-byte chunks of a row
+  static constexpr int ROW_COPIES = BN * CHUNKS / 32;            // per lane, for K and again for V
+  static constexpr int K_SCALES_AT = 2 * BN * ROW_PITCH;
+  static constexpr int V_SCALES_AT = K_SCALES_AT + 4 * BN * num_k_scales;
+  static constexpr int SLOT_BYTES = V_SCALES_AT + 4 * BN * num_v_scales;
+  static_assert(ROW_BYTES <= ROW_PITCH && ROW_BYTES % 16 == 0 && (BN * CHUNKS) % 32 == 0, "whole 16-byte copies");
+  // K is read as rows g (4 consecutive per half warp), V as rows 2c + const (4 with stride 2): each pattern's
+  // eight 16-byte pieces land in distinct bank groups
+  static __device__ __forceinline__ u32 k_at(int row, int chunk) { return row * ROW_PITCH + ((chunk ^ ((row & 3) << 1)) << 4); }
+  static __device__ __forceinline__ u32 v_at(int row, int chunk) {
+    return BN * ROW_PITCH + row * ROW_PITCH + ((chunk ^ (((row >> 1) & 3) << 1)) << 4);
+  }
+
+  // Copies strip t0 of (b, head) into the slot at shared address `slot`; every lane of the warp calls it.
+  static __device__ __forceinline__ void issue(const Op& op, int b, int head, int t0, int start, int end, i64 base, u32 slot) {
+    static_assert(quantized, "16-bit caches have their own ring (decode_ring.cuh)");
     const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < ROW_COPIES; ++i) {
+      const int idx = lane + 32 * i, row = idx / CHUNKS, chunk = idx % CHUNKS;
+      const int t = t0 + row;
+      const i64 r = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
+      cp_async16(slot + k_at(row, chunk), r >= 0 ? op.row_ptr(true, r, head, 16 * chunk) : op.p.k, r >= 0 ? 16 : 0);
+      cp_async16(slot + v_at(row, chunk), r >= 0 ? op.row_ptr(false, r, head, 16 * chunk) : op.p.v, r >= 0 ? 16 : 0);
+    }
+    // scales: lane j copies token j % BN of block j / BN (per tensor: the one scalar for every token)
+#pragma unroll
+    for (int j0 = 0; j0 < BN * (num_k_scales > num_v_scales ? num_k_scales : num_v_scales); j0 += 32) {
+      const int j = j0 + lane, tok = j % BN, i = j / BN;
+      const int t = t0 + tok;
+      const i64 r = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
+      if (i < num_k_scales)
+        cp_async4(slot + K_SCALES_AT + 4 * j, op.template scale_ptr<SCALE_BLOCK>(true, r >= 0 ? r : 0, head, i * SB), r >= 0 ? 4 : 0);
+      if (i < num_v_scales)
+        cp_async4(slot + V_SCALES_AT + 4 * j, op.template scale_ptr<SCALE_BLOCK>(false, r >= 0 ? r : 0, head, i * SB), r >= 0 ? 4 : 0);
+    }
+  }
+
+  // The registers load_k / load_v would have loaded, from the slot at `sl` (after wait_group + __syncwarp):
+  // K (and its scales) first, V once the scores have freed K's registers.
+  __device__ __forceinline__ void fetch_k(const unsigned char* sl) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < num_n_tiles; ++nt)
 #pragma unroll
-      for (int s = 0; s < num_k_strips; ++s) k[nt][s] = *reinterpret_cast<const Raw*>(base + k_off(nt, s) + lane * sizeof(Raw));
+      for (int s = 0; s < num_k_strips; ++s)
+        k[nt][s] = *reinterpret_cast<const Raw*>(sl + k_at(nt * MMA_N + g, 2 * s + (c >> 1)) + 8 * (c & 1));
     if constexpr (quantized) {
+      const float* sc = reinterpret_cast<const float*>(sl + K_SCALES_AT);
 #pragma unroll
       for (int r = 0; r < 4; ++r)
 #pragma unroll
-        for (int i = 0; i < num_k_scales; ++i) ks[r][i] = *reinterpret_cast<const float*>(base + ks_off(r, i) + 4 * lane);
+        for (int i = 0; i < num_k_scales; ++i) ks[r][i] = sc[i * BN + 2 * c + (r & 1) + (r >> 1) * 8];
     }
   }
-  __device__ __forceinline__ void fetch_v(const unsigned char* base) {
-    const int lane = threadIdx.x & 31;
+  __device__ __forceinline__ void fetch_v(const unsigned char* sl) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
-    for (int grp = 0; grp < num_v_groups; ++grp)
+    for (int r = 0; r < 4; ++r) {
+      const int row = 2 * c + (r & 1) + (r >> 1) * 8;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) v[grp][r] = *reinterpret_cast<const Raw*>(base + v_off(grp, r) + lane * sizeof(Raw));
+      for (int grp = 0; grp < num_v_groups; ++grp) {
+        const bool in_depth = (grp * V_GROUP + 8 * g) < DEPTH;
+        v[grp][r] = in_depth ? *reinterpret_cast<const Raw*>(sl + v_at(row, 4 * grp + (g >> 1)) + 8 * (g & 1)) : zero_raw();
+      }
+    }
     if constexpr (quantized) {
+      const float* sc = reinterpret_cast<const float*>(sl + V_SCALES_AT);
 #pragma unroll
       for (int r = 0; r < 4; ++r)
 #pragma unroll
-        for (int i = 0; i < num_v_scales; ++i) vs[r][i] = *reinterpret_cast<const float*>(base + vs_off(r, i) + 4 * lane);
+        for (int i = 0; i < num_v_scales; ++i) vs[r][i] = sc[i * BN + 2 * c + (r & 1) + (r >> 1) * 8];
     }
   }
 

@@ -26,7 +26,7 @@ _stages = {"now": 0}
 
 @pytest.fixture(params=sorted(STAGING), autouse=True)
 def staging(request):
-    """Every test runs on both FP8 stagings: loads straight into registers, and the lane-private cp.async ring
+    """Every test runs on both FP8 stagings: loads straight into registers, and the shared-memory ring
     (plan would pick registers for these small problems, so the ring is forced)."""
     _stages["now"] = STAGING[request.param]
     return STAGING[request.param]
