@@ -229,16 +229,23 @@ def kv_bytes(batch_size: int, max_kv_len: int, num_kv_heads: int, head_dim: int)
 
 
 def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: int) -> int:
-    """Split the context only as far as one wave of resident blocks needs (``slots`` = SMs x blocks per SM):
-    short blocks pay their prologue and merge again and again. No split gets under 64 tokens (one 16-token
-    strip per warp of a 4-warp block), and the count is trimmed so that no split is left empty (the kernel
-    gives each split ``ceil(strips / num_splits)`` strips). H100, session 5 (merge loads in parallel):
-    1 x 512 takes 11.3 us with 8 splits against 12.5 us with 4; 1 x 8192 24.5 us with 32 against 26.0 with 33."""
+    """The split count with the fewest block waves per unit of work: ``ceil(blocks * s / slots) / s`` over
+    ``slots`` = SMs x blocks per SM; the smallest count within 5% of the best (each split pays its prologue
+    and a merge). A single wave comes out as ``slots // blocks`` splits; past one wave, splits fill the last wave
+    (H100, FP8 ring at 3 blocks per SM: 64 x 4096 is 512 blocks on 396 slots, and 3 splits turn 2 waves, the
+    second a third full, into 4 nearly full ones). No split gets under 64 tokens (one 16-token strip per warp
+    of a 4-warp block), and the count is trimmed so that no split is left empty (the kernel gives each split
+    ``ceil(strips / num_splits)`` strips). H100, session 5: 1 x 512 takes 11.3 us with 8 splits against
+    12.5 us with 4; 1 x 8192 24.5 us with 32 against 26.0 with 33."""
     blocks = max(1, batch_size * num_kv_heads)
-    if blocks >= slots:
-        return 1
     strips = max(1, math.ceil(max_kv_len / 16))
-    n = int(max(1, min(slots // blocks, math.ceil(strips / 4), 128)))
+    most = int(max(1, min(math.ceil(strips / 4), 128)))
+
+    def cost(s):
+        return math.ceil(blocks * s / slots) / s
+
+    least = min(cost(s) for s in range(1, most + 1))
+    n = min(s for s in range(1, most + 1) if cost(s) <= least / 0.95)
     return math.ceil(strips / math.ceil(strips / n))
 
 

@@ -86,19 +86,34 @@ __device__ __forceinline__ void strip_softmax(const DecodeArgs& a, float scale_l
                                               int len, float& m0, float& m1, float& l0, float& l1, float& al0,
                                               float& al1) {
   const int c = threadIdx.x & 3;
-  // scores -> base-2 logits; masked columns become -inf by selection, never by arithmetic
+  // scores -> base-2 logits; masked columns become -inf by selection, never by arithmetic. Soft-capping and
+  // masking are warp-uniform branches: a strip wholly inside [start, len) skips the mask.
+  if (a.softcap > 0.f) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = a.softcap * tanhf(s[nt][e] * a.sm_scale / a.softcap) * kLog2e;
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= scale_log2;
+  }
+  if (t0 < start || t0 + 16 > len) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = t0 + nt * 8 + 2 * c + (e & 1);
+        s[nt][e] = (t >= start && t < len) ? s[nt][e] : -CUKV_INF;
+      }
+  }
   float mx0 = -CUKV_INF, mx1 = -CUKV_INF;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int t = t0 + nt * 8 + 2 * c + (e & 1);
-      float x = s[nt][e];
-      if (a.softcap > 0.f) x = a.softcap * tanhf(x * a.sm_scale / a.softcap) * kLog2e;
-      else x *= scale_log2;
-      x = (t >= start && t < len) ? x : -CUKV_INF;
-      s[nt][e] = x;
-      if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+      if (e < 2) mx0 = fmaxf(mx0, s[nt][e]); else mx1 = fmaxf(mx1, s[nt][e]);
     }
   mx0 = quad_max(mx0);
   const float mn0 = fmaxf(m0, mx0);
@@ -363,6 +378,18 @@ struct DecodeKernel {
       after_scores();
       float al0, al1;
       strip_softmax<TWO_ROWS>(a, scale_log2, s, t0, start, len, m0, m1, l0, l1, al0, al1);
+      // once the running max settles, most strips leave it unchanged in every row: skip the rescale then
+      if (!__all_sync(0xffffffffu, al0 == 1.f && al1 == 1.f)) {
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+          o[j][0] *= al0;
+          o[j][1] *= al0;
+          if constexpr (TWO_ROWS) {
+            o[j][2] *= al1;
+            o[j][3] *= al1;
+          }
+        }
+      }
 #pragma unroll
       for (int grp = 0; grp < NO / 8; ++grp) {
         u32 bf[8][2];
@@ -388,14 +415,6 @@ struct DecodeKernel {
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
             const int j = grp * 8 + jj;
-            if (hb == 0) {
-              o[j][0] *= al0;
-              o[j][1] *= al0;
-              if constexpr (TWO_ROWS) {
-                o[j][2] *= al1;
-                o[j][3] *= al1;
-              }
-            }
             mma_16816<PVT>(o[j], pa0, pa1, pa2, pa3, mine ? bf[jj][0] : 0u, mine ? bf[jj][1] : 0u);
           }
         }

@@ -146,7 +146,8 @@ struct DecodeStreamingKVBuffer {
   static constexpr int K_SCALES_AT = 2 * BN * ROW_PITCH;
   static constexpr int V_SCALES_AT = K_SCALES_AT + 4 * BN * num_k_scales;
   static constexpr int SLOT_BYTES = V_SCALES_AT + 4 * BN * num_v_scales;
-  static_assert(ROW_BYTES <= ROW_PITCH && ROW_BYTES % 16 == 0 && (BN * CHUNKS) % 32 == 0, "whole 16-byte copies");
+  static_assert(!quantized || (ROW_BYTES <= ROW_PITCH && ROW_BYTES % 16 == 0 && (BN * CHUNKS) % 32 == 0),
+                "whole 16-byte copies");
   // K is read as rows g (4 consecutive per half warp), V as rows 2c + const (4 with stride 2): each pattern's
   // eight 16-byte pieces land in distinct bank groups
   static __device__ __forceinline__ u32 k_at(int row, int chunk) { return row * ROW_PITCH + ((chunk ^ ((row & 3) << 1)) << 4); }
@@ -158,24 +159,57 @@ struct DecodeStreamingKVBuffer {
   static __device__ __forceinline__ void issue(const Op& op, int b, int head, int t0, int start, int end, i64 base, u32 slot) {
     static_assert(quantized, "16-bit caches have their own ring (decode_ring.cuh)");
     const int lane = threadIdx.x & 31;
+    // A strip on one page (page_size % BN == 0) is BN rows at the token stride from its first row: one
+    // address computation per strip instead of one per copy.
+    constexpr bool ONE_PAGE = Op::page_size % BN == 0;
+    const bool mapped = !ONE_PAGE || base >= 0;
+    typedef typename Op::dtype E;
+    const E* k0 = static_cast<const E*>(op.p.k);  // any valid address: copies of skipped rows read nothing
+    const E* v0 = static_cast<const E*>(op.p.v);
+    const E* pk0 = (ONE_PAGE && mapped) ? op.row_ptr(true, base, head) : k0;
+    const E* pv0 = (ONE_PAGE && mapped) ? op.row_ptr(false, base, head) : v0;
+    const i64 kst = op.p.k_stride[1], vst = op.p.v_stride[1];
 #pragma unroll
     for (int i = 0; i < ROW_COPIES; ++i) {
       const int idx = lane + 32 * i, row = idx / CHUNKS, chunk = idx % CHUNKS;
       const int t = t0 + row;
-      const i64 r = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
-      cp_async16(slot + k_at(row, chunk), r >= 0 ? op.row_ptr(true, r, head, 16 * chunk) : op.p.k, r >= 0 ? 16 : 0);
-      cp_async16(slot + v_at(row, chunk), r >= 0 ? op.row_ptr(false, r, head, 16 * chunk) : op.p.v, r >= 0 ? 16 : 0);
+      const bool ok = mapped && t >= start && t < end;
+      const E *pk, *pv;
+      bool live;
+      if constexpr (ONE_PAGE) {
+        pk = pk0 + row * kst + 16 * chunk;
+        pv = pv0 + row * vst + 16 * chunk;
+        live = ok;
+      } else {
+        const i64 r = ok ? op.row_idx(b, t) : (i64)-1;
+        live = r >= 0;
+        pk = live ? op.row_ptr(true, r, head, 16 * chunk) : k0;
+        pv = live ? op.row_ptr(false, r, head, 16 * chunk) : v0;
+      }
+      cp_async16(slot + k_at(row, chunk), live ? pk : k0, live ? 16 : 0);
+      cp_async16(slot + v_at(row, chunk), live ? pv : v0, live ? 16 : 0);
     }
     // scales: lane j copies token j % BN of block j / BN (per tensor: the one scalar for every token)
+    const i64 kss = op.p.ks_stride[1], vss = op.p.vs_stride[1];
 #pragma unroll
     for (int j0 = 0; j0 < BN * (num_k_scales > num_v_scales ? num_k_scales : num_v_scales); j0 += 32) {
       const int j = j0 + lane, tok = j % BN, i = j / BN;
       const int t = t0 + tok;
-      const i64 r = (t >= start && t < end) ? row_of(op, b, t0, base, t) : (i64)-1;
-      if (i < num_k_scales)
-        cp_async4(slot + K_SCALES_AT + 4 * j, op.template scale_ptr<SCALE_BLOCK>(true, r >= 0 ? r : 0, head, i * SB), r >= 0 ? 4 : 0);
-      if (i < num_v_scales)
-        cp_async4(slot + V_SCALES_AT + 4 * j, op.template scale_ptr<SCALE_BLOCK>(false, r >= 0 ? r : 0, head, i * SB), r >= 0 ? 4 : 0);
+      const bool ok = mapped && t >= start && t < end;
+      const float *sk, *sv;
+      bool live;
+      if constexpr (ONE_PAGE) {
+        sk = op.template scale_ptr<SCALE_BLOCK>(true, mapped ? base : 0, head, i * SB) + tok * kss;
+        sv = op.template scale_ptr<SCALE_BLOCK>(false, mapped ? base : 0, head, i * SB) + tok * vss;
+        live = ok;
+      } else {
+        const i64 r = ok ? op.row_idx(b, t) : (i64)-1;
+        sk = op.template scale_ptr<SCALE_BLOCK>(true, r >= 0 ? r : 0, head, i * SB);
+        sv = op.template scale_ptr<SCALE_BLOCK>(false, r >= 0 ? r : 0, head, i * SB);
+        live = r >= 0;
+      }
+      if (i < num_k_scales) cp_async4(slot + K_SCALES_AT + 4 * j, sk, live ? 4 : 0);
+      if (i < num_v_scales) cp_async4(slot + V_SCALES_AT + 4 * j, sv, live ? 4 : 0);
     }
   }
 

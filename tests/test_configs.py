@@ -111,6 +111,13 @@ def test_decode_ring_configs_compile_without_spills(d, group, ps, nw, stages, dt
     _check_resources(cfg)
 
 
+@pytest.mark.parametrize("stages", [0, None], ids=["registers", "default"])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_decode_every_head_dim_compiles_for_both_stagings(d, stages):
+    """Hypothesis samples the domain; this pins every head dim (a d256-only static_assert once slipped by)."""
+    _check_resources(DecodeConfig("bfloat16", d, 1, 16, 4, stages=stages))
+
+
 def test_decode_config_is_frozen_and_hashable():
     cfg = DecodeConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
