@@ -15,7 +15,8 @@ from cukv.fp8 import scale_block
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default="64x4096,16x32768")
-    ap.add_argument("--variants", default="0,2,3,4", help="ring stages (0: registers), optionally stages:warps")
+    ap.add_argument("--variants", default="0,2,3,4",
+                    help="ring stages (0: registers), optionally stages:warps or stages:warps:splits")
     ap.add_argument("--gran", default="token")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
@@ -31,9 +32,9 @@ def main():
         bf = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16").plan(batch, ctx)
         fns = {"bf16": lambda: bf.run(q, cache, pt, out=out)}
         for v in args.variants.split(","):
-            st, nw = (list(map(int, v.split(":"))) + [4])[:2]
+            st, nw, sp = (list(map(int, v.split(":"))) + [4, 0])[:3]
             dec = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16", num_warps=nw, kv_dtype="fp8_e4m3",
-                                   scale_granularity=gran, stages=st).plan(batch, ctx)
+                                   scale_granularity=gran, stages=st).plan(batch, ctx, num_splits=sp or None)
             fns[f"fp8_r{st}w{nw}s{dec.num_splits}"] = (lambda dec=dec: dec.run(q, fcache, pt, out=out))
         got = {k: [] for k in fns}
         for _ in range(args.rounds):

@@ -21,7 +21,7 @@ from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
 HEAD_DIMS = (64, 96, 128, 256)
 RING_STAGES = (2, 3, 4, 5, 6, 8)
 DEFAULT_STAGES = (3, 2)  # preferred first
-DEFAULT_FP8_STAGES = (3, 2)  # FP8 ring: 3 slots keep a third block per SM (H200 probe: r3 262 us, r4 273, r2 268)
+DEFAULT_FP8_STAGES = (2, 3)  # FP8 ring (H100, 3 blocks per SM either way: 2 slots 232/432 us, 3 slots 236/439 at 64x4096/16x32768)
 SMEM_LIMIT = 227 * 1024
 # plan() stages strips in registers below this much K/V: short work is bound by each strip's latency, which
 # the register kernel has less of; above it the ring's deeper pipeline wins (H100 sweep, 32q/8kv d128 page 16:
@@ -183,7 +183,7 @@ class DecodeConfig:
         q_smem = 2 * 16 * pitch if self.q_in_smem else 16
         o_sum = 1 if self.warp_slots else self.group * self.head_dim
         slots = 4 * self.num_warps * self.merge_slot_floats if self.warp_slots else 4
-        head = _round16(4 * (2 * 16 * self.num_warps + 2 * 16 + o_sum)) + slots + 4  # slots 16-byte aligned; `last`
+        head = _round16(4 * (2 * 16 * self.num_warps + 2 * 16 + o_sum)) + slots + 8  # slots 16-byte aligned; `last`, `q_amax`
         return _round16(_round16(head) + q_smem)  # q is 16-byte aligned, and so is the struct
 
     @property

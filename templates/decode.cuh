@@ -44,7 +44,47 @@ struct DecodeSmem {
   float o[WARP_SLOTS ? 1 : GROUP][WARP_SLOTS ? 1 : DEPTH];
   alignas(16) float slots[WARP_SLOTS ? NUM_WARPS : 1][WARP_SLOTS ? SLOT_FLOATS : 1];
   int last;
+  int q_amax;  // stage_q_f16: the bits of the group's largest |q| (non-negative floats order as ints)
   alignas(16) T q[Q_IN_SMEM ? 16 : 1][Q_IN_SMEM ? Q_PITCH : 8];
+
+  // The group's Q rows as f16, all multiplied by one power of two 2^e that puts the largest |q| in
+  // [2^14, 2^15): bf16 values convert exactly (their 8-bit mantissas fit f16's 11) unless they sit more
+  // than 2^28 below the largest. Returns 2^-e, the factor that takes f16 scores back. Every thread calls it.
+  __device__ __forceinline__ float stage_q_f16(const T* qg) {
+    static_assert(Q_IN_SMEM, "Q lives in registers for this configuration");
+    constexpr int NT = NUM_WARPS * 32;
+    if (threadIdx.x == 0) q_amax = 0;
+    __syncthreads();
+    float mx = 0.f;
+    for (int i = threadIdx.x; i < GROUP * DEPTH / 8; i += NT) {
+      const uint4 v = *reinterpret_cast<const uint4*>(qg + (i64)i * 8);
+      const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) mx = fmaxf(mx, fabsf(ElemTraits<T>::to_float(e[k])));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if ((threadIdx.x & 31) == 0) atomicMax(&q_amax, __float_as_int(mx));
+    __syncthreads();
+    const int ex = (q_amax >> 23) & 0xff;                     // biased exponent of the largest |q|
+    const int e = q_amax == 0 ? 0 : max(-100, min(100, 14 - (ex - 127)));
+    const float f = __int_as_float((e + 127) << 23), inv = __int_as_float((127 - e) << 23);
+    for (int i = threadIdx.x; i < 16 * DEPTH / 8; i += NT) {
+      const int row = i / (DEPTH / 8), col = (i % (DEPTH / 8)) * 8;
+      uint4 h = make_uint4(0, 0, 0, 0);
+      if (row < GROUP) {
+        const uint4 v = *reinterpret_cast<const uint4*>(qg + (i64)row * DEPTH + col);
+        const T* e8 = reinterpret_cast<const T*>(&v);
+        h.x = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[0]) * f, ElemTraits<T>::to_float(e8[1]) * f);
+        h.y = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[2]) * f, ElemTraits<T>::to_float(e8[3]) * f);
+        h.z = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[4]) * f, ElemTraits<T>::to_float(e8[5]) * f);
+        h.w = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[6]) * f, ElemTraits<T>::to_float(e8[7]) * f);
+      }
+      *reinterpret_cast<uint4*>(&q[row][col]) = h;  // f16 bits in T's storage
+    }
+    __syncthreads();
+    return inv;
+  }
 
   // The block's GROUP query rows (times f, a power of two) into q; every thread of the block calls it.
   __device__ __forceinline__ void stage_q(const T* qg, float f) {
@@ -298,6 +338,10 @@ struct DecodeKernel {
   static constexpr float kPPre = 0x1p56f;
   static constexpr float kOFactor = CodeScale<__nv_bfloat16>::value / kPPre;
   typedef typename Select<QUANTIZED, __nv_bfloat16, T>::type PVT;  // P.V operand type
+  // The FP8 ring runs the scores in f16 whatever T is: codes enter by one cvt each (bf16 needs bit moves
+  // after it) and a bf16 query enters exactly through stage_q_f16's power of two.
+  static constexpr bool K_F16 = QUANTIZED && STAGES > 0;
+  typedef typename Select<K_F16, __half, T>::type QKT;  // score mma operand type
 
   // WARP_SLOTS: per-warp merge slots in static shared memory (DecodeConfig.warp_slots says when they fit)
   typedef DecodeSmem<T, NUM_WARPS, GROUP, DEPTH, Q_IN_SMEM, DEPTH, WARP_SLOTS> Smem;
@@ -317,9 +361,12 @@ struct DecodeKernel {
     // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
     // in shared memory: its registers go to the wider output accumulator.
     uint4 qa[Q_IN_SMEM ? 1 : NK], qb[Q_IN_SMEM ? 1 : NK];
+    float k_factor = kKFactor;  // what a raw FP8 score is multiplied by, beside the K scale
     {
       const T* q = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
-      if constexpr (Q_IN_SMEM) {
+      if constexpr (K_F16) {
+        k_factor = sm.stage_q_f16(q);
+      } else if constexpr (Q_IN_SMEM) {
         sm.stage_q(q, kQPre);
       } else {
 #pragma unroll
@@ -362,16 +409,16 @@ struct DecodeKernel {
               xa = qa[ks];
               xb = qb[ks];
             }
-            const uint4 kk = bb.k_val(nt, ks);
-            mma_16816<T>(acc[nt], xa.x, xb.x, xa.y, xb.y, kk.x, kk.y);
-            mma_16816<T>(acc[nt], xa.z, xb.z, xa.w, xb.w, kk.z, kk.w);
+            const uint4 kk = bb.template k_val<QKT>(nt, ks);
+            mma_16816<QKT>(acc[nt], xa.x, xb.x, xa.y, xb.y, kk.x, kk.y);
+            mma_16816<QKT>(acc[nt], xa.z, xb.z, xa.w, xb.w, kk.z, kk.w);
           }
         }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            if constexpr (QUANTIZED) s[nt][e] += acc[nt][e] * (bb.ks[2 * nt + (e & 1)][kb] * kKFactor);
+            if constexpr (QUANTIZED) s[nt][e] += acc[nt][e] * (bb.ks[2 * nt + (e & 1)][kb] * k_factor);
             else s[nt][e] = acc[nt][e];
           }
       }

@@ -252,13 +252,15 @@ struct DecodeStreamingKVBuffer {
 
   // K token tile nt, strip s as the score mma's operand: T values (16-bit cache) or the codes' exact
   // values (FP8: f16, or bf16 times 2^-112).
+  // MT: the score mma's operand type (T, or f16 for the FP8 ring's f16 scores).
+  template <typename MT = T>
   __device__ __forceinline__ uint4 k_val(int nt, int s) const {
     if constexpr (quantized) {
       uint4 r;
-      r.x = codes_to_mma<T>((u16)(k[nt][s].x & 0xffffu));
-      r.y = codes_to_mma<T>((u16)(k[nt][s].x >> 16));
-      r.z = codes_to_mma<T>((u16)(k[nt][s].y & 0xffffu));
-      r.w = codes_to_mma<T>((u16)(k[nt][s].y >> 16));
+      r.x = codes_to_mma<MT>((u16)(k[nt][s].x & 0xffffu));
+      r.y = codes_to_mma<MT>((u16)(k[nt][s].x >> 16));
+      r.z = codes_to_mma<MT>((u16)(k[nt][s].y & 0xffffu));
+      r.w = codes_to_mma<MT>((u16)(k[nt][s].y >> 16));
       return r;
     } else {
       return k[nt][s];
