@@ -20,7 +20,7 @@ from cukv.testing import assert_close, random_decode_case, reference_decode
 pytestmark = pytest.mark.gpu
 
 GRANULARITIES = ["token", "tensor", 32, 64, 128]
-STAGING = {"registers": 0, "ring": 3}
+STAGING = {"registers": 0, "ring": 2}  # 2: the shipped default ring depth
 _stages = {"now": 0}
 
 
