@@ -51,6 +51,8 @@ struct DecodeRingKernel {
   static constexpr bool Q_IN_SMEM = DEPTH > 128;     // registers go to the output accumulator instead
   static constexpr int Q_PITCH = DEPTH + 8;          // padded rows: the 8 rows of a fragment load hit 8 banks
   static constexpr int RING_BYTES = NUM_WARPS * STAGES * Strip::BYTES;
+  // rows are read whole: let an L2 miss fetch the row (up to 256 bytes) from DRAM at once
+  static constexpr int L2_PREFETCH = Strip::ROW_BYTES >= 256 ? 256 : Strip::ROW_BYTES >= 128 ? 128 : 64;
   static_assert(PAGE_SIZE % BN == 0, "a strip lies in one page");
   static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
   static_assert(STAGES >= 2 && STAGES <= 8, "2..8 ring slots per warp");
@@ -76,8 +78,8 @@ struct DecodeRingKernel {
       const int t = t0 + row;
       const bool ok = base >= 0 && t >= start && t < len;
       const u32 dst = slot + Strip::offset(row, chunk);
-      cp_async16(dst, ok ? pk + row * ks + 8 * chunk : pk, ok ? 16 : 0);
-      cp_async16(dst + Strip::HALF_BYTES, ok ? pv + row * vs + 8 * chunk : pv, ok ? 16 : 0);
+      cp_async16_l2<L2_PREFETCH>(dst, ok ? pk + row * ks + 8 * chunk : pk, ok ? 16 : 0);
+      cp_async16_l2<L2_PREFETCH>(dst + Strip::HALF_BYTES, ok ? pv + row * vs + 8 * chunk : pv, ok ? 16 : 0);
     }
   }
 

@@ -143,6 +143,7 @@ struct DecodeStreamingKVBuffer {
   static constexpr int ROW_PITCH = ROW_BYTES > 128 ? 256 : 128;  // 8 or 16 chunks: the swizzles stay in the row
   static constexpr int CHUNKS = ROW_BYTES / 16;                  // 16-byte chunks of a row
   static constexpr int ROW_COPIES = BN * CHUNKS / 32;            // per lane, for K and again for V
+  static constexpr int L2_PREFETCH = ROW_BYTES >= 256 ? 256 : ROW_BYTES >= 128 ? 128 : 64;  // rows read whole
   static constexpr int K_SCALES_AT = 2 * BN * ROW_PITCH;
   static constexpr int V_SCALES_AT = K_SCALES_AT + 4 * BN * num_k_scales;
   static constexpr int SLOT_BYTES = V_SCALES_AT + 4 * BN * num_v_scales;
@@ -186,8 +187,8 @@ struct DecodeStreamingKVBuffer {
         pk = live ? op.row_ptr(true, r, head, 16 * chunk) : k0;
         pv = live ? op.row_ptr(false, r, head, 16 * chunk) : v0;
       }
-      cp_async16(slot + k_at(row, chunk), live ? pk : k0, live ? 16 : 0);
-      cp_async16(slot + v_at(row, chunk), live ? pv : v0, live ? 16 : 0);
+      cp_async16_l2<L2_PREFETCH>(slot + k_at(row, chunk), live ? pk : k0, live ? 16 : 0);
+      cp_async16_l2<L2_PREFETCH>(slot + v_at(row, chunk), live ? pv : v0, live ? 16 : 0);
     }
     // scales: lane j copies token j % BN of block j / BN (per tensor: the one scalar for every token)
     const i64 kss = op.p.ks_stride[1], vss = op.p.vs_stride[1];

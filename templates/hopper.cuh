@@ -32,6 +32,19 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// The same with an L2 prefetch hint: a miss brings BYTES (64, 128 or 256) from DRAM at once, for rows that
+// are read whole (decode strips).
+template <int BYTES>
+__device__ __forceinline__ void cp_async16_l2(u32 dst, const void* src, int src_bytes) {
+  static_assert(BYTES == 64 || BYTES == 128 || BYTES == 256, "L2 prefetch size");
+  if constexpr (BYTES == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+  else if constexpr (BYTES == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
 // 8- and 4-byte copies (through L1: .ca is the only form for sizes under 16); same zero fill.
 __device__ __forceinline__ void cp_async8(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
