@@ -192,7 +192,10 @@ __device__ __forceinline__ void strip_softmax(const DecodeArgs& a, float scale_l
 // Smem::SLOT_FLOATS floats, warp w's at slots + w * slot_stride, that only warp w has touched so far; with
 // it every warp stores its rescaled output at once and the sum over warps (still in warp order, so the
 // result is the same bits) is read back after a single barrier.
-template <typename T, int DEPTH, int GROUP, int NUM_WARPS, int NO, typename Smem, typename DimOf>
+// CLUSTER > 1: the splits of (b, hk) are one thread-block cluster of CLUSTER blocks (split = rank); each
+// block keeps its (M, L, summed output) in shared memory and, after a cluster barrier, merges its share of
+// the outputs from every block's shared memory: no partials in global memory, no fence, no counter.
+template <typename T, int DEPTH, int GROUP, int NUM_WARPS, int CLUSTER, int NO, typename Smem, typename DimOf>
 __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, float (&o)[NO][4], float m0, float m1,
                                                 float l0, float l1, DimOf dim_of, float* slots = nullptr,
                                                 int slot_stride = 0) {
@@ -280,6 +283,10 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
       acc = sm.o[row][dim];
     }
     const i64 oi = ((i64)b * a.num_qo_heads + hq) * DEPTH + dim;
+    if constexpr (CLUSTER > 1) {  // the block's sum, in place, for the cluster merge below
+      if (slots != nullptr) slots[row * OP + dim] = acc;
+      continue;
+    }
     if (a.num_splits == 1) {
       float denom = ll;  // ll > 0 implies mm is finite
       if (a.sink != nullptr && ll > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
@@ -293,6 +300,37 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
       if (dim == 0)
         a.part_lse[((i64)split * gridDim.z + b) * a.num_qo_heads + hq] = ll > 0.f ? mm + __log2f(ll) : -CUKV_INF;
     }
+  }
+  if constexpr (CLUSTER > 1) {
+    cluster_sync();
+    const u32 m_at = smem_addr(&sm.M[0]), l_at = smem_addr(&sm.L[0]);
+    const u32 o_at = slots != nullptr ? smem_addr(slots) : smem_addr(&sm.o[0][0]);
+    const int pitch = slots != nullptr ? OP : DEPTH;
+    for (int idx = split * NUM_WARPS * 32 + threadIdx.x; idx < GROUP * DEPTH; idx += CLUSTER * NUM_WARPS * 32) {
+      const int row = idx / DEPTH, dim = idx % DEPTH;
+      const int hq = hk * GROUP + row;
+      float ms[CLUSTER], mm = -CUKV_INF;
+#pragma unroll
+      for (int r = 0; r < CLUSTER; ++r) {
+        ms[r] = ld_cluster_f32(cluster_map(m_at + 4 * row, r));
+        mm = fmaxf(mm, ms[r]);
+      }
+      float ll = 0.f, acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < CLUSTER; ++r) {  // splits in order: deterministic
+        const float w = ms[r] == -CUKV_INF ? 0.f : fast_exp2(ms[r] - mm);
+        ll += w * ld_cluster_f32(cluster_map(l_at + 4 * row, r));
+        acc += w * ld_cluster_f32(cluster_map(o_at + 4 * (row * pitch + dim), r));
+      }
+      float denom = ll;
+      if (a.sink != nullptr && ll > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
+      const i64 oi = ((i64)b * a.num_qo_heads + hq) * DEPTH + dim;
+      static_cast<T*>(a.out)[oi] = ElemTraits<T>::from_float(ll > 0.f ? acc / denom : 0.f);
+      if (dim == 0 && a.lse != nullptr)
+        a.lse[(i64)b * a.num_qo_heads + hq] = ll > 0.f ? (mm + __log2f(ll)) * kLn2 : -CUKV_INF;
+    }
+    cluster_sync();  // no block leaves (freeing its shared memory) while another still reads it
+    return;
   }
   if (a.num_splits == 1) return;
   // The last block of (b, hk) to finish merges every split's partial (no second launch); it resets the
@@ -314,7 +352,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
 // in registers; SUB: strips each warp keeps in flight in registers; STAGES > 0: instead a ring of that many
 // shared-memory slots per warp, filled with whole code rows by cp.async (DecodeStreamingKVBuffer::issue).
 template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, bool QUANTIZED = false, int SCALE_BLOCK = 0,
-          int SUB = 1, bool WARP_SLOTS = false, int STAGES = 0>
+          int SUB = 1, bool WARP_SLOTS = false, int STAGES = 0, int CLUSTER = 0>
 struct DecodeKernel {
   typedef KVCacheOperand<typename Select<QUANTIZED, unsigned char, T>::type, PAGE_SIZE, QUANTIZED> Op;
   typedef DecodeStreamingKVBuffer<Op, T, DEPTH, SCALE_BLOCK> Buf;
@@ -553,7 +591,7 @@ struct DecodeKernel {
       for (int j = 0; j < NO; ++j) o[j][0] *= kOFactor, o[j][1] *= kOFactor, o[j][2] *= kOFactor, o[j][3] *= kOFactor;
     }
 
-    decode_epilogue<T, DEPTH, GROUP, NUM_WARPS>(a, sm, o, m0, m1, l0, l1, [&](int j, int e) {
+    decode_epilogue<T, DEPTH, GROUP, NUM_WARPS, CLUSTER>(a, sm, o, m0, m1, l0, l1, [&](int j, int e) {
       return (j / 8) * 64 + 16 * c + (j % 8) + 8 * (e & 1);  // the V strip's permuted output columns
     }, WARP_SLOTS ? &sm.slots[0][0] : nullptr, Smem::SLOT_FLOATS);
   }

@@ -40,7 +40,7 @@ struct DecodeRingStrip {
   }
 };
 
-template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, int STAGES>
+template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, int STAGES, int CLUSTER = 0>
 struct DecodeRingKernel {
   typedef KVCacheOperand<T, PAGE_SIZE, false> Op;
   typedef DecodeRingStrip<DEPTH> Strip;
@@ -203,7 +203,7 @@ struct DecodeRingKernel {
     }
     cp_async_wait<0>();  // nothing may land in shared memory after the block moves on
 
-    decode_epilogue<T, DEPTH, GROUP, NUM_WARPS>(a, sm, o, m0, m1, l0, l1,
+    decode_epilogue<T, DEPTH, GROUP, NUM_WARPS, CLUSTER>(a, sm, o, m0, m1, l0, l1,
                                                 [&](int j, int e) { return 8 * j + 2 * c + (e & 1); },
                                                 reinterpret_cast<float*>(ring), STAGES * Strip::BYTES / 4);
   }

@@ -118,6 +118,24 @@ def test_decode_every_head_dim_compiles_for_both_stagings(d, stages):
     _check_resources(DecodeConfig("bfloat16", d, 1, 16, 4, stages=stages))
 
 
+@pytest.mark.parametrize("kw", [
+    {"cluster": 4, "stages": 0}, {"cluster": 8, "stages": 3}, {"cluster": 2, "head_dim": 256, "group": 16, "stages": 0},
+    {"cluster": 3, "kv_dtype": "fp8_e4m3", "scale_block": 128},
+], ids=lambda kw: "_".join(f"{k}{v}" for k, v in kw.items()))
+def test_decode_cluster_merge_compiles_without_spills(kw):
+    cfg = DecodeConfig(**kw)
+    assert cfg.name.endswith(f"_c{kw['cluster']}")
+    src = cfg.render()
+    assert f"__cluster_dims__({kw['cluster']}, 1, 1)" in src
+    _check_resources(cfg)
+
+
+@pytest.mark.parametrize("cluster", [1, 9, -2])
+def test_decode_cluster_domain(cluster):
+    with pytest.raises(ValueError, match=f"DecodeConfig.cluster={cluster!r} is not valid"):
+        DecodeConfig(cluster=cluster)
+
+
 def test_decode_config_is_frozen_and_hashable():
     cfg = DecodeConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -18,17 +18,18 @@ def staging(request):
     return STAGING[request.param]
 
 
-def _decoder(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, stages):
+def _decoder(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, stages, cluster_merge=True):
     if stages and (page_size % 16 or head_dim % 64):
         pytest.skip("the shared-memory ring needs page_size % 16 == 0 and head_dim % 64 == 0")
-    return cukv.BatchDecode(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, stages=stages)
+    return cukv.BatchDecode(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, stages=stages,
+                            cluster_merge=cluster_merge)
 
 
 def _run(case, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, num_splits=None, **kw):
     import cupy as cp
 
     b = len(case["lengths"])
-    dec = _decoder(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, _run.stages)
+    dec = _decoder(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, _run.stages, _run.cluster_merge)
     dec.plan(b, max(1, int(case["lengths"].max())), num_splits=num_splits)
     out = cp.full(case["q"].shape, np.float16(np.nan) if dtype == "float16" else np.uint16(0x7FC0), case["q"].dtype)
     lse = cp.full((b, num_qo_heads), np.nan, cp.float32)
@@ -39,6 +40,7 @@ def _run(case, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, num_split
 @pytest.fixture(autouse=True)
 def _set_stages(staging):
     _run.stages = staging
+    _run.cluster_merge = True
 
 
 def _check(rng, batch, lengths, hq, hkv, d, ps, dtype="bfloat16", num_splits=None, **kw):
@@ -70,9 +72,21 @@ def test_batch_context(rng, batch, ctx):
     _check(rng, batch, lengths, 32, 8, 128, 16)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 7, 64])
-def test_forced_splits(rng, splits):
+@pytest.mark.parametrize("merge", ["cluster", "global"])
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 8, 64])
+def test_forced_splits(rng, splits, merge):
+    """2..8 splits merge in a thread-block cluster unless cluster_merge=False; both paths against the reference."""
+    _run.cluster_merge = merge == "cluster"
     _check(rng, 2, [4099, 3], 8, 2, 128, 16, num_splits=splits)
+
+
+@pytest.mark.parametrize("merge", ["cluster", "global"])
+def test_split_merges_with_sink_window_lse(rng, merge):
+    import cupy as cp
+
+    _run.cluster_merge = merge == "cluster"
+    sink = cp.asarray(rng.normal(size=16).astype(np.float32))
+    _check(rng, 3, [2000, 1, 700], 16, 4, 128, 16, num_splits=4, sink=sink, window=900)
 
 
 def test_lengths_past_the_planned_max(rng, staging):
