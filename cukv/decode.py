@@ -291,9 +291,9 @@ class BatchDecode:
         and head_dim 64, 128 or 256; 0 stages strips in registers instead. None lets :meth:`plan` choose: the
         ring where it applies and the step reads at least ``RING_MIN_BYTES`` of K/V, registers otherwise.
     cluster_merge : bool
-        With 2..8 splits, make the splits of one (sequence, KV head) a thread-block cluster that merges
-        through distributed shared memory (default); False merges through global memory, as with more splits.
-        Without ``num_splits``, :meth:`plan` picks a cluster only for small steps (:func:`choose_cluster`).
+        Let the splits of one (sequence, KV head) form a thread-block cluster that merges through distributed
+        shared memory (default); False always merges through global memory. :meth:`plan` uses a cluster for
+        an explicit ``num_splits`` of 2..8, and on its own only for small steps (:func:`choose_cluster`).
 
     Examples
     --------
@@ -346,11 +346,15 @@ class BatchDecode:
         if num_splits is None:
             rep = mod.functions[cfg.name]
             slots = sm_count() * blocks_per_sm(rep.registers, cfg.num_threads, rep.static_smem + cfg.ring_smem_bytes)
-            num_splits = choose_cluster(batch_size, self.num_kv_heads, max_kv_len, sm_count()) if self._cluster_merge else 0
-            num_splits = num_splits or choose_splits(batch_size, self.num_kv_heads, max_kv_len, slots)
+            c = choose_cluster(batch_size, self.num_kv_heads, max_kv_len, sm_count()) if self._cluster_merge else 0
+            # a cluster only where choose_cluster wants one: with more blocks than SMs they lose
+            use_cluster = c > 0
+            num_splits = c or choose_splits(batch_size, self.num_kv_heads, max_kv_len, slots)
         elif not isinstance(num_splits, (int, np.integer)) or not (1 <= num_splits <= 1024):
             raise ValueError(f"num_splits={num_splits!r} must be an integer in 1..1024")
-        if self._cluster_merge and 2 <= num_splits <= CLUSTERS[-1]:
+        else:
+            use_cluster = self._cluster_merge
+        if use_cluster and 2 <= num_splits <= CLUSTERS[-1]:
             key = (cfg, int(num_splits))
             if key not in self._clustered:
                 self._clustered[key] = dataclasses.replace(cfg, cluster=int(num_splits))
