@@ -25,6 +25,8 @@ def shipped():
                     out.append(cfg)
                     if cfg.stages:  # plan() takes the register kernel for small steps: ship it too
                         out.append(DecodeConfig(dt, d, g, ps, stages=0))
+                    if d == 128 and g == 4 and ps == 16:  # the benchmark's clustered small steps
+                        out.extend(DecodeConfig(dt, d, g, ps, cluster=c) for c in (2, 8))
         for d in PREFILL_HEAD_DIMS:
             for ps in (16, 0):  # page 16 and contiguous K/V
                 out.append(prefill_default(dt, d, ps))
