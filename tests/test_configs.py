@@ -49,7 +49,7 @@ def test_decode_every_valid_config_renders(cfg):
     if cfg.stages:
         assert f"K::RING_BYTES == {cfg.ring_smem_bytes}," in src
         assert f"K::NO == {cfg.num_mmas}," in src
-        assert f"DecodeRingKernel<T, PAGE_SIZE, DEPTH, GROUP, NUM_WARPS, {cfg.stages}>" in src
+        assert f"DecodeRingKernel<T, PAGE_SIZE, DEPTH, GROUP, NUM_WARPS, {cfg.stages}, {cfg.cluster}>" in src
     else:
         for member in ("num_k_strips", "num_k_mmas2", "num_mmas", "input_frag_size"):
             assert f"K::Buf::{member} == {getattr(cfg, member)}," in src, member
