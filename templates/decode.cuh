@@ -2,9 +2,11 @@
 //
 // Grid (num_splits, num_kv_heads, batch); NUM_WARPS warps per block. Rows of the m16n8k16 tile are the
 // group's query heads (zero rows pad groups under 16), columns are 16-token strips of the context.
-// Each warp streams its strips straight into registers (DecodeStreamingKVBuffer), keeps an online
-// softmax per row, and the block merges its warps in shared memory in warp order (deterministic).
-// One split writes the final output; several write fp32 partials that decode_merge combines by LSE.
+// Each warp streams its strips straight into registers (DecodeStreamingKVBuffer; FP8 caches may go through
+// a shared-memory ring first, STAGES > 0), keeps an online softmax per row, and the block merges its warps
+// in shared memory in warp order (deterministic). One split writes the final output; several either write
+// fp32 partials that the last block of (b, hk) combines by LSE, or (CLUSTER > 1) form a thread-block
+// cluster that combines them through distributed shared memory (decode_epilogue).
 #pragma once
 #include "decode_streaming.cuh"
 
