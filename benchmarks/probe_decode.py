@@ -6,7 +6,6 @@ so that clock or placement drift shows up as round-to-round spread instead of as
 import argparse
 
 import cupy as cp
-import numpy as np
 
 import cukv
 from cukv.bench.decode import _build

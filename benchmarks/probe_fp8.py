@@ -1,4 +1,4 @@
-"""FP8 decode staging probe: the register kernel and ring depths beside bf16, interleaved rounds.
+"""FP8 decode staging probe: the register kernel and ring depths beside bf16, in interleaved rounds (medians).
 
     PYTHONPATH=. python3 benchmarks/probe_fp8.py [--cells 64x4096,16x32768] [--variants 0,2,3,4] [--gran token]
 """
@@ -7,7 +7,7 @@ import argparse
 import cupy as cp
 
 import cukv
-from cukv.bench.decode import _build, _fp8_cache, fp8_bytes
+from cukv.bench.decode import _build, _fp8_cache, fp8_bytes, interleaved_medians
 from cukv.bench.timing import Timer, read_ceiling_tbs
 from cukv.fp8 import scale_block
 
@@ -36,14 +36,11 @@ def main():
             dec = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16", num_warps=nw, kv_dtype="fp8_e4m3",
                                    scale_granularity=gran, stages=st).plan(batch, ctx, num_splits=sp or None)
             fns[f"fp8_r{st}w{nw}s{dec.num_splits}"] = (lambda dec=dec: dec.run(q, fcache, pt, out=out))
-        got = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for k, fn in fns.items():
-                got[k].append(timer.median_ms(fn, reps=10, warmup_ms=20) * 1e3)
+        got = interleaved_medians(timer, fns, reps=10 * args.rounds, rounds=args.rounds)
         fb = fp8_bytes(batch, ctx, hkv, d, scale_block(gran, d))
-        base = min(got["bf16"])
+        base = got["bf16"]
         print(f"{cell} ({gran}): " + "  ".join(
-            f"{k} {min(v):.1f} us" + ("" if k == "bf16" else f" x{base / min(v):.2f} {100 * fb / min(v) / 1e6 / ceiling:.0f}%")
+            f"{k} {v * 1e3:.1f} us" + ("" if k == "bf16" else f" x{base / v:.2f} {100 * fb / v / 1e9 / ceiling:.0f}%")
             for k, v in got.items()), flush=True)
         del cache, fcache, pt, q, out, fns, bf
         cp.get_default_memory_pool().free_all_blocks()

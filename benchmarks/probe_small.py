@@ -1,15 +1,15 @@
-"""Small decode steps: where does the time go? Times cukv variants (staging, splits, warps) and the SDPA peers
-at the latency-bound cells with and without the L2 flush, in interleaved rounds.
+"""Small decode steps: where does the time go? Times cukv variants (staging, warps, splits) and the SDPA peers
+at the latency-bound cells in interleaved rounds (`bench decode`'s timing), beside the harness floor. A
+variant is stages:warps:splits, with splits `a` for plan's choice (2..8 forced splits merge in a cluster).
 
     PYTHONPATH=. python3 benchmarks/probe_small.py [--cells 1x512,1x2048,8x512]
 """
 import argparse
 
 import cupy as cp
-import numpy as np
 
 import cukv
-from cukv.bench.decode import _build, _peer_fns, _torch
+from cukv.bench.decode import _build, _peer_fns, _torch, interleaved_medians
 from cukv.bench.timing import Timer
 
 
@@ -21,7 +21,7 @@ def main():
     args = ap.parse_args()
     torch = _torch()
     hq, hkv, d, ps = 32, 8, 128, 16
-    timers = {"flush": Timer(), "noflush": Timer(flush_bytes=4096)}
+    timer = Timer()
     tiny = cp.empty(4096, cp.uint16)
     for cell in args.cells.split(","):
         batch, ctx = map(int, cell.split("x"))
@@ -35,12 +35,8 @@ def main():
             fns[f"r{st}w{nw}s{dec.num_splits}"] = (lambda dec=dec: dec.run(q, cache, pt, out=out))
         if torch is not None:
             fns.update(_peer_fns(torch, cache, table, q, out, batch, ctx, hq, d, {}))
-        for tname, timer in timers.items():
-            got = {k: [] for k in fns}
-            for _ in range(args.rounds):
-                for k, fn in fns.items():
-                    got[k].append(timer.median_ms(fn, reps=15, warmup_ms=20) * 1e3)
-            print(f"{batch} x {ctx} [{tname}] " + "  ".join(f"{k} {np.median(v):.1f}" for k, v in got.items()), flush=True)
+        times = interleaved_medians(timer, fns, reps=15 * args.rounds, rounds=args.rounds)
+        print(f"{batch} x {ctx} " + "  ".join(f"{k} {v * 1e3:.1f}" for k, v in times.items()), flush=True)
         del cache, pt, q, out, fns
         cp.get_default_memory_pool().free_all_blocks()
 

@@ -338,6 +338,23 @@ class PageTable:
         check_table(bt, ln, self.page_size, cache.num_pages)
 
 
+def check_paged_kv(owner: str, cfg, num_kv_heads: int, cache, table) -> None:
+    """The (cache, table) pair a kernel built from ``cfg`` (dtype, kv_dtype, head_dim, page_size, scale_block)
+    can read; raises naming what differs. Shared by BatchDecode.run and BatchPrefill.run."""
+    if not isinstance(cache, PagedKVCache) or not isinstance(table, PageTable):
+        raise TypeError(f"{owner} reads a PagedKVCache through a PageTable; got {type(cache).__name__} and "
+                        f"{type(table).__name__}")
+    want = cfg.kv_dtype or cfg.dtype
+    quantized = cfg.kv_dtype is not None
+    if cache.dtype != want or cache.head_dim != cfg.head_dim or cache.num_kv_heads != num_kv_heads \
+            or cache.page_size != cfg.page_size or (quantized and cache.scale_block != cfg.scale_block):
+        q = f", scale block {cfg.scale_block}" if quantized else ""
+        raise ValueError(f"cache {cache!r} does not match this {owner} (cache dtype {want}, {num_kv_heads} KV heads, "
+                         f"head_dim {cfg.head_dim}, page_size {cfg.page_size}{q})")
+    if table.page_size != cfg.page_size:
+        raise ValueError(f"table.page_size={table.page_size}; the cache uses {cfg.page_size}")
+
+
 def check_table(block_table: np.ndarray, lengths: np.ndarray, page_size: int, num_pages: int) -> None:
     if np.any(lengths < 0):
         i = int(np.argmax(lengths < 0))

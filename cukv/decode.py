@@ -14,6 +14,7 @@ import numpy as np
 
 from . import compiler
 from .arrays import as_device, attention_outputs, check_contiguous, element_dtype
+from .cache import check_paged_kv
 from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
 from .device import sm_count
 from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
@@ -53,9 +54,9 @@ class DecodeConfig:
     scale_block: int = 0
     #: 16-token strips each warp keeps in flight (FP8 defaults to 2 so the bytes in flight match bf16)
     sub: int | None = None
-    #: shared-memory ring slots per warp (cp.async staging, ``decode_ring.cuh``); 0 stages strips in
-    #: registers (``decode.cuh``). The ring needs a 16-bit cache, a page size that is a multiple of 16 and a
-    #: head dim that is a multiple of 64; None picks the ring wherever it applies.
+    #: shared-memory ring slots per warp (cp.async staging: ``decode_ring.cuh`` for 16-bit caches, which needs
+    #: a page size that is a multiple of 16 and a head dim that is a multiple of 64; the FP8 ring in
+    #: ``decode.cuh`` for FP8 caches); 0 stages strips in registers. None picks the ring wherever it applies.
     stages: int | None = None
     #: splits merged inside one thread-block cluster of this many blocks through distributed shared memory
     #: (2..8; the launch then needs num_splits == cluster); 0 merges through global memory (any split count)
@@ -287,9 +288,10 @@ class BatchDecode:
     scale_granularity : {'token', 'tensor', 32, 64, 128}
         The FP8 cache's granularity (default 'token'); it must match the cache passed to :meth:`run`.
     stages : int, optional
-        Shared-memory ring slots per warp (2..8) for 16-bit caches with a page size that is a multiple of 16
-        and head_dim 64, 128 or 256; 0 stages strips in registers instead. None lets :meth:`plan` choose: the
-        ring where it applies and the step reads at least ``RING_MIN_BYTES`` of K/V, registers otherwise.
+        Shared-memory ring slots per warp (2..8): for 16-bit caches with a page size that is a multiple of 16
+        and head_dim 64, 128 or 256, and for FP8 caches; 0 stages strips in registers instead. None lets
+        :meth:`plan` choose: the ring where it applies and the step reads at least ``RING_MIN_BYTES`` of K/V
+        (or clusters its splits), registers otherwise.
     cluster_merge : bool
         Let the splits of one (sequence, KV head) form a thread-block cluster that merges through distributed
         shared memory (default); False always merges through global memory. :meth:`plan` uses a cluster for
@@ -327,6 +329,8 @@ class BatchDecode:
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
         # stages=None: plan() chooses per problem between the default and the register kernel
         self._configs = (self.config, dataclasses.replace(self.config, stages=0, sub=None)) if stages is None else (self.config,)
+        if not isinstance(cluster_merge, (bool, np.bool_)):
+            raise TypeError(f"cluster_merge={cluster_merge!r} must be True or False")
         self._cluster_merge = bool(cluster_merge)
         self._clustered = {}  # (config, splits) -> the same config merging its splits in a cluster
         self._planned = None
@@ -341,32 +345,29 @@ class BatchDecode:
         if not isinstance(max_kv_len, (int, np.integer)) or max_kv_len < 1:
             raise ValueError(f"max_kv_len={max_kv_len!r} must be a positive integer")
         small = kv_bytes(batch_size, max_kv_len, self.num_kv_heads, self._configs[0].head_dim) < RING_MIN_BYTES
-        self.config = cfg = self._configs[-1] if small else self._configs[0]
-        mod = cfg.compiled
+        cfg = self._configs[-1] if small else self._configs[0]
         if num_splits is None:
             c = choose_cluster(batch_size, self.num_kv_heads, max_kv_len, sm_count()) if self._cluster_merge else 0
-            # a cluster only where choose_cluster wants one: with more blocks than SMs they lose
-            use_cluster = c > 0
             if c:
-                num_splits = c
                 # a cluster's few long splits stream better through the ring, where it applies (H100,
                 # 1 x 2048 in 8-block clusters: 12.8 us against 14.5 with registers)
-                self.config = cfg = self._configs[0]
-                mod = cfg.compiled
-            else:
-                rep = mod.functions[cfg.name]
+                num_splits, cfg = c, self._configs[0]
+            else:  # more blocks than SMs: the global merge (clusters lose there), splits by occupancy
+                rep = cfg.compiled.functions[cfg.name]
                 slots = sm_count() * blocks_per_sm(rep.registers, cfg.num_threads, rep.static_smem + cfg.ring_smem_bytes)
                 num_splits = choose_splits(batch_size, self.num_kv_heads, max_kv_len, slots)
+            clustered = c > 0
         elif not isinstance(num_splits, (int, np.integer)) or not (1 <= num_splits <= 1024):
             raise ValueError(f"num_splits={num_splits!r} must be an integer in 1..1024")
         else:
-            use_cluster = self._cluster_merge
-        if use_cluster and 2 <= num_splits <= CLUSTERS[-1]:
+            clustered = self._cluster_merge and num_splits <= CLUSTERS[-1]
+        if clustered and num_splits >= 2:
             key = (cfg, int(num_splits))
             if key not in self._clustered:
                 self._clustered[key] = dataclasses.replace(cfg, cluster=int(num_splits))
-            self.config = cfg = self._clustered[key]
-            mod = cfg.compiled
+            cfg = self._clustered[key]
+        self.config = cfg
+        mod = cfg.compiled
         self.batch_size, self.max_kv_len, self.num_splits = int(batch_size), int(max_kv_len), int(num_splits)
         strips = -(-self.max_kv_len // cfg.BN)
         self._split_strips = -(-strips // self.num_splits)  # strips per split (the kernel's split_range)
@@ -404,14 +405,7 @@ class BatchDecode:
         b = qd.shape[0]
         if not (1 <= b <= self.batch_size):
             raise ValueError(f"q has batch {b}; plan() allowed 1..{self.batch_size}")
-        want_kv = cfg.kv_dtype or cfg.dtype
-        if cache.dtype != want_kv or cache.head_dim != cfg.head_dim or cache.num_kv_heads != self.num_kv_heads \
-                or cache.page_size != cfg.page_size or (cfg.quantized and cache.scale_block != cfg.scale_block):
-            q = f", scale block {cfg.scale_block}" if cfg.quantized else ""
-            raise ValueError(f"cache {cache!r} does not match this BatchDecode (cache dtype {want_kv}, "
-                             f"{self.num_kv_heads} KV heads, head_dim {cfg.head_dim}, page_size {cfg.page_size}{q})")
-        if table.page_size != cfg.page_size:
-            raise ValueError(f"table.page_size={table.page_size}; the cache uses {cfg.page_size}")
+        check_paged_kv("BatchDecode", cfg, self.num_kv_heads, cache, table)
         if table.batch_size < b:
             raise ValueError(f"table covers {table.batch_size} sequences; q has {b}")
         out, lse, sink = attention_outputs(qd, out, lse, b, self.num_qo_heads, return_lse, sink, softcap)

@@ -400,7 +400,7 @@ class BatchPrefill:
     def _kv_params(self, kv):
         import cupy as cp
 
-        from .cache import PagedKVCache, PageTable
+        from .cache import check_paged_kv
 
         cfg = self.config
         if not isinstance(kv, tuple) or len(kv) not in (2, 3):
@@ -409,16 +409,7 @@ class BatchPrefill:
             cache, table = kv
             if cfg.page_size == 0:
                 raise ValueError("this BatchPrefill was built for contiguous K/V (page_size=None); pass (k, v, kv_offsets)")
-            if not isinstance(cache, PagedKVCache) or not isinstance(table, PageTable):
-                raise TypeError("kv must be (PagedKVCache, PageTable)")
-            want = cfg.kv_dtype or cfg.dtype
-            if cache.dtype != want or cache.head_dim != self.head_dim or cache.num_kv_heads != self.num_kv_heads \
-                    or cache.page_size != cfg.page_size or (cfg.quantized and cache.scale_block != cfg.scale_block):
-                q = f", scale block {cfg.scale_block}" if cfg.quantized else ""
-                raise ValueError(f"cache {cache!r} does not match this BatchPrefill (cache dtype {want}, "
-                                 f"{self.num_kv_heads} KV heads, head_dim {self.head_dim}, page_size {cfg.page_size}{q})")
-            if table.page_size != cfg.page_size:
-                raise ValueError(f"table.page_size={table.page_size}; the cache uses {cfg.page_size}")
+            check_paged_kv("BatchPrefill", cfg, self.num_kv_heads, cache, table)
             if table.batch_size < self.batch_size:
                 raise ValueError(f"table covers {table.batch_size} sequences; plan() has {self.batch_size}")
             return kv_params(cache, table)

@@ -202,3 +202,19 @@ def test_as_device_numpy_message_mentions_cupy_asarray():
 def test_as_device_rejects_other_objects():
     with pytest.raises(TypeError, match=r"k must be a CuPy array.*got list"):
         as_device([1.0, 2.0], "k")
+
+
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_batch_decode_rejects_a_non_bool_cluster_merge(bad):
+    import cukv
+
+    with pytest.raises(TypeError, match=re.escape(f"cluster_merge={bad!r} must be True or False")):
+        cukv.BatchDecode(8, 2, 128, 16, cluster_merge=bad)
+
+
+def test_paged_kv_check_names_the_wrong_types():
+    from cukv.cache import check_paged_kv
+    from cukv.decode import DecodeConfig
+
+    with pytest.raises(TypeError, match="BatchDecode reads a PagedKVCache through a PageTable; got dict and list"):
+        check_paged_kv("BatchDecode", DecodeConfig(), 2, {}, [])

@@ -16,6 +16,8 @@ import time
 
 import numpy as np
 
+from . import peer_torch
+
 GRID_BATCH = (1, 8, 32, 128)
 GRID_CTX = (512, 2048, 8192, 32768)
 EXTRA = ((64, 4096), (16, 32768))  # the issue's bandwidth-bar cells
@@ -23,12 +25,8 @@ SWEEP_VARIANTS = ((4, 0), (4, 2), (4, 3), (4, 4), (2, 4), (2, 6), (8, 2), (8, 3)
 
 
 def _torch():
-    try:
-        import torch
-
-        return torch if torch.cuda.is_available() else None
-    except Exception:  # noqa: BLE001 - peers are optional
-        return None
+    """PyTorch when the SDPA peers can run, else None (why not: ``peer_torch``)."""
+    return peer_torch()[0]
 
 
 def _build(batch, ctx, hq, hkv, d, page_size, rng_seed=0):

@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from . import peer_torch
+
 #: (batch, seq_len, num_qo_heads, num_kv_heads, head_dim)
 SHAPES = (
     (4, 4096, 32, 8, 128),
@@ -64,21 +66,6 @@ def check_kv_dtype(kv_dtype: str) -> str:
 
 def shape_label(r) -> str:
     return f"b{r['batch']} L{r['seq_len']} h{r['num_qo_heads']}/{r['num_kv_heads']} d{r['head_dim']}"
-
-
-def _torch():
-    """(torch module, None) when the peers can run, else (None, reason)."""
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001 - peers are optional
-        return None, f"torch not importable ({type(e).__name__}: {str(e)[:100]})"
-    try:
-        if not torch.cuda.is_available():
-            return None, "torch sees no CUDA device"
-        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: F401 - torch >= 2.3
-    except Exception as e:  # noqa: BLE001
-        return None, f"torch {getattr(torch, '__version__', '?')} lacks torch.nn.attention.sdpa_kernel ({e})"
-    return torch, None
 
 
 def _bits(rs, shape):
@@ -221,7 +208,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None
 
     from .timing import Timer
 
-    torch, no_torch = _torch()
+    torch, no_torch = peer_torch()
     reps = reps or (5 if quick else 20)
     warmup = 2 if quick else 3
     shapes = tuple(shapes) if shapes is not None else (QUICK_SHAPES if quick else SHAPES)
