@@ -68,6 +68,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// The smallest power of two >= x, for finite x > 0 (2^-126 for anything at or below it).
+__device__ __forceinline__ float pow2_at_least(float x) {
+  const int bits = __float_as_int(x);
+  const int e = ((bits >> 23) & 0xff) + ((bits & 0x7fffff) != 0);
+  return __int_as_float(min(254, max(1, e)) << 23);
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));

@@ -371,13 +371,14 @@ struct DecodeKernel {
   static_assert(SUB >= 1 && SUB <= 4, "1..4 strips in flight per warp");
   static_assert(STAGES == 0 || (SUB == 1 && STAGES >= 2 && STAGES <= 8), "a ring of 2..8 slots replaces SUB");
   static constexpr int RING_BYTES = NUM_WARPS * STAGES * Buf::SLOT_BYTES;
-  // FP8: the query is pre-multiplied by a power of two (bf16), scores by kKFactor * K scale, P by the V scale
-  // times kPPre, and the accumulated output by kOFactor (see fp8.cuh: codes enter the mma exactly).
+  // FP8: the query is pre-multiplied by a power of two (bf16) and scores by kKFactor * K scale (see fp8.cuh:
+  // codes enter the mma exactly). P.V runs in f16 on the codes' exact f16 values (one cvt per pair, no bit
+  // moves): P is multiplied by its token's V scale over gv, the warp's running power-of-two bound on the V
+  // scales seen so far (so P * scale / gv <= 1 stays in f16 range), and the output is kept in units of gv,
+  // rescaled like the softmax's running max when gv grows.
   static constexpr float kQPre = QUANTIZED ? CodeScale<T>::q_pre : 1.f;
   static constexpr float kKFactor = QUANTIZED ? CodeScale<T>::value / CodeScale<T>::q_pre : 1.f;
-  static constexpr float kPPre = 0x1p56f;
-  static constexpr float kOFactor = CodeScale<__nv_bfloat16>::value / kPPre;
-  typedef typename Select<QUANTIZED, __nv_bfloat16, T>::type PVT;  // P.V operand type
+  typedef typename Select<QUANTIZED, __half, T>::type PVT;  // P.V operand type
   // The FP8 ring runs the scores in f16 whatever T is: codes enter by one cvt each (bf16 needs bit moves
   // after it) and a bf16 query enters exactly through stage_q_f16's power of two.
   static constexpr bool K_F16 = QUANTIZED && STAGES > 0;
@@ -424,6 +425,7 @@ struct DecodeKernel {
 #pragma unroll
     for (int j = 0; j < NO; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
+    float gv = 0x1p-126f;  // FP8: o is in units of gv (a power of two)
 
     // One strip of scores, softmax and P.V from bb's registers. after_scores runs once the K registers are
     // consumed (the pipeline reloads them there), after_pv once the V registers are.
@@ -465,6 +467,23 @@ struct DecodeKernel {
       after_scores();
       float al0, al1;
       strip_softmax<TWO_ROWS>(a, scale_log2, s, t0, start, len, m0, m1, l0, l1, al0, al1);
+      if constexpr (QUANTIZED) {
+        // The strip's largest V scale: a quad holds all 16 tokens, and every quad the same ones, so the
+        // result (and the branch) is warp-uniform.
+        float vmax = 0.f;
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int i = 0; i < Buf::num_v_scales; ++i) vmax = fmaxf(vmax, bb.vs[r][i]);
+        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
+        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
+        if (vmax > gv) {
+          const float ng = pow2_at_least(vmax);
+          al0 *= gv * (1.f / ng);  // exact: powers of two
+          al1 *= gv * (1.f / ng);
+          gv = ng;
+        }
+      }
       // once the running max settles, most strips leave it unchanged in every row: skip the rescale then
       if (!__all_sync(0xffffffffu, al0 == 1.f && al1 == 1.f)) {
 #pragma unroll
@@ -489,10 +508,11 @@ struct DecodeKernel {
         for (int hb = 0; hb < kBlocks; ++hb) {
           float f[4] = {1.f, 1.f, 1.f, 1.f};
           if constexpr (QUANTIZED) {
+            const float inv_gv = __int_as_float((254 << 23) - __float_as_int(gv));  // 1 / gv, exactly
             // past the head (d96's second group) the B columns are zeros; any finite scale will do
             const int blk = min(kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB, Buf::num_v_scales - 1);
 #pragma unroll
-            for (int r = 0; r < 4; ++r) f[r] = bb.vs[r][blk] * kPPre;
+            for (int r = 0; r < 4; ++r) f[r] = bb.vs[r][blk] * inv_gv;
           }
           const u32 pa0 = ElemTraits<PVT>::pack(s[0][0] * f[0], s[0][1] * f[1]);
           const u32 pa2 = ElemTraits<PVT>::pack(s[1][0] * f[2], s[1][1] * f[3]);
@@ -590,7 +610,7 @@ struct DecodeKernel {
 
     if constexpr (QUANTIZED) {
 #pragma unroll
-      for (int j = 0; j < NO; ++j) o[j][0] *= kOFactor, o[j][1] *= kOFactor, o[j][2] *= kOFactor, o[j][3] *= kOFactor;
+      for (int j = 0; j < NO; ++j) o[j][0] *= gv, o[j][1] *= gv, o[j][2] *= gv, o[j][3] *= gv;
     }
 
     decode_epilogue<T, DEPTH, GROUP, NUM_WARPS, CLUSTER>(a, sm, o, m0, m1, l0, l1, [&](int j, int e) {

@@ -269,7 +269,7 @@ struct DecodeStreamingKVBuffer {
   }
 
   // B fragments (b0, b1) of the P.V mma for the 8 output n-tiles of V group grp. 16-bit cache: T pairs by
-  // byte_perm; FP8: token pairs of codes by prmt, then bf16 times 2^-112 (P.V runs in bf16 for FP8 caches).
+  // byte_perm; FP8: token pairs of codes by prmt, then their exact f16 values (P.V runs in f16 for FP8 caches).
   __device__ __forceinline__ void v_frags(int grp, u32 (&bf)[8][2]) const {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -278,8 +278,8 @@ struct DecodeStreamingKVBuffer {
         const u32 sel = (u32)(jb | ((4 + jb) << 4));
         const u32 w0 = w ? v[grp][0].y : v[grp][0].x, w1 = w ? v[grp][1].y : v[grp][1].x;
         const u32 w2 = w ? v[grp][2].y : v[grp][2].x, w3 = w ? v[grp][3].y : v[grp][3].x;
-        bf[j][0] = codes_to_mma<__nv_bfloat16>((u16)__byte_perm(w0, w1, sel));
-        bf[j][1] = codes_to_mma<__nv_bfloat16>((u16)__byte_perm(w2, w3, sel));
+        bf[j][0] = f16x2_from_e4m3x2((u16)__byte_perm(w0, w1, sel));
+        bf[j][1] = f16x2_from_e4m3x2((u16)__byte_perm(w2, w3, sel));
       } else {
         const u32 sel = (j & 1) ? 0x7632u : 0x5410u;
         const int i = j >> 1;
