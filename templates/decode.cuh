@@ -364,6 +364,10 @@ struct DecodeKernel {
   static constexpr int NO = Buf::num_mmas;           // output n-tiles
   // registers go to the output accumulator (wide heads) or to occupancy (the FP8 ring) instead
   static constexpr bool Q_IN_SMEM = DEPTH > 128 || STAGES > 0;
+  // the strip reads Q from shared memory each time where the head is too wide for registers, and in the FP8
+  // ring with K scale blocks (their partial scores already take the registers a third block per SM needs);
+  // otherwise the FP8 ring stages Q there (as f16) and keeps its fragments in registers (158 at d128)
+  static constexpr bool Q_SMEM_READS = DEPTH > 128 || (STAGES > 0 && Buf::num_k_scales > 1);
   static constexpr bool V_LATE = DEPTH > 128;        // V loads wait until K's registers are free
   static constexpr bool PIPELINE = !V_LATE;          // prefetch the next strip into the same registers
   static_assert(GROUP >= 1 && GROUP <= 16, "group (query heads per KV head) must be 1..16");
@@ -401,12 +405,19 @@ struct DecodeKernel {
 
     // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
     // in shared memory: its registers go to the wider output accumulator.
-    uint4 qa[Q_IN_SMEM ? 1 : NK], qb[Q_IN_SMEM ? 1 : NK];
+    uint4 qa[Q_SMEM_READS ? 1 : NK], qb[Q_SMEM_READS ? 1 : NK];
     float k_factor = kKFactor;  // what a raw FP8 score is multiplied by, beside the K scale
     {
       const T* q = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
       if constexpr (K_F16) {
         k_factor = sm.stage_q_f16(q);
+        if constexpr (!Q_SMEM_READS) {
+#pragma unroll
+          for (int s = 0; s < NK; ++s) {
+            qa[s] = *reinterpret_cast<const uint4*>(&sm.q[g][s * 32 + 8 * c]);
+            qb[s] = TWO_ROWS ? *reinterpret_cast<const uint4*>(&sm.q[g + 8][s * 32 + 8 * c]) : make_uint4(0, 0, 0, 0);
+          }
+        }
       } else if constexpr (Q_IN_SMEM) {
         sm.stage_q(q, kQPre);
       } else {
@@ -444,7 +455,7 @@ struct DecodeKernel {
 #pragma unroll
           for (int ks = kb * (NK / Buf::num_k_scales); ks < (kb + 1) * (NK / Buf::num_k_scales); ++ks) {
             uint4 xa, xb;
-            if constexpr (Q_IN_SMEM) {
+            if constexpr (Q_SMEM_READS) {
               xa = *reinterpret_cast<const uint4*>(&sm.q[g][ks * 32 + 8 * c]);
               xb = TWO_ROWS ? *reinterpret_cast<const uint4*>(&sm.q[g + 8][ks * 32 + 8 * c]) : make_uint4(0, 0, 0, 0);
             } else {
