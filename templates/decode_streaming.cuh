@@ -45,7 +45,7 @@ struct DecodeStreamingKVBuffer {
   static constexpr int input_frag_size = MMA_K * MMA_N / 32;
   static_assert(BN == 16, "one m16n8k16 k-step of P.V covers 16 tokens");
   static_assert(DEPTH % BK == 0, "depth must be a multiple of 32");
-  // FP8: the mma sees the codes' exact values (f16 exactly; bf16 as value * 2^-112, all normal numbers)
+  // FP8: the mma sees the codes' exact values (f16 exactly; for bf16 scores, value * 2^-112, all normal numbers)
   // and the scales are applied outside the reduction: K's to the scores (per granule: one partial score
   // per block of dims), V's to P (per granule: one P per block). Each lane needs the scales of the tokens
   // of its score columns, t0 + 8 nt + 2c + {0, 1}, which are also its V rows r = 2 nt + {0, 1}.
