@@ -88,6 +88,13 @@ struct DecodeSmem {
     return inv;
   }
 
+  // Lane (g, c)'s Q fragment of K strip ks (rows g and, with two rows, g + 8), as the score mma reads it.
+  template <bool TWO_ROWS>
+  __device__ __forceinline__ void q_frag(int g, int c, int ks, uint4& xa, uint4& xb) const {
+    xa = *reinterpret_cast<const uint4*>(&q[g][ks * 32 + 8 * c]);
+    xb = TWO_ROWS ? *reinterpret_cast<const uint4*>(&q[g + 8][ks * 32 + 8 * c]) : make_uint4(0, 0, 0, 0);
+  }
+
   // The block's GROUP query rows (times f, a power of two) into q; every thread of the block calls it.
   __device__ __forceinline__ void stage_q(const T* qg, float f) {
     static_assert(Q_IN_SMEM, "Q lives in registers for this head dim");
@@ -413,10 +420,7 @@ struct DecodeKernel {
         k_factor = sm.stage_q_f16(q);
         if constexpr (!Q_SMEM_READS) {
 #pragma unroll
-          for (int s = 0; s < NK; ++s) {
-            qa[s] = *reinterpret_cast<const uint4*>(&sm.q[g][s * 32 + 8 * c]);
-            qb[s] = TWO_ROWS ? *reinterpret_cast<const uint4*>(&sm.q[g + 8][s * 32 + 8 * c]) : make_uint4(0, 0, 0, 0);
-          }
+          for (int s = 0; s < NK; ++s) sm.template q_frag<TWO_ROWS>(g, c, s, qa[s], qb[s]);
         }
       } else if constexpr (Q_IN_SMEM) {
         sm.stage_q(q, kQPre);
@@ -456,8 +460,7 @@ struct DecodeKernel {
           for (int ks = kb * (NK / Buf::num_k_scales); ks < (kb + 1) * (NK / Buf::num_k_scales); ++ks) {
             uint4 xa, xb;
             if constexpr (Q_SMEM_READS) {
-              xa = *reinterpret_cast<const uint4*>(&sm.q[g][ks * 32 + 8 * c]);
-              xb = TWO_ROWS ? *reinterpret_cast<const uint4*>(&sm.q[g + 8][ks * 32 + 8 * c]) : make_uint4(0, 0, 0, 0);
+              sm.template q_frag<TWO_ROWS>(g, c, ks, xa, xb);
             } else {
               xa = qa[ks];
               xb = qb[ks];
@@ -478,6 +481,7 @@ struct DecodeKernel {
       after_scores();
       float al0, al1;
       strip_softmax<TWO_ROWS>(a, scale_log2, s, t0, start, len, m0, m1, l0, l1, al0, al1);
+      float inv_gv = 1.f;  // FP8: what P's V scales are multiplied by, 1 / gv (exact)
       if constexpr (QUANTIZED) {
         // The strip's largest V scale: a quad holds all 16 tokens, and every quad the same ones, so the
         // result (and the branch) is warp-uniform.
@@ -494,6 +498,7 @@ struct DecodeKernel {
           al1 *= gv * (1.f / ng);
           gv = ng;
         }
+        inv_gv = __int_as_float((254 << 23) - __float_as_int(gv));
       }
       // once the running max settles, most strips leave it unchanged in every row: skip the rescale then
       if (!__all_sync(0xffffffffu, al0 == 1.f && al1 == 1.f)) {
@@ -519,7 +524,6 @@ struct DecodeKernel {
         for (int hb = 0; hb < kBlocks; ++hb) {
           float f[4] = {1.f, 1.f, 1.f, 1.f};
           if constexpr (QUANTIZED) {
-            const float inv_gv = __int_as_float((254 << 23) - __float_as_int(gv));  // 1 / gv, exactly
             // past the head (d96's second group) the B columns are zeros; any finite scale will do
             const int blk = min(kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB, Buf::num_v_scales - 1);
 #pragma unroll
