@@ -187,12 +187,13 @@ class PrefillConfig:
 
     @property
     def raw_bytes(self) -> int:
-        """FP8: two raw tile slots (codes and scales of the K elements and the V element) that cp.async fills
-        a tile ahead of the producer's conversion into the ring; 8 + 4 bytes per 8 dims of a row."""
+        """FP8: two raw tile slots that cp.async fills a tile ahead of the producer's conversion into the ring;
+        each holds the K elements and the V element as BN x BK codes plus the rows' scales (none per tensor)."""
         if not self.quantized:
             return 0
         kb = self.kv_buffer
-        per_elem = self.BN * kb.BK // 8 * 12
+        scales_per_row = -(-kb.BK // self.scale_block) if self.scale_block else 0
+        per_elem = self.BN * kb.BK + self.BN * scales_per_row * 4
         return 2 * (kb.num_k_tiles + 1) * per_elem
 
     @property

@@ -69,32 +69,43 @@ struct KVBuffer {
     }
   }
 
-  // FP8 cache, in two steps. copy_raw_fp8: the same rows and chunks as load_from_dram, but each lane copies
-  // its 8 codes (8 bytes) and, with SB > 0, its granule's scale (4 bytes) by cp.async into a raw element,
-  // laid out [row i][atom][producer thread] so that a warp's reads of it are contiguous. Rows that read as
-  // zeros get zero codes and a zero scale. convert_raw_fp8 (after this lane's cp.async.wait_group): codes
-  // times scale, stored as 8 values of T into the swizzled ring element. A lane converts only what it
-  // copied itself. The caller fences the generic-proxy stores before handing the element to wgmma.
-  static constexpr int kProducerThreads = kProducerWarps * 32;
-  static constexpr int raw_code_bytes = kRowsPerLane * num_repeats * kProducerThreads * 8;
-  static constexpr int raw_elem_bytes = raw_code_bytes + kRowsPerLane * num_repeats * kProducerThreads * 4;
+  // FP8 cache, in two steps, over a raw element of BN rows x BK codes (row-major, 16-byte chunks) followed by
+  // the rows' scales (kScalesPerRow floats a row; none per tensor). copy_raw_fp8: producer warp pw copies its
+  // BN / 4 rows, chunk c = lane + 32 t of the warp's rows being row c / kChunksPerRow, so a warp's copies and
+  // reads are consecutive 512-byte runs; lane j < BN / 4 copies row j's scales itself (it formed that row's
+  // offsets). Rows that read as zeros, and dims past ncols, get zero codes and a zero scale.
+  // convert_raw_fp8 (after this lane's cp.async.wait_group and a __syncwarp for the scales other lanes copied):
+  // 16 codes times their scale, stored as two swizzled 16-byte chunks of T in the ring element. A lane converts
+  // the chunks it copied. The caller fences the generic-proxy stores before handing the element to wgmma.
+  static constexpr int kChunksPerRow = BK / 16;
+  static constexpr int kWarpRows = BN / kProducerWarps;
+  static constexpr int kWarpChunks = kWarpRows * kChunksPerRow;
+  static constexpr int kChunkPasses = (kWarpChunks + 31) / 32;
+  template <int SB> static constexpr int scales_per_row() { return SB == 0 ? 0 : (BK + SB - 1) / SB; }
+  static constexpr int raw_code_bytes = BN * BK;
+  template <int SB> static constexpr int raw_elem_bytes() { return raw_code_bytes + BN * scales_per_row<SB>() * 4; }
+  static_assert(kWarpRows <= 32, "a producer lane forms each row's offsets");
 
-  template <int SB, typename RowOffset, typename ScaleRow>
+  template <int SB, typename RowOffset>
   __device__ __forceinline__ void copy_raw_fp8(u32 dst, const unsigned char* base, const float* scales, RowOffset row_off,
-                                               ScaleRow scale_row, int col0, int ncols, int pw, int lane) const {
-    const int chunk = lane % 8, tid = pw * 32 + lane;
+                                               i64 lane_row, i64 lane_scale, int col0, int ncols, int pw, int lane) const {
 #pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) {
-      const i64 off = row_off(i);
-      const i64 loc = SB > 0 ? scale_row(i) : 0;
-#pragma unroll
-      for (int atom = 0; atom < num_repeats; ++atom) {
-        const int col = atom * bk_smem + chunk * 8;
+    for (int t = 0; t < kChunkPasses; ++t) {
+      const int c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+      const i64 off = row_off(r % kWarpRows);  // every lane shuffles; only lanes with c < kWarpChunks copy
+      if (kWarpChunks % 32 == 0 || c < kWarpChunks) {
         const bool ok = off >= 0 && col < ncols;
-        const int slot = (i * num_repeats + atom) * kProducerThreads + tid;
-        cp_async8(dst + (u32)(slot * 8), ok ? base + off + col0 + col : base, ok ? 8 : 0);
-        if constexpr (SB > 0)
-          cp_async4(dst + (u32)(raw_code_bytes + slot * 4), ok ? scales + loc + (col0 + col) / SB : scales, ok ? 4 : 0);
+        cp_async16(dst + (u32)((pw * kWarpChunks + c) * 16), ok ? base + off + col0 + col : base, ok ? 16 : 0);
+      }
+    }
+    if constexpr (SB > 0) {
+      if (lane < kWarpRows) {
+        const u32 sdst = dst + (u32)(raw_code_bytes + (pw * kWarpRows + lane) * scales_per_row<SB>() * 4);
+#pragma unroll
+        for (int s = 0; s < scales_per_row<SB>(); ++s) {
+          const bool ok = lane_row >= 0 && s * SB < ncols;
+          cp_async4(sdst + 4 * s, ok ? scales + lane_scale + col0 / SB + s : scales, ok ? 4 : 0);
+        }
       }
     }
   }
@@ -102,21 +113,25 @@ struct KVBuffer {
   template <int SB>
   __device__ __forceinline__ void convert_raw_fp8(int stage, u32 src, float tensor_scale, int pw, int lane) const {
     const u32 dst0 = element(stage);
-    const int chunk = lane % 8, tid = pw * 32 + lane;
 #pragma unroll
-    for (int i = 0; i < kRowsPerLane; ++i) {
-      const int r = pw * (BN / kProducerWarps) + lane / 8 + 4 * i;
-#pragma unroll
-      for (int atom = 0; atom < num_repeats; ++atom) {
-        const int slot = (i * num_repeats + atom) * kProducerThreads + tid;
-        uint2 raw;
-        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(raw.x), "=r"(raw.y) : "r"(src + (u32)(slot * 8)) : "memory");
+    for (int t = 0; t < kChunkPasses; ++t) {
+      const int c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+      if (kWarpChunks % 32 == 0 || c < kWarpChunks) {
+        const int row = pw * kWarpRows + r;
+        uint4 raw;
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w) : "r"(src + (u32)((pw * kWarpChunks + c) * 16)) : "memory");
         float sc = tensor_scale;
         if constexpr (SB > 0)
-          asm volatile("ld.shared.f32 %0, [%1];" : "=f"(sc) : "r"(src + (u32)(raw_code_bytes + slot * 4)) : "memory");
-        const uint4 v = dequant8<T>(raw, sc);
-        const u32 dst = dst0 + (u32)(atom * BN * kAtomRowBytes) + swizzle128(r, chunk);
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" :: "r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+          asm volatile("ld.shared.f32 %0, [%1];"
+                       : "=f"(sc) : "r"(src + (u32)(raw_code_bytes + (row * scales_per_row<SB>() + col / SB) * 4)) : "memory");
+        const uint4 lo = dequant8<T>(make_uint2(raw.x, raw.y), sc), hi = dequant8<T>(make_uint2(raw.z, raw.w), sc);
+        const int chunk8 = (col % bk_smem) / 8;
+        const u32 dst = dst0 + (u32)((col / bk_smem) * BN * kAtomRowBytes);
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"
+                     :: "r"(dst + swizzle128(row, chunk8)), "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"
+                     :: "r"(dst + swizzle128(row, chunk8 + 1)), "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
       }
     }
   }

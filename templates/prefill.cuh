@@ -57,8 +57,9 @@ struct PrefillKernel {
   static constexpr int kRingBytes = STAGES * Buf::stage_bytes;
   static constexpr int kRowOffBytes = 0;
   // FP8: raw codes and scales of a whole tile (K elements and the V element) land by cp.async in one of two
-  // raw slots, a tile ahead of the conversion into the ring (Buf::raw_elem_bytes per element).
-  static constexpr int kRawTileBytes = QUANTIZED ? (kKElems + 1) * Buf::raw_elem_bytes : 0;
+  // raw slots, a tile ahead of the conversion into the ring (kRawElemBytes per element).
+  static constexpr int kRawElemBytes = Buf::template raw_elem_bytes<SCALE_BLOCK>();
+  static constexpr int kRawTileBytes = QUANTIZED ? (kKElems + 1) * kRawElemBytes : 0;
   static constexpr int kRawBytes = 2 * kRawTileBytes;
   static constexpr int kBarBytes = (2 * STAGES + 1) * 8;
   static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kRawBytes + kBarBytes;
@@ -212,16 +213,15 @@ struct PrefillKernel {
         row_offsets(n, page_lane, k_lane, v_lane, ks_lane, vs_lane);
 #pragma unroll
         for (int e = 0; e <= kKElems; ++e) {
-          const bool is_k = e < kKElems;
-          const u32 dst = sm.raw + (u32)(slot * kRawTileBytes + e * Buf::raw_elem_bytes);
-          if (is_k)
-            buf.template copy_raw_fp8<SCALE_BLOCK>(dst, kbase, a.kv.k_scales, [&](int i) { return row_of(k_lane, i); },
-                                                   [&](int i) { return row_of(ks_lane, i); }, e * BK,
-                                                   min(BK, DEPTH - e * BK), pw, lane);
+          const u32 dst = sm.raw + (u32)(slot * kRawTileBytes + e * kRawElemBytes);
+          if (e < kKElems)
+            buf.template copy_raw_fp8<SCALE_BLOCK>(dst, kbase, a.kv.k_scales,
+                                                   [&](int r) { return __shfl_sync(0xffffffffu, k_lane, r); }, k_lane,
+                                                   ks_lane, e * BK, min(BK, DEPTH - e * BK), pw, lane);
           else
-            buf.template copy_raw_fp8<SCALE_BLOCK>(dst, vbase, a.kv.v_scales, [&](int i) { return row_of(v_lane, i); },
-                                                   [&](int i) { return row_of(vs_lane, i); }, vslice * kVCols,
-                                                   kVCols, pw, lane);
+            buf.template copy_raw_fp8<SCALE_BLOCK>(dst, vbase, a.kv.v_scales,
+                                                   [&](int r) { return __shfl_sync(0xffffffffu, v_lane, r); }, v_lane,
+                                                   vs_lane, vslice * kVCols, kVCols, pw, lane);
         }
       };
       if (n_tiles > 0) {
@@ -239,13 +239,14 @@ struct PrefillKernel {
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's copies of tile it have landed
+        __syncwarp();  // and the scales its row's lane copied
 #pragma unroll
         for (int e = 0; e <= kKElems; ++e) {
           const int stage = count % STAGES;
           const bool is_k = e < kKElems;
           mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
           buf.template convert_raw_fp8<SCALE_BLOCK>(
-              stage, sm.raw + (u32)((it & 1) * kRawTileBytes + e * Buf::raw_elem_bytes),
+              stage, sm.raw + (u32)((it & 1) * kRawTileBytes + e * kRawElemBytes),
               is_k ? k_tensor_scale : v_tensor_scale, pw, lane);
           fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
           mbar_arrive(sm.full + 8 * stage);
