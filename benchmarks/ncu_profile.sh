@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute profiles of the prefill (bf16 and FP8 caches) and decode (bf16 and FP8) kernels in one call:
 # reports, their details and per-SASS-instruction source counters land in ${1:-$OUT}.
-#   bash benchmarks/ncu_profile.sh "$OUT" [prefill-shape] [decode-cell]
+#   [WHICH=prefill|decode] bash benchmarks/ncu_profile.sh "$OUT" [prefill-shape] [decode-cell]
 set -u
 out=${1:-${OUT:-out}}; pshape=${2:-2x4096x128}; dcell=${3:-64x4096}
 mkdir -p "$out"
@@ -9,8 +9,6 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1 CUKV_CACH
 S="--section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats
    --section InstructionStats --section Occupancy --section LaunchStats --section SourceCounters"
 M="--metrics regex:sm__inst_executed_pipe_.*sum.pct_of_peak_sustained_active$"
-python3 benchmarks/ncu_prefill.py "$pshape" > "$out/warm.log" 2>&1
-python3 benchmarks/ncu_decode.py "$dcell" >> "$out/warm.log" 2>&1
 run() {  # name, kernel regex, skip, script, arg
   ncu -f -k "regex:$2" --launch-skip "$3" --launch-count 2 $S $M -o "$out/$1" python3 "$4" "$5" > "$out/$1.log" 2>&1
   echo "$1 ncu rc=$?"; tail -3 "$out/$1.log"
@@ -18,5 +16,5 @@ run() {  # name, kernel regex, skip, script, arg
   ncu -i "$out/$1.ncu-rep" --page source --print-source sass --csv > "$out/$1_sass.csv" 2>&1
   ls -la "$out/$1"*
 }
-run pf cukv_prefill 4 benchmarks/ncu_prefill.py "$pshape"
-run dec cukv_decode 2 benchmarks/ncu_decode.py "$dcell"
+[ "${WHICH:-all}" = decode ] || run pf cukv_prefill 4 benchmarks/ncu_prefill.py "$pshape"
+[ "${WHICH:-all}" = prefill ] || run dec cukv_decode 2 benchmarks/ncu_decode.py "$dcell"

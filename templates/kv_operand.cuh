@@ -50,11 +50,14 @@ struct KVCacheOperand {
 
   // Physical page of a token, or -1 when the table points outside the cache (never dereferenced).
   __device__ __forceinline__ int physical_page(int batch_idx, int tok_idx) const {
-    int lp = tok_idx / PAGE_SIZE;
-    if (lp >= p.max_pages_per_seq) return -1;
-    int pg = __ldg(p.block_table + (i64)batch_idx * p.bt_stride + lp);
-    return (pg >= 0 && (i64)pg < p.num_pages) ? pg : -1;
+    return checked_page(table_entry(batch_idx, tok_idx));
   }
+  // The same in two steps, so a lookup issued ahead is not waited for until its page is used.
+  __device__ __forceinline__ int table_entry(int batch_idx, int tok_idx) const {
+    int lp = tok_idx / PAGE_SIZE;
+    return lp < p.max_pages_per_seq ? __ldg(p.block_table + (i64)batch_idx * p.bt_stride + lp) : -1;
+  }
+  __device__ __forceinline__ int checked_page(int pg) const { return (pg >= 0 && (i64)pg < p.num_pages) ? pg : -1; }
 
   // Row index when the cache is viewed as a [num_pages * PAGE_SIZE, ...] matrix (-1: hole).
   __device__ __forceinline__ i64 row_idx(int batch_idx, int tok_idx) const {

@@ -169,7 +169,7 @@ struct PrefillKernel {
     auto lookup = [&](int n) -> int {
       const int tok = n * BN + pw * kWarpRows + lane;
       if constexpr (Cache::contiguous) return -1;
-      else return (lane < kWarpRows && tok < kv_len) ? cache.physical_page(b, tok) : -1;
+      else return (lane < kWarpRows && tok < kv_len) ? cache.table_entry(b, tok) : -1;  // checked when used
     };
     static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
     // Lane j (< kWarpRows) of a producer warp forms the 64-bit K and V offsets (and FP8 scale offsets) of the
@@ -186,7 +186,7 @@ struct PrefillKernel {
             krow_off = row * a.kv.k_stride[1];
             vrow_off = row * a.kv.v_stride[1];
           }
-        } else if (page_lane >= 0) {
+        } else if ((page_lane = cache.checked_page(page_lane)) >= 0) {
           krow_off = (i64)page_lane * a.kv.k_stride[0] + (i64)(tok_lane % PAGE_SIZE) * a.kv.k_stride[1];
           vrow_off = (i64)page_lane * a.kv.v_stride[0] + (i64)(tok_lane % PAGE_SIZE) * a.kv.v_stride[1];
         }

@@ -1,0 +1,57 @@
+"""FP8 prefill tile shapes beside the bf16 default on the bench shapes, in interleaved rounds (medians).
+
+    PYTHONPATH=. python3 benchmarks/probe_prefill_fp8.py --shapes 4x4096x32x8x128 --configs 192:64:4,192:64:6
+"""
+import argparse
+
+import cupy as cp
+import numpy as np
+
+import cukv
+from cukv.bench.decode import interleaved_medians
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build
+from cukv.bench.timing import Timer
+from cukv.prefill import PrefillConfig, default_config
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4x4096x32x8x128", help="batch x L x hq x hkv x d, comma-separated")
+    ap.add_argument("--configs", default="", help="BM:BN:stages per FP8 candidate (empty: the default only)")
+    ap.add_argument("--gran", default="token")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    timer = Timer()
+    for shape in args.shapes.split(","):
+        batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
+        q, k, v, cache, pt, offsets, lengths = _build(batch, seq_len, hq, hkv, d)
+        sb = d if args.gran == "token" else (0 if args.gran == "tensor" else int(args.gran))
+        fcache = cukv.PagedKVCache(cache.num_pages, PAGE_SIZE, hkv, d, dtype="fp8_e4m3",
+                                   scale_granularity=args.gran if args.gran in ("token", "tensor") else sb)
+        if args.gran == "tensor":
+            fcache.set_tensor_scales(5.0 / 448, 5.0 / 448)
+        bt = pt.block_table.get()
+        pos = np.arange(seq_len)
+        slots = (bt[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).reshape(-1).astype(np.int64)
+        cukv.append_kv(fcache, k, v, cp.asarray(slots))
+        out = cp.empty_like(q)
+        bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
+        fns = {"bf16 " + bf.config.name: lambda: bf.run(q, (cache, pt), out=out)}
+        base = default_config(DTYPE, d, PAGE_SIZE, "fp8_e4m3", sb)
+        cfgs = [base] + [PrefillConfig(DTYPE, d, PAGE_SIZE, int(bm), int(bn), base.BK, int(st), kv_dtype="fp8_e4m3",
+                                       scale_block=sb)
+                         for bm, bn, st in (c.split(":") for c in args.configs.split(",") if c)]
+        for cfg in cfgs:
+            pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                                   scale_granularity=fcache.scale_granularity, config=cfg)
+            pf.plan(offsets, lengths, mask="causal")
+            fns["fp8 " + cfg.name] = (lambda pf=pf: pf.run(q, (fcache, pt), out=out))
+        got = interleaved_medians(timer, fns, reps=5 * args.rounds, rounds=args.rounds)
+        t0 = next(iter(got.values()))
+        print(shape, " | ".join(f"{n} {t:.3f} ms bf16/x {t0 / t:.2f}" for n, t in got.items()), flush=True)
+        del cache, fcache, q, k, v, fns
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()
