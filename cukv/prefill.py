@@ -233,8 +233,8 @@ DEFAULTS = {
 def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
                    scale_block: int = 0) -> PrefillConfig:
     """The documented default (or this GPU's autotuned winner). FP8 caches take the 16-bit default with BN
-    halved until BN * BK <= 8192 (4096 with 32-dim scale blocks): the producer dequantizes a whole element in
-    registers."""
+    halved until BN * BK <= 8192 (4096 with 32-dim scale blocks): wider FP8 tiles measured no faster (the
+    producer's conversion bounds them either way, benchmarks/NOTES.md) and need more shared memory."""
     if head_dim not in DEFAULTS:
         raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
     bm, bn, bk, st = DEFAULTS[head_dim]

@@ -555,10 +555,10 @@ struct DecodeKernel {
       Buf buf;
       const int step = NUM_WARPS;
       int st_issue = my_lo + warp;
-      i64 base_next = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, st_issue * BN) : (i64)0;
+      i64 key_next = PAGE_SIZE % BN == 0 ? op.row_key(b, st_issue * BN) : (i64)0;
       auto issue = [&](int slot_i) {
-        const i64 base = base_next;
-        base_next = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, (st_issue + step) * BN) : (i64)0;
+        const i64 base = PAGE_SIZE % BN == 0 ? op.row_from_key(key_next, st_issue * BN) : (i64)0;
+        key_next = PAGE_SIZE % BN == 0 ? op.row_key(b, (st_issue + step) * BN) : (i64)0;
         if (st_issue < my_hi) Buf::issue(op, b, hk, st_issue * BN, start, len, base, my_ring_s + slot_i * Buf::SLOT_BYTES);
         cp_async_commit();
         st_issue += step;

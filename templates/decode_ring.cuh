@@ -83,9 +83,10 @@ struct DecodeRingKernel {
     }
   }
 
-  // Page row of strip st, looked up whether or not st lies before the sequence's end (row_idx never reads
-  // past the table's columns), so the first lookups need not wait for the length.
-  static __device__ __forceinline__ i64 strip_base(const Op& op, int b, int st) { return op.row_idx(b, st * BN); }
+  // Table entry of strip st (row_from_key checks it where the strip is issued), looked up whether or not st
+  // lies before the sequence's end (row_key never reads past the table's columns), so the first lookups need
+  // not wait for the length.
+  static __device__ __forceinline__ i64 strip_key(const Op& op, int b, int st) { return op.row_key(b, st * BN); }
 
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
@@ -103,11 +104,11 @@ struct DecodeRingKernel {
     // are looked up one strip further ahead still, so a copy never waits on the page table.
     const int step = NUM_WARPS;
     int st_issue = my_lo + warp;
-    i64 base_next = strip_base(op, b, st_issue);
+    i64 key_next = strip_key(op, b, st_issue);
 #pragma unroll
     for (int k = 0; k < STAGES - 1; ++k) {
-      const i64 base = base_next;
-      base_next = strip_base(op, b, st_issue + step);
+      const i64 base = op.row_from_key(key_next, st_issue * BN);
+      key_next = strip_key(op, b, st_issue + step);
       if (st_issue < my_hi) issue(op, my_ring + k * Strip::BYTES, hk, st_issue * BN, start, len, base);
       cp_async_commit();
       st_issue += step;
@@ -140,8 +141,8 @@ struct DecodeRingKernel {
     int slot = 0, slot_issue = STAGES - 1;
     for (int st = my_lo + warp; st < my_hi; st += step) {
       {
-        const i64 base = base_next;
-        base_next = strip_base(op, b, st_issue + step);
+        const i64 base = op.row_from_key(key_next, st_issue * BN);
+        key_next = strip_key(op, b, st_issue + step);
         if (st_issue < my_hi) issue(op, my_ring + slot_issue * Strip::BYTES, hk, st_issue * BN, start, len, base);
         cp_async_commit();
         st_issue += step;

@@ -61,12 +61,21 @@ struct KVCacheOperand {
 
   // Row index when the cache is viewed as a [num_pages * PAGE_SIZE, ...] matrix (-1: hole).
   __device__ __forceinline__ i64 row_idx(int batch_idx, int tok_idx) const {
+    return row_from_key(row_key(batch_idx, tok_idx), tok_idx);
+  }
+  // row_idx in two steps: row_key is the table load, issued ahead; row_from_key checks it where the row is
+  // used, so the load's latency is not waited for at the lookup.
+  __device__ __forceinline__ i64 row_key(int batch_idx, int tok_idx) const {
+    if constexpr (contiguous) return (i64)__ldg(p.block_table + batch_idx);
+    else return (i64)table_entry(batch_idx, tok_idx);
+  }
+  __device__ __forceinline__ i64 row_from_key(i64 key, int tok_idx) const {
     if constexpr (contiguous) {
       // kv_offsets come from the user: a row outside k/v reads as a hole, never out of bounds
-      const i64 row = (i64)__ldg(p.block_table + batch_idx) + tok_idx;
+      const i64 row = key + tok_idx;
       return (row >= 0 && row < p.num_pages) ? row : (i64)-1;
     } else {
-      int pg = physical_page(batch_idx, tok_idx);
+      const int pg = checked_page((int)key);
       return pg < 0 ? (i64)-1 : (i64)pg * PAGE_SIZE + tok_idx % PAGE_SIZE;
     }
   }
