@@ -9,7 +9,7 @@ import argparse
 import cupy as cp
 
 import cukv
-from cukv.bench.prefill import PAGE_SIZE, DTYPE, _build
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
 
 ap = argparse.ArgumentParser()
 ap.add_argument("shape", nargs="?", default="2x4096x128", help="batch x seq_len x head_dim")
@@ -19,15 +19,7 @@ args = ap.parse_args()
 batch, seq_len, d = map(int, args.shape.split("x"))
 hq, hkv = map(int, args.heads.split("/"))
 q, k, v, cache, pt, offsets, lengths = _build(batch, seq_len, hq, hkv, d)
-fcache = cukv.PagedKVCache(cache.num_pages, PAGE_SIZE, hkv, d, dtype="fp8_e4m3", scale_granularity=args.gran)
-if args.gran == "tensor":
-    fcache.set_tensor_scales(5.0 / 448, 5.0 / 448)
-bt = pt.block_table.get()
-import numpy as np
-
-pos = np.arange(seq_len)
-slots = (bt[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).reshape(-1).astype(np.int64)
-cukv.append_kv(fcache, k, v, cp.asarray(slots))
+fcache = fp8_cache_like((q, k, v, cache, pt, offsets, lengths), args.gran)
 out = cp.empty_like(q)
 bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
 f8 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",

@@ -5,11 +5,10 @@
 import argparse
 
 import cupy as cp
-import numpy as np
 
 import cukv
 from cukv.bench.decode import interleaved_medians
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
 from cukv.bench.timing import Timer
 from cukv.prefill import PrefillConfig, default_config
 
@@ -26,14 +25,8 @@ def main():
         batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
         q, k, v, cache, pt, offsets, lengths = _build(batch, seq_len, hq, hkv, d)
         sb = d if args.gran == "token" else (0 if args.gran == "tensor" else int(args.gran))
-        fcache = cukv.PagedKVCache(cache.num_pages, PAGE_SIZE, hkv, d, dtype="fp8_e4m3",
-                                   scale_granularity=args.gran if args.gran in ("token", "tensor") else sb)
-        if args.gran == "tensor":
-            fcache.set_tensor_scales(5.0 / 448, 5.0 / 448)
-        bt = pt.block_table.get()
-        pos = np.arange(seq_len)
-        slots = (bt[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).reshape(-1).astype(np.int64)
-        cukv.append_kv(fcache, k, v, cp.asarray(slots))
+        gran = args.gran if args.gran in ("token", "tensor") else sb
+        fcache = fp8_cache_like((q, k, v, cache, pt, offsets, lengths), gran)
         out = cp.empty_like(q)
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
         fns = {"bf16 " + bf.config.name: lambda: bf.run(q, (cache, pt), out=out)}
@@ -49,7 +42,7 @@ def main():
         got = interleaved_medians(timer, fns, reps=5 * args.rounds, rounds=args.rounds)
         t0 = next(iter(got.values()))
         print(shape, " | ".join(f"{n} {t:.3f} ms bf16/x {t0 / t:.2f}" for n, t in got.items()), flush=True)
-        del cache, fcache, q, k, v, fns
+        fns.clear()
         cp.get_default_memory_pool().free_all_blocks()
 
 

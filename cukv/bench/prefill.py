@@ -173,14 +173,15 @@ def _finish_row(row):
     return row
 
 
-def _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, granularity):
-    """The same K/V quantized by append_kv into an FP8 cache (same page table), timed like cukv paged."""
+def fp8_cache_like(data, granularity):
+    """The K/V of ``_build``'s data quantized by append_kv into an FP8 cache with the same page table."""
     import cupy as cp
 
     import cukv
 
     q, k, v, cache, pt, offsets, lengths = data
-    fcache = cukv.PagedKVCache(cache.num_pages, PAGE_SIZE, hkv, d, dtype="fp8_e4m3", scale_granularity=granularity)
+    fcache = cukv.PagedKVCache(cache.num_pages, PAGE_SIZE, cache.num_kv_heads, cache.head_dim, dtype="fp8_e4m3",
+                               scale_granularity=granularity)
     if granularity == "tensor":
         fcache.set_tensor_scales(5.0 / 448, 5.0 / 448)  # N(0,1) data: 5 sigma saturates
     bt = pt.block_table.get()
@@ -188,6 +189,17 @@ def _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, granularity):
     pos = np.arange(seq_len)
     slots = (bt[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).reshape(-1).astype(np.int64)
     cukv.append_kv(fcache, k, v, cp.asarray(slots))
+    return fcache
+
+
+def _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, granularity):
+    """The same K/V quantized by append_kv into an FP8 cache (same page table), timed like cukv paged."""
+    import cupy as cp
+
+    import cukv
+
+    q, k, v, cache, pt, offsets, lengths = data
+    fcache = fp8_cache_like(data, granularity)
     pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
                            scale_granularity=granularity)
     pf.plan(offsets, lengths, mask="causal")
