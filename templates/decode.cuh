@@ -56,10 +56,10 @@ struct DecodeSmem {
     static_assert(Q_IN_SMEM, "Q lives in registers for this configuration");
     constexpr int NT = NUM_WARPS * 32;
     if (threadIdx.x == 0) q_amax = 0;
-    __syncthreads();
+    stage_q(qg, 1.f);  // Q is read from global memory once; the conversion runs in place
     float mx = 0.f;
     for (int i = threadIdx.x; i < GROUP * DEPTH / 8; i += NT) {
-      const uint4 v = *reinterpret_cast<const uint4*>(qg + (i64)i * 8);
+      const uint4 v = *reinterpret_cast<const uint4*>(&q[i / (DEPTH / 8)][(i % (DEPTH / 8)) * 8]);
       const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
       for (int k = 0; k < 8; ++k) mx = fmaxf(mx, fabsf(ElemTraits<T>::to_float(e[k])));
@@ -71,18 +71,16 @@ struct DecodeSmem {
     const int ex = (q_amax >> 23) & 0xff;                     // biased exponent of the largest |q|
     const int e = q_amax == 0 ? 0 : max(-100, min(100, 14 - (ex - 127)));
     const float f = __int_as_float((e + 127) << 23), inv = __int_as_float((127 - e) << 23);
-    for (int i = threadIdx.x; i < 16 * DEPTH / 8; i += NT) {
-      const int row = i / (DEPTH / 8), col = (i % (DEPTH / 8)) * 8;
-      uint4 h = make_uint4(0, 0, 0, 0);
-      if (row < GROUP) {
-        const uint4 v = *reinterpret_cast<const uint4*>(qg + (i64)row * DEPTH + col);
-        const T* e8 = reinterpret_cast<const T*>(&v);
-        h.x = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[0]) * f, ElemTraits<T>::to_float(e8[1]) * f);
-        h.y = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[2]) * f, ElemTraits<T>::to_float(e8[3]) * f);
-        h.z = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[4]) * f, ElemTraits<T>::to_float(e8[5]) * f);
-        h.w = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[6]) * f, ElemTraits<T>::to_float(e8[7]) * f);
-      }
-      *reinterpret_cast<uint4*>(&q[row][col]) = h;  // f16 bits in T's storage
+    for (int i = threadIdx.x; i < GROUP * DEPTH / 8; i += NT) {  // rows past the group stay zero (f16 zeros)
+      uint4* p = reinterpret_cast<uint4*>(&q[i / (DEPTH / 8)][(i % (DEPTH / 8)) * 8]);
+      const uint4 v = *p;
+      const T* e8 = reinterpret_cast<const T*>(&v);
+      uint4 h;
+      h.x = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[0]) * f, ElemTraits<T>::to_float(e8[1]) * f);
+      h.y = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[2]) * f, ElemTraits<T>::to_float(e8[3]) * f);
+      h.z = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[4]) * f, ElemTraits<T>::to_float(e8[5]) * f);
+      h.w = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[6]) * f, ElemTraits<T>::to_float(e8[7]) * f);
+      *p = h;  // f16 bits in T's storage
     }
     __syncthreads();
     return inv;
@@ -126,6 +124,53 @@ __device__ __forceinline__ void split_range(const DecodeArgs& a, int len, int sp
     hi = split == a.num_splits - 1 ? c_hi : min(c_hi, lo + a.split_strips);
   }
 }
+
+// A warp's ring of STAGES strip slots in shared memory. Copies run STAGES - 1 strips ahead of the strip being
+// computed and page-table entries one strip further ahead still, so a copy never waits on the table. The
+// warp's strips are first, first + step, ... below end. issue_strip(base, t0, slot) copies strip t0 into
+// slot (base: the row of token t0, -1 for an unmapped page; only looked up where a strip lies in one page).
+// prologue() issues the first STAGES - 1 strips (early, so they overlap the rest of the set-up); run() then
+// calls body(t0, slot) on each strip once every lane's copies of it have landed.
+template <typename Op, int STAGES, int BN>
+struct StripRing {
+  static constexpr bool ONE_PAGE = Op::page_size % BN == 0;
+  const Op& op;
+  const int b, first, end, step;
+  int st_issue, slot_issue = 0;
+  i64 key_next;  // the table entry of strip st_issue (row_key; checked by row_from_key when it is issued)
+
+  __device__ __forceinline__ StripRing(const Op& op_, int b_, int first_, int end_, int step_)
+      : op(op_), b(b_), first(first_), end(end_), step(step_), st_issue(first_),
+        key_next(ONE_PAGE ? op_.row_key(b_, first_ * BN) : (i64)0) {}
+
+  template <typename Issue>
+  __device__ __forceinline__ void issue(Issue& issue_strip) {
+    const i64 base = ONE_PAGE ? op.row_from_key(key_next, st_issue * BN) : (i64)0;
+    if constexpr (ONE_PAGE) key_next = op.row_key(b, (st_issue + step) * BN);
+    if (st_issue < end) issue_strip(base, st_issue * BN, slot_issue);
+    cp_async_commit();
+    st_issue += step;
+    slot_issue = slot_issue + 1 == STAGES ? 0 : slot_issue + 1;
+  }
+  template <typename Issue>
+  __device__ __forceinline__ void prologue(Issue& issue_strip) {
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) issue(issue_strip);
+  }
+  template <typename Issue, typename Body>
+  __device__ __forceinline__ void run(Issue& issue_strip, Body&& body) {
+    int slot = 0;
+    for (int st = first; st < end; st += step) {
+      issue(issue_strip);
+      cp_async_wait<STAGES - 1>();
+      __syncwarp();  // every lane's copies of this strip have landed
+      body(st * BN, slot);
+      __syncwarp();  // every lane is done with this slot before a later issue overwrites it
+      slot = slot + 1 == STAGES ? 0 : slot + 1;
+    }
+    cp_async_wait<0>();  // nothing may land in shared memory after the block moves on
+  }
+};
 
 // Online softmax over one 16-token strip. s holds the raw scores as an m16n8k16 C fragment (rows g and g+8
 // are query heads, columns t0 + 8 nt + 2c + {0, 1} tokens) and leaves as unnormalized probabilities; the
@@ -197,6 +242,15 @@ __device__ __forceinline__ void strip_softmax(const DecodeArgs& a, float scale_l
 // The end of every decode block: merge the warps' (m, l, o) in shared memory in warp order (deterministic),
 // then write the final output (one split) or this split's fp32 partial and base-2 LSE; the last split
 // block of (b, hk) merges all partials. dim_of(j, e) is the head dim of accumulator o[j][e] in this lane.
+// A row's output from its base-2 running max mm, its sum ll and an unnormalized accumulator acc: the sink
+// (design.md) joins the denominator only, and an empty row (ll == 0: nothing visible) gives 0 and LSE -inf.
+__device__ __forceinline__ float out_value(const DecodeArgs& a, int hq, float mm, float ll, float acc) {
+  if (!(ll > 0.f)) return 0.f;  // ll > 0 implies mm is finite
+  const float denom = a.sink != nullptr ? ll + fast_exp2(a.sink[hq] * kLog2e - mm) : ll;
+  return acc / denom;
+}
+__device__ __forceinline__ float out_lse(float mm, float ll) { return ll > 0.f ? (mm + __log2f(ll)) * kLn2 : -CUKV_INF; }
+
 // Smem needs m, l, M, L, o[GROUP][DEPTH] and last. slots (may be nullptr): per-warp scratch of
 // Smem::SLOT_FLOATS floats, warp w's at slots + w * slot_stride, that only warp w has touched so far; with
 // it every warp stores its rescaled output at once and the sum over warps (still in warp order, so the
@@ -297,12 +351,8 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
       continue;
     }
     if (a.num_splits == 1) {
-      float denom = ll;  // ll > 0 implies mm is finite
-      if (a.sink != nullptr && ll > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
-      const float val = ll > 0.f ? acc / denom : 0.f;
-      static_cast<T*>(a.out)[oi] = ElemTraits<T>::from_float(val);
-      if (dim == 0 && a.lse != nullptr)
-        a.lse[(i64)b * a.num_qo_heads + hq] = ll > 0.f ? (mm + __log2f(ll)) * kLn2 : -CUKV_INF;
+      static_cast<T*>(a.out)[oi] = ElemTraits<T>::from_float(out_value(a, hq, mm, ll, acc));
+      if (dim == 0 && a.lse != nullptr) a.lse[(i64)b * a.num_qo_heads + hq] = out_lse(mm, ll);
     } else {
       const i64 pi = (i64)split * gridDim.z * a.num_qo_heads * DEPTH + oi;
       a.part_o[pi] = ll > 0.f ? acc / ll : 0.f;
@@ -331,12 +381,9 @@ __device__ __forceinline__ void decode_epilogue(const DecodeArgs& a, Smem& sm, f
         ll += w * ld_cluster_f32(cluster_map(l_at + 4 * row, r));
         acc += w * ld_cluster_f32(cluster_map(o_at + 4 * (row * pitch + dim), r));
       }
-      float denom = ll;
-      if (a.sink != nullptr && ll > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
       const i64 oi = ((i64)b * a.num_qo_heads + hq) * DEPTH + dim;
-      static_cast<T*>(a.out)[oi] = ElemTraits<T>::from_float(ll > 0.f ? acc / denom : 0.f);
-      if (dim == 0 && a.lse != nullptr)
-        a.lse[(i64)b * a.num_qo_heads + hq] = ll > 0.f ? (mm + __log2f(ll)) * kLn2 : -CUKV_INF;
+      static_cast<T*>(a.out)[oi] = ElemTraits<T>::from_float(out_value(a, hq, mm, ll, acc));
+      if (dim == 0 && a.lse != nullptr) a.lse[(i64)b * a.num_qo_heads + hq] = out_lse(mm, ll);
     }
     cluster_sync();  // no block leaves (freeing its shared memory) while another still reads it
     return;
@@ -552,32 +599,17 @@ struct DecodeKernel {
       extern __shared__ __align__(16) unsigned char ring[];
       unsigned char* my_ring = ring + warp * STAGES * Buf::SLOT_BYTES;
       const u32 my_ring_s = smem_addr(my_ring);
-      Buf buf;
-      const int step = NUM_WARPS;
-      int st_issue = my_lo + warp;
-      i64 key_next = PAGE_SIZE % BN == 0 ? op.row_key(b, st_issue * BN) : (i64)0;
-      auto issue = [&](int slot_i) {
-        const i64 base = PAGE_SIZE % BN == 0 ? op.row_from_key(key_next, st_issue * BN) : (i64)0;
-        key_next = PAGE_SIZE % BN == 0 ? op.row_key(b, (st_issue + step) * BN) : (i64)0;
-        if (st_issue < my_hi) Buf::issue(op, b, hk, st_issue * BN, start, len, base, my_ring_s + slot_i * Buf::SLOT_BYTES);
-        cp_async_commit();
-        st_issue += step;
+      StripRing<Op, STAGES, BN> sr(op, b, my_lo + warp, my_hi, NUM_WARPS);
+      auto issue = [&](i64 base, int t0, int slot) {
+        Buf::issue(op, b, hk, t0, start, len, base, my_ring_s + slot * Buf::SLOT_BYTES);
       };
-#pragma unroll
-      for (int k = 0; k < STAGES - 1; ++k) issue(k);
-      int slot = 0, slot_issue = STAGES - 1;
-      for (int st = my_lo + warp; st < my_hi; st += step) {
-        issue(slot_issue);
-        slot_issue = slot_issue + 1 == STAGES ? 0 : slot_issue + 1;
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();  // every lane's copies of this strip have landed
+      sr.prologue(issue);
+      Buf buf;
+      sr.run(issue, [&](int t0, int slot) {
         const unsigned char* here = my_ring + slot * Buf::SLOT_BYTES;
         buf.fetch_k(here);
-        strip(buf, st * BN, [&] { buf.fetch_v(here); }, nothing);
-        __syncwarp();  // every lane is done with this slot before a later issue overwrites it
-        slot = slot + 1 == STAGES ? 0 : slot + 1;
-      }
-      cp_async_wait<0>();
+        strip(buf, t0, [&] { buf.fetch_v(here); }, nothing);
+      });
     } else {
     // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V
     // loads right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB
@@ -678,13 +710,11 @@ __device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, in
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
-  float denom = wsum;
-  if (a.sink != nullptr && wsum > 0.f) denom += fast_exp2(a.sink[hq] * kLog2e - mm);
 #pragma unroll
   for (int i = 0; i < NI; ++i)
     if (i * 32 + lane < DEPTH)
-      static_cast<T*>(a.out)[bh * DEPTH + i * 32 + lane] = ElemTraits<T>::from_float(wsum > 0.f ? acc[i] / denom : 0.f);
-  if (lane == 0 && a.lse != nullptr) a.lse[bh] = wsum > 0.f ? (mm + __log2f(wsum)) * kLn2 : -CUKV_INF;
+      static_cast<T*>(a.out)[bh * DEPTH + i * 32 + lane] = ElemTraits<T>::from_float(out_value(a, hq, mm, wsum, acc[i]));
+  if (lane == 0 && a.lse != nullptr) a.lse[bh] = out_lse(mm, wsum);
 }
 
 }  // namespace cukv

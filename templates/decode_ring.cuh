@@ -83,11 +83,6 @@ struct DecodeRingKernel {
     }
   }
 
-  // Table entry of strip st (row_from_key checks it where the strip is issued), looked up whether or not st
-  // lies before the sequence's end (row_key never reads past the table's columns), so the first lookups need
-  // not wait for the length.
-  static __device__ __forceinline__ i64 strip_key(const Op& op, int b, int st) { return op.row_key(b, st * BN); }
-
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
     extern __shared__ __align__(16) unsigned char ring[];  // 16 B: banks depend on offsets, not the base
@@ -100,19 +95,12 @@ struct DecodeRingKernel {
     split_range(a, len, split, start, my_lo, my_hi);
     const u32 my_ring = smem_addr(ring) + (u32)(warp * STAGES * Strip::BYTES);
 
-    // Strips of this warp: my_lo + warp + NUM_WARPS * k. The ring runs STAGES - 1 strips ahead; page rows
-    // are looked up one strip further ahead still, so a copy never waits on the page table.
-    const int step = NUM_WARPS;
-    int st_issue = my_lo + warp;
-    i64 key_next = strip_key(op, b, st_issue);
-#pragma unroll
-    for (int k = 0; k < STAGES - 1; ++k) {
-      const i64 base = op.row_from_key(key_next, st_issue * BN);
-      key_next = strip_key(op, b, st_issue + step);
-      if (st_issue < my_hi) issue(op, my_ring + k * Strip::BYTES, hk, st_issue * BN, start, len, base);
-      cp_async_commit();
-      st_issue += step;
-    }
+    // Strips of this warp: my_lo + warp + NUM_WARPS * k, copied into the ring before Q is staged.
+    StripRing<Op, STAGES, BN> sr(op, b, my_lo + warp, my_hi, NUM_WARPS);
+    auto issue_strip = [&](i64 base, int t0, int slot) {
+      issue(op, my_ring + slot * Strip::BYTES, hk, t0, start, len, base);
+    };
+    sr.prologue(issue_strip);
 
     // Q as A fragments: a0 = Q[g][16ks + 2c..], a1 = Q[g+8][..], a2 = Q[g][16ks + 8 + 2c..], a3 = Q[g+8][+8..]
     const T* qg = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
@@ -138,20 +126,8 @@ struct DecodeRingKernel {
 
     // ldmatrix lane roles: lane l addresses row (l & 7) of matrix (l >> 3)
     const int mi = lane >> 3, mr = lane & 7;
-    int slot = 0, slot_issue = STAGES - 1;
-    for (int st = my_lo + warp; st < my_hi; st += step) {
-      {
-        const i64 base = op.row_from_key(key_next, st_issue * BN);
-        key_next = strip_key(op, b, st_issue + step);
-        if (st_issue < my_hi) issue(op, my_ring + slot_issue * Strip::BYTES, hk, st_issue * BN, start, len, base);
-        cp_async_commit();
-        st_issue += step;
-        slot_issue = slot_issue + 1 == STAGES ? 0 : slot_issue + 1;
-      }
-      cp_async_wait<STAGES - 1>();
-      __syncwarp();
+    sr.run(issue_strip, [&](int t0, int slot) {
       const u32 sk = my_ring + slot * Strip::BYTES, sv = sk + Strip::HALF_BYTES;
-      const int t0 = st * BN;
 
       // S = Q K^T: matrices (tokens 0-7, dims lo), (0-7, hi), (8-15, lo), (8-15, hi) of each k-step
       float s[2][4];
@@ -199,10 +175,7 @@ struct DecodeRingKernel {
         mma_16816<T>(o[j], pa0, pa1, pa2, pa3, v0, v1);
         mma_16816<T>(o[j + 1], pa0, pa1, pa2, pa3, v2, v3);
       }
-      __syncwarp();  // every lane is done with this slot before a later issue overwrites it
-      slot = slot + 1 == STAGES ? 0 : slot + 1;
-    }
-    cp_async_wait<0>();  // nothing may land in shared memory after the block moves on
+    });
 
     decode_epilogue<T, DEPTH, GROUP, NUM_WARPS, CLUSTER>(a, sm, o, m0, m1, l0, l1,
                                                 [&](int j, int e) { return 8 * j + 2 * c + (e & 1); },

@@ -216,6 +216,15 @@ struct DecodeStreamingKVBuffer {
 
   // The registers load_k / load_v would have loaded, from the slot at `sl` (after wait_group + __syncwarp):
   // K (and its scales) first, V once the scores have freed K's registers.
+  // Scales [N][BN] of a slot -> the lane's tokens 2c + (r & 1) + 8 (r >> 1), as load_k / load_v hold them.
+  template <int N>
+  static __device__ __forceinline__ void fetch_scales(const unsigned char* at, int c, float (&dst)[4][N]) {
+    const float* sc = reinterpret_cast<const float*>(at);
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int i = 0; i < N; ++i) dst[r][i] = sc[i * BN + 2 * c + (r & 1) + (r >> 1) * 8];
+  }
   __device__ __forceinline__ void fetch_k(const unsigned char* sl) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -223,13 +232,7 @@ struct DecodeStreamingKVBuffer {
 #pragma unroll
       for (int s = 0; s < num_k_strips; ++s)
         k[nt][s] = *reinterpret_cast<const Raw*>(sl + k_at(nt * MMA_N + g, 2 * s + (c >> 1)) + 8 * (c & 1));
-    if constexpr (quantized) {
-      const float* sc = reinterpret_cast<const float*>(sl + K_SCALES_AT);
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int i = 0; i < num_k_scales; ++i) ks[r][i] = sc[i * BN + 2 * c + (r & 1) + (r >> 1) * 8];
-    }
+    if constexpr (quantized) fetch_scales(sl + K_SCALES_AT, c, ks);
   }
   __device__ __forceinline__ void fetch_v(const unsigned char* sl) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
@@ -242,13 +245,7 @@ struct DecodeStreamingKVBuffer {
         v[grp][r] = in_depth ? *reinterpret_cast<const Raw*>(sl + v_at(row, 4 * grp + (g >> 1)) + 8 * (g & 1)) : zero_raw();
       }
     }
-    if constexpr (quantized) {
-      const float* sc = reinterpret_cast<const float*>(sl + V_SCALES_AT);
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int i = 0; i < num_v_scales; ++i) vs[r][i] = sc[i * BN + 2 * c + (r & 1) + (r >> 1) * 8];
-    }
+    if constexpr (quantized) fetch_scales(sl + V_SCALES_AT, c, vs);
   }
 
   // K token tile nt, strip s as the score mma's operand: T values (16-bit cache) or the codes' exact

@@ -48,26 +48,21 @@ struct KVCacheOperand {
     else return p.num_pages * (i64)PAGE_SIZE;
   }
 
-  // Physical page of a token, or -1 when the table points outside the cache (never dereferenced).
-  __device__ __forceinline__ int physical_page(int batch_idx, int tok_idx) const {
-    return checked_page(table_entry(batch_idx, tok_idx));
-  }
-  // The same in two steps, so a lookup issued ahead is not waited for until its page is used.
-  __device__ __forceinline__ int table_entry(int batch_idx, int tok_idx) const {
-    int lp = tok_idx / PAGE_SIZE;
-    return lp < p.max_pages_per_seq ? __ldg(p.block_table + (i64)batch_idx * p.bt_stride + lp) : -1;
-  }
-  __device__ __forceinline__ int checked_page(int pg) const { return (pg >= 0 && (i64)pg < p.num_pages) ? pg : -1; }
-
-  // Row index when the cache is viewed as a [num_pages * PAGE_SIZE, ...] matrix (-1: hole).
+  // Row index when the cache is viewed as a [num_pages * PAGE_SIZE, ...] matrix (-1: a hole, or a table entry
+  // pointing outside the cache: never dereferenced).
   __device__ __forceinline__ i64 row_idx(int batch_idx, int tok_idx) const {
     return row_from_key(row_key(batch_idx, tok_idx), tok_idx);
   }
-  // row_idx in two steps: row_key is the table load, issued ahead; row_from_key checks it where the row is
-  // used, so the load's latency is not waited for at the lookup.
+  // row_idx in two steps: row_key is the table load (a page, or a contiguous sequence's kv offset), issued
+  // ahead; row_from_key checks it where the row is used, so the load's latency is not waited for at the lookup.
+  // row_key never reads past the table's columns.
   __device__ __forceinline__ i64 row_key(int batch_idx, int tok_idx) const {
-    if constexpr (contiguous) return (i64)__ldg(p.block_table + batch_idx);
-    else return (i64)table_entry(batch_idx, tok_idx);
+    if constexpr (contiguous) {
+      return (i64)__ldg(p.block_table + batch_idx);
+    } else {
+      const int lp = tok_idx / PAGE_SIZE;
+      return lp < p.max_pages_per_seq ? (i64)__ldg(p.block_table + (i64)batch_idx * p.bt_stride + lp) : (i64)-1;
+    }
   }
   __device__ __forceinline__ i64 row_from_key(i64 key, int tok_idx) const {
     if constexpr (contiguous) {
@@ -75,8 +70,7 @@ struct KVCacheOperand {
       const i64 row = key + tok_idx;
       return (row >= 0 && row < p.num_pages) ? row : (i64)-1;
     } else {
-      const int pg = checked_page((int)key);
-      return pg < 0 ? (i64)-1 : (i64)pg * PAGE_SIZE + tok_idx % PAGE_SIZE;
+      return (key >= 0 && key < p.num_pages) ? key * PAGE_SIZE + tok_idx % PAGE_SIZE : (i64)-1;
     }
   }
 

@@ -157,60 +157,44 @@ struct PrefillKernel {
 
     const KVT* kbase = static_cast<const KVT*>(a.kv.k);
     const KVT* vbase = static_cast<const KVT*>(a.kv.v);
-    const i64 k_head = (i64)kv_head * a.kv.k_stride[2], v_head = (i64)kv_head * a.kv.v_stride[2];
     float k_tensor_scale = 0.f, v_tensor_scale = 0.f;
     if constexpr (QUANTIZED && SCALE_BLOCK == 0) {
       k_tensor_scale = cache.template load_scale<0>(true, 0, 0, 0);
       v_tensor_scale = cache.template load_scale<0>(false, 0, 0, 0);
     }
     constexpr int kWarpRows = BN / Buf::kProducerWarps;
-    // Paged: lane j of a producer warp looks up the page of the warp's j-th row one tile ahead (the
-    // lookup's latency hides behind this tile's copies); rows get their page by shuffle.
-    auto lookup = [&](int n) -> int {
+    // Lane j of a producer warp loads the table entry of the warp's j-th row one tile ahead (row_key: the
+    // load's latency hides behind this tile's copies) and forms that row's 64-bit K and V offsets (and FP8
+    // scale offsets) from it once (row_from_key checks the entry there); every lane that copies a chunk of
+    // that row takes them by shuffle, so the address math is not repeated.
+    auto lookup = [&](int n) -> i64 {
       const int tok = n * BN + pw * kWarpRows + lane;
-      if constexpr (Cache::contiguous) return -1;
-      else return (lane < kWarpRows && tok < kv_len) ? cache.table_entry(b, tok) : -1;  // checked when used
+      return (lane < kWarpRows && tok < kv_len) ? cache.row_key(b, tok) : (i64)-1;
     };
     static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
-    // Lane j (< kWarpRows) of a producer warp forms the 64-bit K and V offsets (and FP8 scale offsets) of the
-    // warp's row j of tile n once, from its page; every lane that copies a chunk of that row takes them by
-    // shuffle (8 lanes share a row, so the address math is not repeated).
-    auto row_offsets = [&](int n, int page_lane, i64& k_lane, i64& v_lane, i64& ks_lane, i64& vs_lane) {
+    auto row_offsets = [&](int n, i64 key_lane, i64& k_lane, i64& v_lane, i64& ks_lane, i64& vs_lane) {
       const int tok_lane = n * BN + pw * kWarpRows + lane;
       k_lane = -1, v_lane = -1, ks_lane = 0, vs_lane = 0;
-      if (lane < kWarpRows && tok_lane < kv_len) {
-        i64 krow_off = -1, vrow_off = -1;
-        if constexpr (Cache::contiguous) {
-          const i64 row = cache.row_idx(b, tok_lane);  // -1 when kv_offsets point outside k/v
-          if (row >= 0) {
-            krow_off = row * a.kv.k_stride[1];
-            vrow_off = row * a.kv.v_stride[1];
-          }
-        } else if ((page_lane = cache.checked_page(page_lane)) >= 0) {
-          krow_off = (i64)page_lane * a.kv.k_stride[0] + (i64)(tok_lane % PAGE_SIZE) * a.kv.k_stride[1];
-          vrow_off = (i64)page_lane * a.kv.v_stride[0] + (i64)(tok_lane % PAGE_SIZE) * a.kv.v_stride[1];
-        }
-        if (krow_off >= 0) {
-          k_lane = krow_off + k_head;
-          v_lane = vrow_off + v_head;
-          if constexpr (QUANTIZED && SCALE_BLOCK > 0) {
-            const i64 row = (i64)page_lane * PAGE_SIZE + tok_lane % PAGE_SIZE;
-            ks_lane = cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales;
-            vs_lane = cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales;
-          }
+      const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
+      if (row >= 0) {
+        k_lane = Cache::offset(a.kv.k_stride, row, kv_head, 0);
+        v_lane = Cache::offset(a.kv.v_stride, row, kv_head, 0);
+        if constexpr (QUANTIZED && SCALE_BLOCK > 0) {
+          ks_lane = cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales;
+          vs_lane = cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales;
         }
       }
     };
     auto row_of = [&](i64 x, int i) -> i64 { return __shfl_sync(0xffffffffu, x, (lane / 8 + 4 * i) % 32); };
-    int page_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : -1;
+    i64 key_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : (i64)-1;
     int count = 0;
     if constexpr (QUANTIZED) {
       // FP8: cp.async brings tile it + 1's codes and scales into raw slot (it + 1) % 2 while tile it is
       // converted from slot it % 2 into the ring. Each lane converts exactly the bytes it copied, so its own
       // cp.async.wait_group is the only synchronization the raw slots need.
-      auto issue_raw = [&](int n, int page_lane, int slot) {
+      auto issue_raw = [&](int n, i64 key_lane, int slot) {
         i64 k_lane, v_lane, ks_lane, vs_lane;
-        row_offsets(n, page_lane, k_lane, v_lane, ks_lane, vs_lane);
+        row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
 #pragma unroll
         for (int e = 0; e <= kKElems; ++e) {
           const u32 dst = sm.raw + (u32)(slot * kRawTileBytes + e * kRawElemBytes);
@@ -225,17 +209,17 @@ struct PrefillKernel {
         }
       };
       if (n_tiles > 0) {
-        const int page_lane = page_next;
-        if (n_tiles > 1) page_next = lookup(n_first + n_tiles - 2);
-        issue_raw(n_first + n_tiles - 1, page_lane, 0);
+        const i64 key_lane = key_next;
+        if (n_tiles > 1) key_next = lookup(n_first + n_tiles - 2);
+        issue_raw(n_first + n_tiles - 1, key_lane, 0);
       }
       asm volatile("cp.async.commit_group;" ::: "memory");
       for (int it = 0; it < n_tiles; ++it) {
         const int n = n_first + n_tiles - 1 - it;
         if (it + 1 < n_tiles) {
-          const int page_lane = page_next;
-          if (it + 2 < n_tiles) page_next = lookup(n - 2);
-          issue_raw(n - 1, page_lane, (it + 1) & 1);
+          const i64 key_lane = key_next;
+          if (it + 2 < n_tiles) key_next = lookup(n - 2);
+          issue_raw(n - 1, key_lane, (it + 1) & 1);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's copies of tile it have landed
@@ -256,10 +240,10 @@ struct PrefillKernel {
     } else {
       for (int it = 0; it < n_tiles; ++it) {
         const int n = n_first + n_tiles - 1 - it;
-        const int page_lane = page_next;
-        if (it + 1 < n_tiles) page_next = lookup(n - 1);
+        const i64 key_lane = key_next;
+        if (it + 1 < n_tiles) key_next = lookup(n - 1);
         i64 k_lane, v_lane, ks_lane, vs_lane;
-        row_offsets(n, page_lane, k_lane, v_lane, ks_lane, vs_lane);
+        row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
         auto koff = [&](int i) -> i64 { return row_of(k_lane, i); };
         auto voff = [&](int i) -> i64 { return row_of(v_lane, i); };
 #pragma unroll
