@@ -169,8 +169,16 @@ class PrefillConfig:
 
     @property
     def consumer_registers(self) -> int:
-        """Registers per consumer thread after setmaxnreg (one consumer warpgroup keeps the launch's 255)."""
-        return {1: 255, 2: 224, 3: 152}[self.BM // 64]
+        """Registers per consumer thread after setmaxnreg (one consumer warpgroup keeps the launch's 255); an
+        FP8 cache's producer holds a batch of raw chunks, so its consumers give it 8 each."""
+        return {1: 255, 2: 224, 3: 152}[self.BM // 64] - (8 if self.quantized and self.BM > 64 else 0)
+
+    @property
+    def producer_registers(self) -> int:
+        """Registers per producer thread after setmaxnreg (0: no setmaxnreg with one consumer warpgroup)."""
+        if self.BM == 64:
+            return 0
+        return (80 if self.BM == 192 else 72) if self.quantized else 56
 
     @property
     def register_estimate(self) -> int:
@@ -211,7 +219,8 @@ class PrefillConfig:
             smem_stage_size=kb.smem_stage_size, num_k_tiles=kb.num_k_tiles, num_k_mmas2=kb.num_k_mmas2,
             full_kv=kb.full_kv, num_threads=self.num_threads, num_v_slices=self.num_v_slices,
             smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize, quantized=self.quantized,
-            scale_block=self.scale_block)
+            scale_block=self.scale_block, producer_registers=self.producer_registers,
+            consumer_registers=self.consumer_registers)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:

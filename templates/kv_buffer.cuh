@@ -110,28 +110,50 @@ struct KVBuffer {
     }
   }
 
-  template <int SB>
-  __device__ __forceinline__ void convert_raw_fp8(int stage, u32 src, float tensor_scale, int pw, int lane) const {
+  // The shared loads of up to kLoadBatch passes are issued before their conversions (the asm statements are
+  // volatile, so a load written after a store stays after it): one shared-memory round trip per batch, not
+  // one per pass (the default tiles have 3-4 passes, so one per element). wait_slot() runs between the first
+  // batch's loads and its stores (the caller's wait for the ring element).
+  static constexpr int kLoadBatch = 4;  // 4 x 5 registers held: the FP8 producer's 72-80 (prefill.cuh)
+  template <int SB, typename WaitSlot>
+  __device__ __forceinline__ void convert_raw_fp8(int stage, u32 src, float tensor_scale, int pw, int lane,
+                                                  WaitSlot wait_slot) const {
     const u32 dst0 = element(stage);
+    constexpr int kBatch = kLoadBatch < kChunkPasses ? kLoadBatch : kChunkPasses;
 #pragma unroll
-    for (int t = 0; t < kChunkPasses; ++t) {
-      const int c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
-      if (kWarpChunks % 32 == 0 || c < kWarpChunks) {
-        const int row = pw * kWarpRows + r;
-        uint4 raw;
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w) : "r"(src + (u32)((pw * kWarpChunks + c) * 16)) : "memory");
-        float sc = tensor_scale;
-        if constexpr (SB > 0)
-          asm volatile("ld.shared.f32 %0, [%1];"
-                       : "=f"(sc) : "r"(src + (u32)(raw_code_bytes + (row * scales_per_row<SB>() + col / SB) * 4)) : "memory");
-        const uint4 lo = dequant8<T>(make_uint2(raw.x, raw.y), sc), hi = dequant8<T>(make_uint2(raw.z, raw.w), sc);
-        const int chunk8 = (col % bk_smem) / 8;
-        const u32 dst = dst0 + (u32)((col / bk_smem) * BN * kAtomRowBytes);
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"
-                     :: "r"(dst + swizzle128(row, chunk8)), "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"
-                     :: "r"(dst + swizzle128(row, chunk8 + 1)), "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+    for (int t0 = 0; t0 < kChunkPasses; t0 += kBatch) {
+      uint4 raw[kBatch];
+      float sc[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int t = t0 + j, c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+        sc[j] = tensor_scale;
+        if (t < kChunkPasses && (kWarpChunks % 32 == 0 || c < kWarpChunks)) {
+          asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                       : "=r"(raw[j].x), "=r"(raw[j].y), "=r"(raw[j].z), "=r"(raw[j].w)
+                       : "r"(src + (u32)((pw * kWarpChunks + c) * 16)) : "memory");
+          if constexpr (SB > 0)
+            asm volatile("ld.shared.f32 %0, [%1];"
+                         : "=f"(sc[j])
+                         : "r"(src + (u32)(raw_code_bytes + ((pw * kWarpRows + r) * scales_per_row<SB>() + col / SB) * 4))
+                         : "memory");
+        }
+      }
+      if (t0 == 0) wait_slot();
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int t = t0 + j, c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+        if (t < kChunkPasses && (kWarpChunks % 32 == 0 || c < kWarpChunks)) {
+          const int row = pw * kWarpRows + r;
+          const uint4 lo = dequant8<T>(make_uint2(raw[j].x, raw[j].y), sc[j]);
+          const uint4 hi = dequant8<T>(make_uint2(raw[j].z, raw[j].w), sc[j]);
+          const int chunk8 = (col % bk_smem) / 8;
+          const u32 dst = dst0 + (u32)((col / bk_smem) * BN * kAtomRowBytes);
+          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"
+                       :: "r"(dst + swizzle128(row, chunk8)), "r"(lo.x), "r"(lo.y), "r"(lo.z), "r"(lo.w) : "memory");
+          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"
+                       :: "r"(dst + swizzle128(row, chunk8 + 1)), "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w) : "memory");
+        }
       }
     }
   }

@@ -44,10 +44,15 @@ struct PrefillKernel {
   static constexpr int kConsumerWGs = BM / 64;
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
-  // and multiples of 8; the total stays within the 64K register file).
-  static constexpr int kProducerRegs = kConsumerWGs == 1 ? 0 : 56;
-  static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 0 : kConsumerWGs == 2 ? 224 : 152;
-  static_assert(kConsumerWGs == 1 || (kProducerRegs + kConsumerWGs * kConsumerRegs) * 128 <= 65536, "registers");
+  // and multiples of 8). An FP8 producer holds an element's raw chunks between its shared loads and their
+  // conversion, so it takes 80 (72 beside two consumer warpgroups) and the consumers give up 8.
+  static constexpr int kProducerRegs = kConsumerWGs == 1 ? 0 : !QUANTIZED ? 56 : kConsumerWGs == 3 ? 80 : 72;
+  static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 255 : (kConsumerWGs == 2 ? 224 : 152) - (QUANTIZED ? 8 : 0);
+  // setmaxnreg.inc waits for registers the block's other warps released: the split must fit in what the launch
+  // gave every thread (the register file over kThreads, in multiples of 8), or the consumers wait forever.
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8 > 255 ? 255 : (65536 / kThreads) / 8 * 8;
+  static_assert(kConsumerWGs == 1 || (kProducerRegs + kConsumerWGs * kConsumerRegs) <= (kConsumerWGs + 1) * kLaunchRegs,
+                "registers: the setmaxnreg split exceeds the launch allocation");
   static constexpr int kQAtoms = (DEPTH + 63) / 64;
   static constexpr int kVCols = DEPTH < BK ? DEPTH : BK;       // V width one block accumulates (one element)
   static constexpr int kVSlices = (DEPTH + kVCols - 1) / kVCols; // blocks per (tile, head) along V's dims
@@ -136,7 +141,7 @@ struct PrefillKernel {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
       produce(a, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, vslice, warp, lane);
     } else {
-      if constexpr (kConsumerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
+      if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
       consume(a, sm, buf, head, q_begin, q0, rows, kv_len, shift, n_first, n_tiles, vslice, warp - 4, lane);
     }
   }
@@ -228,10 +233,10 @@ struct PrefillKernel {
         for (int e = 0; e <= kKElems; ++e) {
           const int stage = count % STAGES;
           const bool is_k = e < kKElems;
-          mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
           buf.template convert_raw_fp8<SCALE_BLOCK>(
               stage, sm.raw + (u32)((it & 1) * kRawTileBytes + e * kRawElemBytes),
-              is_k ? k_tensor_scale : v_tensor_scale, pw, lane);
+              is_k ? k_tensor_scale : v_tensor_scale, pw, lane,
+              [&] { mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1); });
           fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
           mbar_arrive(sm.full + 8 * stage);
           ++count;
