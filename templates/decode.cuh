@@ -498,9 +498,14 @@ struct DecodeKernel {
       // K scale blocks (one for a 16-bit cache): a partial score per block, scaled per token after the mma
 #pragma unroll
       for (int kb = 0; kb < Buf::num_k_scales; ++kb) {
-        float acc[2][4];
+        // the ring keeps two accumulators per n-tile (the k16 halves of each 32-dim step): half the dependent
+        // mma chain (the register kernels have no registers to spare for it)
+        constexpr int KH = STAGES > 0 ? 2 : 1;
+        float acc[2][KH][4];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int h = 0; h < KH; ++h) acc[nt][h][0] = acc[nt][h][1] = acc[nt][h][2] = acc[nt][h][3] = 0.f;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -513,16 +518,17 @@ struct DecodeKernel {
               xb = qb[ks];
             }
             const uint4 kk = bb.template k_val<QKT>(nt, ks);
-            mma_16816<QKT>(acc[nt], xa.x, xb.x, xa.y, xb.y, kk.x, kk.y);
-            mma_16816<QKT>(acc[nt], xa.z, xb.z, xa.w, xb.w, kk.z, kk.w);
+            mma_16816<QKT>(acc[nt][0], xa.x, xb.x, xa.y, xb.y, kk.x, kk.y);
+            mma_16816<QKT>(acc[nt][KH - 1], xa.z, xb.z, xa.w, xb.w, kk.z, kk.w);
           }
         }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            if constexpr (QUANTIZED) s[nt][e] += acc[nt][e] * (bb.ks[2 * nt + (e & 1)][kb] * k_factor);
-            else s[nt][e] = acc[nt][e];
+            const float sum = KH == 2 ? acc[nt][0][e] + acc[nt][KH - 1][e] : acc[nt][0][e];
+            if constexpr (QUANTIZED) s[nt][e] += sum * (bb.ks[2 * nt + (e & 1)][kb] * k_factor);
+            else s[nt][e] = sum;
           }
       }
       after_scores();
