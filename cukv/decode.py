@@ -23,7 +23,7 @@ HEAD_DIMS = (64, 96, 128, 256)
 RING_STAGES = (2, 3, 4, 5, 6, 8)
 DEFAULT_STAGES = (3, 2)  # preferred first
 CLUSTERS = (0, 2, 3, 4, 5, 6, 7, 8)  # 8: the portable cluster size
-DEFAULT_FP8_STAGES = (2, 3)  # FP8 ring (H100, 3 blocks per SM either way: 2 slots 232/432 us, 3 slots 236/439 at 64x4096/16x32768)
+DEFAULT_FP8_STAGES = (2, 3)  # FP8 ring (H100, session 6 at 3 blocks per SM either way: 2 slots 232/432 us, 3 slots 236/439 at 64x4096/16x32768)
 SMEM_LIMIT = 227 * 1024
 # plan() stages strips in registers below this much K/V: short work is bound by each strip's latency, which
 # the register kernel has less of; above it the ring's deeper pipeline wins (H100 sweep, 32q/8kv d128 page 16:
@@ -239,7 +239,7 @@ def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: in
     """The split count with the fewest block waves per unit of work: ``ceil(blocks * s / slots) / s`` over
     ``slots`` = SMs x blocks per SM; the smallest count within 5% of the best (each split pays its prologue
     and a merge). A single wave comes out as ``slots // blocks`` splits; past one wave, splits fill the last wave
-    (H100, FP8 ring at 3 blocks per SM: 64 x 4096 is 512 blocks on 396 slots, and 3 splits turn 2 waves, the
+    (H100, a kernel at 3 blocks per SM: 64 x 4096 is 512 blocks on 396 slots, and 3 splits turn 2 waves, the
     second a third full, into 4 nearly full ones). No split gets under 64 tokens (one 16-token strip per warp
     of a 4-warp block), and the count is trimmed so that no split is left empty (the kernel gives each split
     ``ceil(strips / num_splits)`` strips). H100, session 5: 1 x 512 takes 11.3 us with 8 splits against

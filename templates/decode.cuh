@@ -420,7 +420,7 @@ struct DecodeKernel {
   static constexpr bool Q_IN_SMEM = DEPTH > 128 || STAGES > 0;
   // the strip reads Q from shared memory each time where the head is too wide for registers, and in the FP8
   // ring with K scale blocks (their partial scores already take the registers a third block per SM needs);
-  // otherwise the FP8 ring stages Q there (as f16) and keeps its fragments in registers (158 at d128)
+  // otherwise the FP8 ring stages Q there (as f16) and keeps its fragments in registers (168-178 at d128, by NVRTC version)
   static constexpr bool Q_SMEM_READS = DEPTH > 128 || (STAGES > 0 && Buf::num_k_scales > 1);
   static constexpr bool V_LATE = DEPTH > 128;        // V loads wait until K's registers are free
   static constexpr bool PIPELINE = !V_LATE;          // prefetch the next strip into the same registers
