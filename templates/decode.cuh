@@ -73,14 +73,7 @@ struct DecodeSmem {
     const float f = __int_as_float((e + 127) << 23), inv = __int_as_float((127 - e) << 23);
     for (int i = threadIdx.x; i < GROUP * DEPTH / 8; i += NT) {  // rows past the group stay zero (f16 zeros)
       uint4* p = reinterpret_cast<uint4*>(&q[i / (DEPTH / 8)][(i % (DEPTH / 8)) * 8]);
-      const uint4 v = *p;
-      const T* e8 = reinterpret_cast<const T*>(&v);
-      uint4 h;
-      h.x = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[0]) * f, ElemTraits<T>::to_float(e8[1]) * f);
-      h.y = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[2]) * f, ElemTraits<T>::to_float(e8[3]) * f);
-      h.z = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[4]) * f, ElemTraits<T>::to_float(e8[5]) * f);
-      h.w = ElemTraits<__half>::pack(ElemTraits<T>::to_float(e8[6]) * f, ElemTraits<T>::to_float(e8[7]) * f);
-      *p = h;  // f16 bits in T's storage
+      *p = convert8<__half, T>(*p, f);  // f16 bits in T's storage
     }
     __syncthreads();
     return inv;
@@ -526,7 +519,9 @@ struct DecodeKernel {
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float sum = KH == 2 ? acc[nt][0][e] + acc[nt][KH - 1][e] : acc[nt][0][e];
+            float sum = acc[nt][0][e];
+#pragma unroll
+            for (int h = 1; h < KH; ++h) sum += acc[nt][h][e];
             if constexpr (QUANTIZED) s[nt][e] += sum * (bb.ks[2 * nt + (e & 1)][kb] * k_factor);
             else s[nt][e] = sum;
           }

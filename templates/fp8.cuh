@@ -60,17 +60,22 @@ template <> __device__ __forceinline__ u32 codes_to_mma<__nv_bfloat16>(u16 x) {
 template <typename T> struct CodeScale { static constexpr float value = 1.f, q_pre = 1.f; };
 template <> struct CodeScale<__nv_bfloat16> { static constexpr float value = 0x1p112f, q_pre = 0x1p56f; };
 
+// Eight From values times f, rounded to To.
+template <typename To, typename From>
+__device__ __forceinline__ uint4 convert8(uint4 x, float f) {
+  const From* e = reinterpret_cast<const From*>(&x);
+  uint4 r;
+  r.x = ElemTraits<To>::pack(ElemTraits<From>::to_float(e[0]) * f, ElemTraits<From>::to_float(e[1]) * f);
+  r.y = ElemTraits<To>::pack(ElemTraits<From>::to_float(e[2]) * f, ElemTraits<From>::to_float(e[3]) * f);
+  r.z = ElemTraits<To>::pack(ElemTraits<From>::to_float(e[4]) * f, ElemTraits<From>::to_float(e[5]) * f);
+  r.w = ElemTraits<To>::pack(ElemTraits<From>::to_float(e[6]) * f, ElemTraits<From>::to_float(e[7]) * f);
+  return r;
+}
+
 // Eight T values times a power of two (exact).
 template <typename T>
 __device__ __forceinline__ uint4 scale8(uint4 x, float f) {
-  if (f == 1.f) return x;
-  const T* e = reinterpret_cast<const T*>(&x);
-  uint4 r;
-  r.x = ElemTraits<T>::pack(ElemTraits<T>::to_float(e[0]) * f, ElemTraits<T>::to_float(e[1]) * f);
-  r.y = ElemTraits<T>::pack(ElemTraits<T>::to_float(e[2]) * f, ElemTraits<T>::to_float(e[3]) * f);
-  r.z = ElemTraits<T>::pack(ElemTraits<T>::to_float(e[4]) * f, ElemTraits<T>::to_float(e[5]) * f);
-  r.w = ElemTraits<T>::pack(ElemTraits<T>::to_float(e[6]) * f, ElemTraits<T>::to_float(e[7]) * f);
-  return r;
+  return f == 1.f ? x : convert8<T, T>(x, f);
 }
 
 __device__ __forceinline__ uint2 ldg_stream8(const void* p) {

@@ -195,8 +195,10 @@ struct PrefillKernel {
     int count = 0;
     if constexpr (QUANTIZED) {
       // FP8: cp.async brings tile it + 1's codes and scales into raw slot (it + 1) % 2 while tile it is
-      // converted from slot it % 2 into the ring. Each lane converts exactly the bytes it copied, so its own
-      // cp.async.wait_group is the only synchronization the raw slots need.
+      // converted from slot it % 2 into the ring. Each lane converts exactly the codes it copied (its own
+      // cp.async.wait_group orders those); a row's scales come from the row's lane, so a __syncwarp follows
+      // the wait. Refilling a slot is ordered after every lane's reads of it by the full-warp shuffles at the
+      // start of copy_raw_fp8 (before its scale copies), which no lane passes before all have finished converting the previous tile.
       auto issue_raw = [&](int n, i64 key_lane, int slot) {
         i64 k_lane, v_lane, ks_lane, vs_lane;
         row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
