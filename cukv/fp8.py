@@ -134,3 +134,18 @@ def dequantize(codes, scales, block: int) -> np.ndarray:
     if block == 0:
         return v * s
     return v * np.repeat(s, block, axis=-1)
+
+
+def split_query(q) -> np.ndarray:
+    """The query as prefill's FP8-scores path feeds the e4m3 tensor cores (``PrefillConfig.fp8_scores``), as
+    float64: each row ``q[..., D]`` (read as float32) is scaled by ``2^k = 256 / p``, ``p`` the smallest power of
+    two at or above its largest ``|q|`` (at least ``2^-100``), and held as two e4m3 terms ``hi = e4m3(q * 2^k)``,
+    ``lo = e4m3(q * 2^k - hi)``; returns ``(hi + lo) / 2^k``. About 8 significant bits, like bf16."""
+    q = np.asarray(q, np.float32)
+    amax = np.maximum(np.max(np.abs(q), axis=-1, keepdims=True), np.float32(2.0 ** -100)).astype(np.float64)
+    p = np.exp2(np.ceil(np.log2(amax)))
+    k = 256.0 / p
+    x = (q.astype(np.float64) * k).astype(np.float32)  # exact: a power of two
+    hi = round_e4m3(x)
+    lo = round_e4m3((x.astype(np.float64) - hi).astype(np.float32))  # exact in float32
+    return (hi + lo) / k

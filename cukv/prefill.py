@@ -127,6 +127,9 @@ class PrefillConfig:
     kv_dtype: str | None = None
     #: FP8: dims per scale (the head dim for per-token scales), 0 for per-tensor scales
     scale_block: int = 0
+    #: FP8: S = Q K^T on the e4m3 tensor cores (K stays as codes; the query is split into two e4m3 terms per
+    #: row) and only V is dequantized. bf16 queries, per-token or per-tensor scales, head dim <= 256.
+    fp8_scores: bool = False
 
     def __post_init__(self):
         c = "PrefillConfig"
@@ -134,6 +137,11 @@ class PrefillConfig:
         check_kv_quant(c, self.kv_dtype, self.scale_block, self.head_dim)
         if self.quantized:
             check_rule(c, "page_size", self.page_size, self.page_size > 0, "FP8 prefill reads a paged cache (not 0)")
+        if not isinstance(self.fp8_scores, bool):
+            raise ValueError(f"PrefillConfig.fp8_scores={self.fp8_scores!r} is not valid; accepted: True, False")
+        if self.fp8_scores:
+            why = fp8_scores_unsupported(self.dtype, self.kv_dtype, self.scale_block, self.head_dim)
+            check_rule(c, "fp8_scores", True, why is None, f"needs {why}")
         check_in(c, "head_dim", self.head_dim, HEAD_DIMS)
         check_range(c, "page_size", self.page_size, 0, 4096, "0 = contiguous K/V")
         check_in(c, "BM", self.BM, (64, 128, 192))
@@ -170,36 +178,52 @@ class PrefillConfig:
     @property
     def consumer_registers(self) -> int:
         """Registers per consumer thread after setmaxnreg (one consumer warpgroup keeps the launch's 255); an
-        FP8 cache's producer holds a batch of raw chunks, so its consumers give it 8 each."""
-        return {1: 255, 2: 224, 3: 152}[self.BM // 64] - (8 if self.quantized and self.BM > 64 else 0)
+        FP8 cache's producer holds a batch of raw chunks, so its consumers give it 8 each (16 beside an
+        ``fp8_scores`` producer with two consumer warpgroups, which also forms the K code copies)."""
+        give = 0 if not self.quantized or self.BM == 64 else 16 if self.fp8_scores and self.BM == 128 else 8
+        return {1: 255, 2: 224, 3: 152}[self.BM // 64] - give
 
     @property
     def producer_registers(self) -> int:
         """Registers per producer thread after setmaxnreg (0: no setmaxnreg with one consumer warpgroup)."""
         if self.BM == 64:
             return 0
-        return (80 if self.BM == 192 else 72) if self.quantized else 56
+        if not self.quantized:
+            return 56
+        return 80 if self.BM == 192 else 88 if self.fp8_scores else 72
 
     @property
     def register_estimate(self) -> int:
         return self.BN // 2 + self.v_cols // 2 + self.BN // 4
 
     @property
+    def q_bytes(self) -> int:
+        """The staged query: BM rows of T, or with ``fp8_scores`` two e4m3 terms of BM rows x 128-code atoms."""
+        if self.fp8_scores:
+            return 2 * self.BM * -(-self.head_dim // 128) * 128
+        return self.BM * _round64(self.head_dim) * 2
+
+    @property
+    def kscale_bytes(self) -> int:
+        """``fp8_scores`` with token scales: each ring element's K row scales, read by the consumers."""
+        return self.stages * self.BN * 4 if self.fp8_scores and self.scale_block else 0
+
+    @property
     def smem_bytes(self) -> int:
-        q = self.BM * _round64(self.head_dim) * 2
         ring = self.stages * self.kv_buffer.stage_bytes
-        return 1024 + q + ring + self.raw_bytes + (2 * self.stages + 1) * 8
+        return 1024 + self.q_bytes + ring + self.raw_bytes + self.kscale_bytes + (2 * self.stages + 1) * 8
 
     @property
     def raw_bytes(self) -> int:
         """FP8: two raw tile slots that cp.async fills a tile ahead of the producer's conversion into the ring;
-        each holds the K elements and the V element as BN x BK codes plus the rows' scales (none per tensor)."""
+        each holds the K elements (none with ``fp8_scores``) and the V element as BN x BK codes plus the rows'
+        scales (none per tensor)."""
         if not self.quantized:
             return 0
         kb = self.kv_buffer
         scales_per_row = -(-kb.BK // self.scale_block) if self.scale_block else 0
         per_elem = self.BN * kb.BK + self.BN * scales_per_row * 4
-        return 2 * (kb.num_k_tiles + 1) * per_elem
+        return 2 * ((0 if self.fp8_scores else kb.num_k_tiles) + 1) * per_elem
 
     @property
     def quantized(self) -> bool:
@@ -207,7 +231,7 @@ class PrefillConfig:
 
     @property
     def name(self) -> str:
-        q = f"_e4m3s{self.scale_block}" if self.quantized else ""
+        q = (f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "")) if self.quantized else ""
         return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
                 f"_k{self.BK}_s{self.stages}")
 
@@ -220,7 +244,8 @@ class PrefillConfig:
             full_kv=kb.full_kv, num_threads=self.num_threads, num_v_slices=self.num_v_slices,
             smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize, quantized=self.quantized,
             scale_block=self.scale_block, producer_registers=self.producer_registers,
-            consumer_registers=self.consumer_registers)
+            consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
+            kscale_bytes=self.kscale_bytes)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -238,15 +263,45 @@ DEFAULTS = {
     512: (64, 64, 256, 4),
 }
 
+#: ``fp8_scores`` tiles take DEFAULTS but for these BN limits: at BN=128 the 88-register producer beside two
+#: consumer warpgroups spills (ptxas, d80/d96)
+FP8_SCORES_BN = {80: 64, 96: 64}
+#: head dims whose FP8 default keeps K dequantized although ``fp8_scores`` applies: at d64 the per-score K scale
+#: multiply lands on the consumers' softmax, which bounds the short d64 tiles (H100: 0.77x of bf16 against 0.89x;
+#: d80-d256 gain 4-37%, benchmarks/NOTES.md session 9)
+FP8_SCORES_OFF = (64,)
+
+
+def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int) -> str | None:
+    """Why S = Q K^T cannot run on the e4m3 tensor cores for these parameters (None: it can)."""
+    if kv_dtype is None:
+        return "kv_dtype='fp8_e4m3'"
+    if dtype != "bfloat16":
+        # two e4m3 terms keep about 8 significant bits: bf16's, not float16's 11 (float16 queries keep the
+        # dequantizing path, which stages K in float16)
+        return "dtype='bfloat16'"
+    if scale_block not in (0, head_dim):
+        return "one scale per K row (scale_granularity 'token' or 'tensor'), not blocks of dims"
+    if head_dim > 256:
+        return "head_dim <= 256"
+    return None
+
 
 def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
                    scale_block: int = 0) -> PrefillConfig:
-    """The documented default (or this GPU's autotuned winner). FP8 caches take the 16-bit default with BN
-    halved until BN * BK <= 8192 (4096 with 32-dim scale blocks): wider FP8 tiles measured no faster (the
-    producer's conversion bounds them either way, benchmarks/NOTES.md) and need more shared memory."""
+    """The documented default (or this GPU's autotuned winner). FP8 caches where S can run on the e4m3 tensor
+    cores (``fp8_scores``: bf16 queries, token or tensor scales, head dim 80-256; not 64, measured slower)
+    take the 16-bit default tile. Other FP8 caches take it with BN halved until BN * BK <= 8192 (4096 with 32-dim scale blocks):
+    wider tiles measured no faster there (the producer's conversion bounds them either way,
+    benchmarks/NOTES.md) and need more shared memory."""
     if head_dim not in DEFAULTS:
         raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
     bm, bn, bk, st = DEFAULTS[head_dim]
+    if (kv_dtype is not None and head_dim not in FP8_SCORES_OFF
+            and fp8_scores_unsupported(dtype, kv_dtype, scale_block, head_dim) is None):
+        bn = min(bn, FP8_SCORES_BN.get(head_dim, bn))
+        return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
+                             fp8_scores=True)
     if kv_dtype is not None:
         # 32-dim scale blocks hold two scales per 64-dim chunk column: half the rows again (measured spills)
         limit = 4096 if scale_block == 32 else 8192

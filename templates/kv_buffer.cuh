@@ -69,6 +69,35 @@ struct KVBuffer {
     }
   }
 
+  // FP8 scores (prefill's e4m3 S = Q K^T): a K element holds the cache's codes as they are, rows of
+  // code_atoms atoms of 128 codes in the same 128-byte swizzle, so a k32 step of the e4m3 wgmma is +32 bytes
+  // like a k16 step of T and k_desc serves both. Only the chunks the k32 steps read are copied (the ones
+  // past the head dim as zeros: an e4m3 NaN code times a zero query dim would still be NaN).
+  static constexpr int code_atoms = (BK + 127) / 128;
+  static_assert(code_atoms * 128 <= BK * (int)sizeof(T), "an element of codes fits the ring element");
+
+  template <typename RowOffset>
+  __device__ __forceinline__ void load_codes_from_dram(int stage, const unsigned char* base, RowOffset row_off,
+                                                       int pw, int lane) const {
+    const u32 dst0 = element(stage);
+    const int chunk = lane % 8;
+    constexpr int kBytes = (DEPTH_ + 31) / 32 * 32;  // what the k32 steps read
+#pragma unroll
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int r = pw * (BN / kProducerWarps) + lane / 8 + 4 * i;
+      const i64 off = row_off(i);
+#pragma unroll
+      for (int atom = 0; atom < code_atoms; ++atom) {
+        const int col = atom * 128 + chunk * 16;
+        if (col < kBytes) {
+          const bool ok = off >= 0 && col < DEPTH_;
+          cp_async16(dst0 + (u32)(atom * BN * kAtomRowBytes) + swizzle128(r, chunk), ok ? base + off + col : base,
+                     ok ? 16 : 0);
+        }
+      }
+    }
+  }
+
   // FP8 cache, in two steps, over a raw element of BN rows x BK codes (row-major, 16-byte chunks) followed by
   // the rows' scales (kScalesPerRow floats a row; none per tensor). copy_raw_fp8: producer warp pw copies its
   // BN / 4 rows, chunk c = lane + 32 t of the warp's rows being row c / kChunksPerRow, so a warp's copies and

@@ -31,23 +31,33 @@ struct alignas(8) PrefillArgs {
   int pad_;
 };
 
-// QUANTIZED: an FP8 e4m3 cache (scales per SCALE_BLOCK dims, 0 = per tensor); the producer dequantizes to T
-// on the way into shared memory, so the consumers are unchanged.
+// QUANTIZED: an FP8 e4m3 cache (scales per SCALE_BLOCK dims, 0 = per tensor). The producer dequantizes V
+// to T on the way into shared memory. K either takes the same path, or, with FP8_SCORES (bf16 queries,
+// scales per token or per tensor, heads up to 256), goes into the ring as the cache's codes and S = Q K^T
+// runs on the e4m3 tensor cores: each consumer warpgroup splits its query rows once into two e4m3 terms,
+// q * 2^k = hi + lo (2^k per row), so S = (hi K + lo K) * k_scale / 2^k keeps about bf16's precision at the
+// bf16 rate (an e4m3 wgmma is twice as fast) and the producer converts only V.
 template <typename T, int DEPTH, int BM, int BN, int BK, int STAGES, int PAGE_SIZE, bool QUANTIZED = false,
-          int SCALE_BLOCK = 0>
+          int SCALE_BLOCK = 0, bool FP8_SCORES = false>
 struct PrefillKernel {
   typedef KVBuffer<T, BN, BK, DEPTH, STAGES> Buf;
   typedef typename Select<QUANTIZED, unsigned char, T>::type KVT;
   typedef KVCacheOperand<KVT, PAGE_SIZE, QUANTIZED> Cache;
   static_assert(!QUANTIZED || PAGE_SIZE > 0, "FP8 prefill reads a paged cache");
   static_assert(!QUANTIZED || SCALE_BLOCK == 0 || DEPTH % SCALE_BLOCK == 0, "scale block divides the head");
+  static_assert(!FP8_SCORES || (QUANTIZED && sizeof(T) == 2 &&
+                                (SCALE_BLOCK == 0 || SCALE_BLOCK == DEPTH) && Buf::full_kv && DEPTH <= 256),
+                "FP8 scores: one scale per K row (token or tensor) and the whole head in one element");
   static constexpr int kConsumerWGs = BM / 64;
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
   // and multiples of 8). An FP8 producer holds an element's raw chunks between its shared loads and their
-  // conversion, so it takes 80 (72 beside two consumer warpgroups) and the consumers give up 8.
-  static constexpr int kProducerRegs = kConsumerWGs == 1 ? 0 : !QUANTIZED ? 56 : kConsumerWGs == 3 ? 80 : 72;
-  static constexpr int kConsumerRegs = kConsumerWGs == 1 ? 255 : (kConsumerWGs == 2 ? 224 : 152) - (QUANTIZED ? 8 : 0);
+  // conversion, so it takes 80 (72 beside two consumer warpgroups) and the consumers give up 8; with FP8 scores
+  // beside two consumer warpgroups it also forms the K code copies' addresses and takes 88 (consumers 208).
+  static constexpr int kProducerRegs =
+      kConsumerWGs == 1 ? 0 : !QUANTIZED ? 56 : kConsumerWGs == 3 ? 80 : FP8_SCORES ? 88 : 72;
+  static constexpr int kConsumerRegs =
+      kConsumerWGs == 1 ? 255 : (kConsumerWGs == 2 ? 224 : 152) - (!QUANTIZED ? 0 : FP8_SCORES && kConsumerWGs == 2 ? 16 : 8);
   // setmaxnreg.inc waits for registers the block's other warps released: the split must fit in what the launch
   // gave every thread (the register file over kThreads, in multiples of 8), or the consumers wait forever.
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8 > 255 ? 255 : (65536 / kThreads) / 8 * 8;
@@ -58,16 +68,23 @@ struct PrefillKernel {
   static constexpr int kVSlices = (DEPTH + kVCols - 1) / kVCols; // blocks per (tile, head) along V's dims
   static constexpr int kKElems = Buf::num_k_tiles;
   static constexpr int kSRegs = BN / 2, kORegs = kVCols / 2;
-  static constexpr int kQBytes = BM * kQAtoms * kAtomRowBytes;
+  // FP8 scores: the query as two e4m3 terms, each BM rows x kQ8Atoms atoms of 128 codes (lo kQ8Half after hi)
+  static constexpr int kQ8Atoms = (DEPTH + 127) / 128;
+  static constexpr int kQ8Steps = (DEPTH + 31) / 32;  // k32 steps of the e4m3 wgmma
+  static constexpr int kQ8Half = BM * kQ8Atoms * kAtomRowBytes;
+  static constexpr int kQBytes = FP8_SCORES ? 2 * kQ8Half : BM * kQAtoms * kAtomRowBytes;
+  // FP8 scores with token scales: the K rows' scales beside each ring element, read by the consumers
+  static constexpr int kKScaleBytes = FP8_SCORES && SCALE_BLOCK > 0 ? STAGES * BN * 4 : 0;
   static constexpr int kRingBytes = STAGES * Buf::stage_bytes;
   static constexpr int kRowOffBytes = 0;
   // FP8: raw codes and scales of a whole tile (K elements and the V element) land by cp.async in one of two
   // raw slots, a tile ahead of the conversion into the ring (kRawElemBytes per element).
   static constexpr int kRawElemBytes = Buf::template raw_elem_bytes<SCALE_BLOCK>();
-  static constexpr int kRawTileBytes = QUANTIZED ? (kKElems + 1) * kRawElemBytes : 0;
+  static constexpr int kRawTileBytes = QUANTIZED ? ((FP8_SCORES ? 0 : kKElems) + 1) * kRawElemBytes : 0;
   static constexpr int kRawBytes = 2 * kRawTileBytes;
   static constexpr int kBarBytes = (2 * STAGES + 1) * 8;
-  static constexpr int kSmemBytes = 1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kRawBytes + kBarBytes;
+  static constexpr int kSmemBytes =
+      1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kRawBytes + kKScaleBytes + kBarBytes;
   static_assert(BM % 64 == 0 && BM <= 192, "BM: one to three consumer warpgroups");
   static_assert(DEPTH % 16 == 0, "head dims are multiples of 16");
   static_assert(Buf::full_kv ? BK == kQAtoms * 64 : DEPTH % BK == 0, "BK covers the head, or divides it");
@@ -75,7 +92,7 @@ struct PrefillKernel {
   static_assert(STAGES >= kKElems + 1, "the ring holds a tile's K elements and the previous V element");
 
   struct Smem {
-    u32 q, ring, raw;
+    u32 q, ring, raw, kscale;
     u32 full, empty, q_full;  // barrier addresses
   };
 
@@ -85,7 +102,8 @@ struct PrefillKernel {
     s.q = base;
     s.ring = base + kQBytes;
     s.raw = base + kQBytes + kRingBytes + kRowOffBytes;
-    s.full = s.raw + kRawBytes;
+    s.kscale = s.raw + kRawBytes;
+    s.full = s.kscale + kKScaleBytes;
     s.empty = s.full + 8 * STAGES;
     s.q_full = s.empty + 8 * STAGES;
     return s;
@@ -142,23 +160,26 @@ struct PrefillKernel {
       produce(a, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, vslice, warp, lane);
     } else {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
-      consume(a, sm, buf, head, q_begin, q0, rows, kv_len, shift, n_first, n_tiles, vslice, warp - 4, lane);
+      consume(a, sm, buf, cache, head, q_begin, q0, rows, kv_len, shift, n_first, n_tiles, vslice, warp - 4, lane);
     }
   }
 
   static __device__ __forceinline__ void produce(const PrefillArgs& a, const Smem& sm, const Buf& buf, const Cache& cache,
                                                  int b, int kv_head, int head, int q_begin, int q0, int rows,
                                                  int kv_len, int n_first, int n_tiles, int vslice, int pw, int lane) {
-    // Q: BM rows x all atoms, rows past the sequence and columns past DEPTH as zeros
-    const T* q = static_cast<const T*>(a.q);
-    for (int i = pw * 32 + lane; i < BM * kQAtoms * 8; i += 128) {
-      const int chunk = i % 8, r = (i / 8) % BM, atom = i / (8 * BM);
-      const int col = atom * 64 + chunk * 8;
-      const bool ok = r < rows && col < DEPTH;
-      const T* src = ok ? q + (i64)(q_begin + q0 + r) * a.q_stride[0] + (i64)head * a.q_stride[1] + col : q;
-      cp_async16(sm.q + (u32)(atom * BM * kAtomRowBytes) + swizzle128(r, chunk), src, ok ? 16 : 0);
+    // Q: BM rows x all atoms, rows past the sequence and columns past DEPTH as zeros (FP8 scores: the
+    // consumers stage their own rows as e4m3 terms)
+    if constexpr (!FP8_SCORES) {
+      const T* q = static_cast<const T*>(a.q);
+      for (int i = pw * 32 + lane; i < BM * kQAtoms * 8; i += 128) {
+        const int chunk = i % 8, r = (i / 8) % BM, atom = i / (8 * BM);
+        const int col = atom * 64 + chunk * 8;
+        const bool ok = r < rows && col < DEPTH;
+        const T* src = ok ? q + (i64)(q_begin + q0 + r) * a.q_stride[0] + (i64)head * a.q_stride[1] + col : q;
+        cp_async16(sm.q + (u32)(atom * BM * kAtomRowBytes) + swizzle128(r, chunk), src, ok ? 16 : 0);
+      }
+      mbar_arrive_cp_async(sm.q_full);
     }
-    mbar_arrive_cp_async(sm.q_full);
 
     const KVT* kbase = static_cast<const KVT*>(a.kv.k);
     const KVT* vbase = static_cast<const KVT*>(a.kv.v);
@@ -193,7 +214,50 @@ struct PrefillKernel {
     auto row_of = [&](i64 x, int i) -> i64 { return __shfl_sync(0xffffffffu, x, (lane / 8 + 4 * i) % 32); };
     i64 key_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : (i64)-1;
     int count = 0;
-    if constexpr (QUANTIZED) {
+    if constexpr (FP8_SCORES) {
+      // Tile t's K element (ring index 2t) is copied as codes straight into the ring, with its rows' scales
+      // beside it, and tile t's V codes into raw slot t % 2, both a tile ahead of V's conversion: the ring is
+      // filled out of order (K of t + 1 before V of t), which the per-element barriers allow. Raw slots are
+      // reused as in the path below.
+      auto issue_tile = [&](int n, i64 key_lane, int t) {
+        i64 k_lane, v_lane, ks_lane, vs_lane;
+        row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
+        const int stage = (2 * t) % STAGES;
+        mbar_wait(sm.empty + 8 * stage, (((2 * t) / STAGES) & 1) ^ 1);
+        buf.load_codes_from_dram(stage, kbase, [&](int i) { return row_of(k_lane, i); }, pw, lane);
+        if constexpr (SCALE_BLOCK > 0) {
+          if (lane < kWarpRows)
+            cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4),
+                      k_lane >= 0 ? a.kv.k_scales + ks_lane : a.kv.k_scales, k_lane >= 0 ? 4 : 0);
+        }
+        mbar_arrive_cp_async(sm.full + 8 * stage);
+        buf.template copy_raw_fp8<SCALE_BLOCK>(sm.raw + (u32)((t & 1) * kRawTileBytes), vbase, a.kv.v_scales,
+                                               [&](int r) { return __shfl_sync(0xffffffffu, v_lane, r); }, v_lane,
+                                               vs_lane, vslice * kVCols, kVCols, pw, lane);
+      };
+      if (n_tiles > 0) {
+        const i64 key_lane = key_next;
+        if (n_tiles > 1) key_next = lookup(n_first + n_tiles - 2);
+        issue_tile(n_first + n_tiles - 1, key_lane, 0);
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+      for (int it = 0; it < n_tiles; ++it) {
+        const int n = n_first + n_tiles - 1 - it;
+        if (it + 1 < n_tiles) {
+          const i64 key_lane = key_next;
+          if (it + 2 < n_tiles) key_next = lookup(n - 2);
+          issue_tile(n - 1, key_lane, it + 1);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's copies of tile it have landed
+        __syncwarp();  // and the scales its row's lane copied
+        const int idx = 2 * it + 1, stage = idx % STAGES;
+        buf.template convert_raw_fp8<SCALE_BLOCK>(stage, sm.raw + (u32)((it & 1) * kRawTileBytes), v_tensor_scale, pw,
+                                                  lane, [&] { mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1); });
+        fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
+        mbar_arrive(sm.full + 8 * stage);
+      }
+    } else if constexpr (QUANTIZED) {
       // FP8: cp.async brings tile it + 1's codes and scales into raw slot (it + 1) % 2 while tile it is
       // converted from slot it % 2 into the ring. Each lane converts exactly the codes it copied (its own
       // cp.async.wait_group orders those); a row's scales come from the row's lane, so a __syncwarp follows
@@ -269,10 +333,68 @@ struct PrefillKernel {
     asm volatile("cp.async.wait_all;" ::: "memory");  // leave only after every copy has landed
   }
 
-  static __device__ __forceinline__ void consume(const PrefillArgs& a, const Smem& sm, const Buf& buf, int head,
-                                                 int q_begin, int q0, int rows, int kv_len, int shift, int n_first,
-                                                 int n_tiles, int vslice, int warp, int lane) {
+  // FP8 scores: this thread's two query rows r0, r1 (block rows) as e4m3 hi + lo terms in shared memory. Lane c
+  // of the row's quad takes the 8-dim pieces c, c + 4, ... (zeros past the head and past the sequence); the
+  // row's factor 2^k = 256 / (power of two >= its largest |q|) puts every |q * 2^k| <= 256, hi = e4m3(q * 2^k),
+  // lo = e4m3(q * 2^k - hi) (the difference is exact in float32). Returns 2^-k per row in f0, f1.
+  static __device__ __forceinline__ void split_query(const PrefillArgs& a, const Smem& sm, int head, int q_begin,
+                                                     int q0, int rows, int r0, int r1, int c, float& f0, float& f1) {
+    const T* q = static_cast<const T*>(a.q);
+    uint4 x[2][kQ8Steps];
+    float amax[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = h ? r1 : r0;
+      const T* src = q + (i64)(q_begin + q0 + r) * a.q_stride[0] + (i64)head * a.q_stride[1];
+#pragma unroll
+      for (int t = 0; t < kQ8Steps; ++t) {
+        const int d = 8 * (c + 4 * t);
+        x[h][t] = (r < rows && d < DEPTH) ? __ldg(reinterpret_cast<const uint4*>(src + d)) : make_uint4(0, 0, 0, 0);
+        const T* e = reinterpret_cast<const T*>(&x[h][t]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax[h] = fmaxf(amax[h], fabsf(ElemTraits<T>::to_float(e[i])));
+      }
+    }
+    float up[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) up[h] = pow2_at_least(fmaxf(quad_max(amax[h]), 0x1p-100f)) * (1.f / 256.f);
+    f0 = up[0];
+    f1 = up[1];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = h ? r1 : r0;
+      const float k = 1.f / up[h];  // a power of two: exact
+#pragma unroll
+      for (int t = 0; t < kQ8Steps; ++t) {
+        const T* e = reinterpret_cast<const T*>(&x[h][t]);
+        u32 hi[2], lo[2];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float v0 = ElemTraits<T>::to_float(e[2 * i]) * k, v1 = ElemTraits<T>::to_float(e[2 * i + 1]) * k;
+          const u16 h2 = e4m3x2_from_floats(v0, v1);
+          const float2 back = floats_from_e4m3x2(h2);
+          const u16 l2 = e4m3x2_from_floats(v0 - back.x, v1 - back.y);
+          if (i % 2 == 0) {
+            hi[i / 2] = h2;
+            lo[i / 2] = l2;
+          } else {
+            hi[i / 2] |= (u32)h2 << 16;
+            lo[i / 2] |= (u32)l2 << 16;
+          }
+        }
+        const int byte = 8 * (c + 4 * t);
+        const u32 dst = sm.q + (u32)((byte / 128) * BM * kAtomRowBytes) + swizzle128(r, (byte % 128) / 16) + (byte % 16);
+        asm volatile("st.shared.v2.u32 [%0], {%1,%2};" :: "r"(dst), "r"(hi[0]), "r"(hi[1]) : "memory");
+        asm volatile("st.shared.v2.u32 [%0], {%1,%2};" :: "r"(dst + (u32)kQ8Half), "r"(lo[0]), "r"(lo[1]) : "memory");
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void consume(const PrefillArgs& a, const Smem& sm, const Buf& buf, const Cache& cache,
+                                                 int head, int q_begin, int q0, int rows, int kv_len, int shift,
+                                                 int n_first, int n_tiles, int vslice, int warp, int lane) {
     typedef Wgmma<T, BN> MmaS;
+    typedef Wgmma8<BN> MmaS8;
     typedef Wgmma<T, kVCols> MmaO;
     const int wg = warp / 4, wq = warp % 4;
     const int g = lane / 4, c = lane % 4;
@@ -287,13 +409,29 @@ struct PrefillKernel {
 
     const float scale_log2 = a.sm_scale * kLog2e;
     const bool capped = a.softcap > 0.f;
+    // Scores leave the mma as s * f_row (FP8 scores: the query's 2^-k and a per-tensor K scale; token K scales
+    // are applied per column below); f0, f1 fold into the exponent's one FMA (sl0, sl1) or the soft-cap.
+    float f0 = 1.f, f1 = 1.f;
+    if constexpr (FP8_SCORES) {
+      split_query(a, sm, head, q_begin, q0, rows, r0, r1, c, f0, f1);
+      if constexpr (SCALE_BLOCK == 0) {
+        const float ks = cache.template load_scale<0>(true, 0, 0, 0);
+        f0 *= ks;
+        f1 *= ks;
+      }
+      fence_proxy_async();  // the generic-proxy stores -> wgmma; then every warp of the warpgroup has stored
+      asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
+    } else {
+      mbar_wait(sm.q_full, 0);
+      fence_proxy_async();
+    }
+    const float sl0 = capped ? kLog2e : scale_log2 * f0, sl1 = capped ? kLog2e : scale_log2 * f1;
+    const float cap0 = a.sm_scale * f0 / a.softcap, cap1 = a.sm_scale * f1 / a.softcap;
     float o[kORegs];
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
     float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
 
-    mbar_wait(sm.q_full, 0);
-    fence_proxy_async();
     const u32 q_wg = sm.q + (u32)(wg * 64 * kAtomRowBytes);
 
     int count = 0, pending_v = -1;
@@ -301,26 +439,55 @@ struct PrefillKernel {
       const int n = n_first + n_tiles - 1 - it;
       float s[kSRegs];
       // ---- S = Q K^T over the K elements of this tile
-#pragma unroll
-      for (int e = 0; e < kKElems; ++e) {
-        const int stage = (count + e) % STAGES;
-        mbar_wait(sm.full + 8 * stage, ((count + e) / STAGES) & 1);
+      if constexpr (FP8_SCORES) {
+        const int stage = count % STAGES;
+        mbar_wait(sm.full + 8 * stage, (count / STAGES) & 1);
         fence_proxy_async();
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < Buf::num_k_mmas2; ++k) {
-          const int dim = e * BK + k * 16;
-          if (dim < DEPTH) {
-            const int qa = dim / 64;
-            const u64 qd = sw128_desc(q_wg + (u32)(qa * BM * kAtomRowBytes + (dim % 64) * 2), 1, 1024);
-            MmaS::ss(s, qd, buf.k_desc(stage, k / 4, k % 4), e > 0 || k > 0);
-          }
+        for (int k = 0; k < kQ8Steps; ++k) {
+          const u32 qa = q_wg + (u32)((k / 4) * BM * kAtomRowBytes + (k % 4) * 32);
+          const u64 kd = buf.k_desc(stage, k / 4, k % 4);
+          MmaS8::ss(s, sw128_desc(qa, 1, 1024), kd, k > 0);
+          MmaS8::ss(s, sw128_desc(qa + (u32)kQ8Half, 1, 1024), kd, 1);
         }
         wgmma_commit();
+      } else {
+#pragma unroll
+        for (int e = 0; e < kKElems; ++e) {
+          const int stage = (count + e) % STAGES;
+          mbar_wait(sm.full + 8 * stage, ((count + e) / STAGES) & 1);
+          fence_proxy_async();
+          wgmma_fence();
+#pragma unroll
+          for (int k = 0; k < Buf::num_k_mmas2; ++k) {
+            const int dim = e * BK + k * 16;
+            if (dim < DEPTH) {
+              const int qa = dim / 64;
+              const u64 qd = sw128_desc(q_wg + (u32)(qa * BM * kAtomRowBytes + (dim % 64) * 2), 1, 1024);
+              MmaS::ss(s, qd, buf.k_desc(stage, k / 4, k % 4), e > 0 || k > 0);
+            }
+          }
+          wgmma_commit();
+        }
       }
       wgmma_wait<0>();
       fence_regs(s);
       fence_regs(o);
+      if constexpr (FP8_SCORES && SCALE_BLOCK > 0) {
+        // token K scales multiply the score columns (before the mask: a masked column's scale may be zero)
+        const u32 ks = sm.kscale + (u32)(((count % STAGES) * BN + 2 * c) * 4);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          float k0, k1;
+          asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(k0), "=f"(k1) : "r"(ks + (u32)(32 * j)) : "memory");
+          s[4 * j] *= k0;
+          s[4 * j + 1] *= k1;
+          s[4 * j + 2] *= k0;
+          s[4 * j + 3] *= k1;
+        }
+        __syncwarp();  // every lane has read the scales before lane 0 releases the element
+      }
       // every wgmma so far is complete: release this tile's K elements and the previous tile's V
       if (lane == 0) {
         for (int e = 0; e < kKElems; ++e) mbar_arrive(sm.empty + 8 * ((count + e) % STAGES));
@@ -330,11 +497,9 @@ struct PrefillKernel {
 
       // ---- scores, mask, online softmax (rows r0 and r1; 4 lanes share a row). Scores stay unscaled
       // until the exponent (one FMA); soft-cap and masks are uniform branches, not per-element selects.
-      float sl2 = scale_log2;
       if (capped) {
 #pragma unroll
-        for (int i = 0; i < kSRegs; ++i) s[i] = a.softcap * tanhf(s[i] * a.sm_scale / a.softcap);
-        sl2 = kLog2e;
+        for (int i = 0; i < kSRegs; ++i) s[i] = a.softcap * tanhf(s[i] * (i % 4 < 2 ? cap0 : cap1));
       }
       const int key0 = n * BN;
       if (key0 + BN > wg_hi_min || key0 < wg_lo_max) {
@@ -357,8 +522,8 @@ struct PrefillKernel {
       mx0 = quad_max(mx0);
       mx1 = quad_max(mx1);
       // exponent base in log2 units; a row with nothing visible yet keeps base 0 (exp2(-inf) = 0)
-      const float base0 = mx0 == -CUKV_INF ? 0.f : mx0 * sl2, base1 = mx1 == -CUKV_INF ? 0.f : mx1 * sl2;
-      const float alpha0 = fast_exp2(m0 * sl2 - base0), alpha1 = fast_exp2(m1 * sl2 - base1);
+      const float base0 = mx0 == -CUKV_INF ? 0.f : mx0 * sl0, base1 = mx1 == -CUKV_INF ? 0.f : mx1 * sl1;
+      const float alpha0 = fast_exp2(m0 * sl0 - base0), alpha1 = fast_exp2(m1 * sl1 - base1);
       m0 = mx0;
       m1 = mx1;
       l0 *= alpha0;
@@ -373,8 +538,8 @@ struct PrefillKernel {
       u32 p[BN / 2];
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
-        const float e0 = fast_exp2(fmaf(s[4 * j], sl2, -base0)), e1 = fast_exp2(fmaf(s[4 * j + 1], sl2, -base0));
-        const float e2 = fast_exp2(fmaf(s[4 * j + 2], sl2, -base1)), e3 = fast_exp2(fmaf(s[4 * j + 3], sl2, -base1));
+        const float e0 = fast_exp2(fmaf(s[4 * j], sl0, -base0)), e1 = fast_exp2(fmaf(s[4 * j + 1], sl0, -base0));
+        const float e2 = fast_exp2(fmaf(s[4 * j + 2], sl1, -base1)), e3 = fast_exp2(fmaf(s[4 * j + 3], sl1, -base1));
         l0 += e0 + e1;
         l1 += e2 + e3;
         p[2 * j] = ElemTraits<T>::pack(e0, e1);
@@ -403,8 +568,7 @@ struct PrefillKernel {
     // ---- epilogue: normalize, sink, write O and LSE
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
-    const float sl2 = capped ? kLog2e : scale_log2;
-    const float base0 = m0 == -CUKV_INF ? 0.f : m0 * sl2, base1 = m1 == -CUKV_INF ? 0.f : m1 * sl2;
+    const float base0 = m0 == -CUKV_INF ? 0.f : m0 * sl0, base1 = m1 == -CUKV_INF ? 0.f : m1 * sl1;
     float d0 = l0, d1 = l1;
     if (a.sink != nullptr) {
       const float sk = a.sink[head] * kLog2e;

@@ -3,12 +3,14 @@ spills (NVRTC needs no GPU). The append kernels are covered in test_fp8_cpu.py."
 import pytest
 
 from cukv.decode import DecodeConfig
-from cukv.prefill import PrefillConfig, default_config
+from cukv.prefill import HEAD_DIMS, PrefillConfig, default_config
 
 DECODE = [("bfloat16", 128, 4, sb) for sb in (0, 32, 64, 128)] + [
     ("float16", 128, 4, 128), ("bfloat16", 64, 8, 64), ("bfloat16", 96, 4, 32), ("bfloat16", 256, 4, 256),
     ("bfloat16", 256, 8, 64), ("bfloat16", 128, 16, 32), ("bfloat16", 128, 1, 0)]
-PREFILL = [("bfloat16", d, sb) for d, sb in ((128, 128), (128, 0), (128, 32), (64, 64), (256, 256), (96, 32), (512, 64))]
+# every head dim's FP8 default at every granularity (K as codes in the e4m3 mma, or dequantized), and float16
+PREFILL = [("bfloat16", d, sb) for d in HEAD_DIMS for sb in sorted({0, d, 32, 64, 128}) if sb == 0 or d % sb == 0] + [
+    ("float16", d, d) for d in (64, 128, 256)]
 
 
 @pytest.mark.parametrize("stages", [None, 0], ids=["lane_ring", "registers"])
@@ -40,3 +42,21 @@ def test_fp8_config_domains():
         PrefillConfig("bfloat16", 128, 16, 128, 128, 128, 4, kv_dtype="fp8_e4m3", scale_block=128)
     with pytest.raises(ValueError, match="kv_dtype"):
         PrefillConfig("bfloat16", 128, 16, kv_dtype="fp8")
+
+
+def test_fp8_scores_domain():
+    ok = PrefillConfig("bfloat16", 64, 16, 192, 96, 64, 6, kv_dtype="fp8_e4m3", scale_block=64, fp8_scores=True)
+    assert "_qk8_" in ok.name and ok.q_bytes == 2 * 192 * 128 and ok.kscale_bytes == 6 * 96 * 4
+    for kw, why in ((dict(scale_block=32), "one scale per K row"), (dict(dtype="float16"), "bfloat16"),
+                    (dict(kv_dtype=None, scale_block=0), "fp8_e4m3")):
+        a = dict(dtype="bfloat16", head_dim=128, page_size=16, BM=192, BN=64, BK=128, stages=4, kv_dtype="fp8_e4m3",
+                 scale_block=128, fp8_scores=True) | kw
+        with pytest.raises(ValueError, match=f"fp8_scores.*{why}"):
+            PrefillConfig(**a)
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        PrefillConfig("bfloat16", 512, 16, 64, 32, 256, 4, kv_dtype="fp8_e4m3", scale_block=0, fp8_scores=True)
+    with pytest.raises(ValueError, match="fp8_scores"):
+        PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, fp8_scores=1)
+    assert default_config("bfloat16", 128, 16, "fp8_e4m3", 128).fp8_scores
+    assert not default_config("bfloat16", 64, 16, "fp8_e4m3", 64).fp8_scores  # measured slower at d64
+    assert not default_config("float16", 128, 16, "fp8_e4m3", 128).fp8_scores

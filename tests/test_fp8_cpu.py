@@ -403,3 +403,23 @@ def test_fp8_append_compiles_without_spills(cfg, fresh_compile_cache):
     assert r.spill_stores == 0 and r.spill_loads == 0, f"{cfg.name} spills: {r}"
     assert r.stack_frame == 0 and r.static_smem == 0, r
     assert 0 < r.registers <= 255, r
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.integers(0, 2 ** 32 - 1), st.sampled_from([64, 80, 128, 256]), st.integers(-60, 60))
+def test_split_query_keeps_bf16_values(seed, d, exp):
+    """prefill's FP8-scores query (two e4m3 terms per element, a power of two per row): every bf16 element at
+    or above 2^-9 of its row's largest comes back exactly, and nothing moves by more than 2^-16 of that."""
+    from cukv.dtypes import from_storage, to_storage
+
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((6, 3, d)) * np.exp2(exp + rng.integers(-8, 8, (6, 3, 1)))
+    q[0, 0] = 0.0  # an all-zero row
+    q[1, 1, : d // 2] *= 2.0 ** -20  # elements far below the row's largest
+    q = from_storage(to_storage(q.astype(np.float32), "bfloat16"), "bfloat16")
+    got = fp8.split_query(q)
+    amax = np.max(np.abs(q), axis=-1, keepdims=True)
+    big = np.abs(q) >= amax * 2.0 ** -9
+    assert np.array_equal(got[big], q[big])
+    assert np.all(np.abs(got - q) <= amax * 2.0 ** -16)
+    assert np.all(got[0, 0] == 0.0)
