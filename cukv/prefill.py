@@ -330,8 +330,10 @@ class BatchPrefill:
     dtype : {'bfloat16', 'float16'}
         Query and output type (and the cache's, unless ``kv_dtype`` says otherwise).
     kv_dtype : {None, 'fp8_e4m3'}
-        An FP8 paged cache: the producer warps dequantize K/V (``code * scale``, rounded to ``dtype``) into
-        shared memory, so the tensor cores run at the 16-bit rate.
+        An FP8 paged cache. With bf16 queries and token or tensor scales (head dims 80-256), K stays e4m3
+        and ``S = Q K^T`` runs on the e4m3 tensor cores against the query split into two e4m3 terms
+        (``PrefillConfig.fp8_scores``); the producer warps dequantize V (and otherwise K too: ``code *
+        scale``, rounded to ``dtype``) into shared memory, so P V runs at the 16-bit rate.
     scale_granularity : {'token', 'tensor', 32, 64, 128}
         The FP8 cache's granularity (default 'token').
     config : PrefillConfig, optional

@@ -213,27 +213,40 @@ struct PrefillKernel {
     };
     auto row_of = [&](i64 x, int i) -> i64 { return __shfl_sync(0xffffffffu, x, (lane / 8 + 4 * i) % 32); };
     i64 key_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : (i64)-1;
-    int count = 0;
-    if constexpr (FP8_SCORES) {
-      // Tile t's K element (ring index 2t) is copied as codes straight into the ring, with its rows' scales
-      // beside it, and tile t's V codes into raw slot t % 2, both a tile ahead of V's conversion: the ring is
-      // filled out of order (K of t + 1 before V of t), which the per-element barriers allow. Raw slots are
-      // reused as in the path below.
+    if constexpr (QUANTIZED) {
+      // FP8: cp.async brings tile it + 1's codes and scales into raw slot (it + 1) % 2 while tile it is
+      // converted from slot it % 2 into the ring (tile t's elements are ring indices t * (kKElems + 1) + e, V
+      // last). Each lane converts exactly the codes it copied (its own cp.async.wait_group orders those); a
+      // row's scales come from the row's lane, so a __syncwarp follows the wait. Refilling a slot is ordered
+      // after every lane's reads of it by the full-warp shuffles at the start of copy_raw_fp8 (before its
+      // scale copies), which no lane passes before all have finished converting the previous tile.
+      // FP8_SCORES: the raw slot holds V only; the K element is copied as codes straight into the ring, with
+      // its rows' scales beside it, when the tile is issued (a tile ahead of V's conversion: the ring fills out
+      // of order, which the per-element barriers allow).
       auto issue_tile = [&](int n, i64 key_lane, int t) {
         i64 k_lane, v_lane, ks_lane, vs_lane;
         row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
-        const int stage = (2 * t) % STAGES;
-        mbar_wait(sm.empty + 8 * stage, (((2 * t) / STAGES) & 1) ^ 1);
-        buf.load_codes_from_dram(stage, kbase, [&](int i) { return row_of(k_lane, i); }, pw, lane);
-        if constexpr (SCALE_BLOCK > 0) {
-          if (lane < kWarpRows)
-            cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4),
-                      k_lane >= 0 ? a.kv.k_scales + ks_lane : a.kv.k_scales, k_lane >= 0 ? 4 : 0);
+        const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes);
+        if constexpr (FP8_SCORES) {
+          const int idx = t * (kKElems + 1), stage = idx % STAGES;
+          mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
+          buf.load_codes_from_dram(stage, kbase, [&](int i) { return row_of(k_lane, i); }, pw, lane);
+          if constexpr (SCALE_BLOCK > 0) {
+            if (lane < kWarpRows)
+              cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4),
+                        k_lane >= 0 ? a.kv.k_scales + ks_lane : a.kv.k_scales, k_lane >= 0 ? 4 : 0);
+          }
+          mbar_arrive_cp_async(sm.full + 8 * stage);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kKElems; ++e)
+            buf.template copy_raw_fp8<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), kbase, a.kv.k_scales,
+                                                   [&](int r) { return __shfl_sync(0xffffffffu, k_lane, r); }, k_lane,
+                                                   ks_lane, e * BK, min(BK, DEPTH - e * BK), pw, lane);
         }
-        mbar_arrive_cp_async(sm.full + 8 * stage);
-        buf.template copy_raw_fp8<SCALE_BLOCK>(sm.raw + (u32)((t & 1) * kRawTileBytes), vbase, a.kv.v_scales,
-                                               [&](int r) { return __shfl_sync(0xffffffffu, v_lane, r); }, v_lane,
-                                               vs_lane, vslice * kVCols, kVCols, pw, lane);
+        buf.template copy_raw_fp8<SCALE_BLOCK>(slot + (u32)((FP8_SCORES ? 0 : kKElems) * kRawElemBytes), vbase,
+                                               a.kv.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, v_lane, r); },
+                                               v_lane, vs_lane, vslice * kVCols, kVCols, pw, lane);
       };
       if (n_tiles > 0) {
         const i64 key_lane = key_next;
@@ -251,64 +264,20 @@ struct PrefillKernel {
         asm volatile("cp.async.commit_group;" ::: "memory");
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's copies of tile it have landed
         __syncwarp();  // and the scales its row's lane copied
-        const int idx = 2 * it + 1, stage = idx % STAGES;
-        buf.template convert_raw_fp8<SCALE_BLOCK>(stage, sm.raw + (u32)((it & 1) * kRawTileBytes), v_tensor_scale, pw,
-                                                  lane, [&] { mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1); });
-        fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
-        mbar_arrive(sm.full + 8 * stage);
-      }
-    } else if constexpr (QUANTIZED) {
-      // FP8: cp.async brings tile it + 1's codes and scales into raw slot (it + 1) % 2 while tile it is
-      // converted from slot it % 2 into the ring. Each lane converts exactly the codes it copied (its own
-      // cp.async.wait_group orders those); a row's scales come from the row's lane, so a __syncwarp follows
-      // the wait. Refilling a slot is ordered after every lane's reads of it by the full-warp shuffles at the
-      // start of copy_raw_fp8 (before its scale copies), which no lane passes before all have finished converting the previous tile.
-      auto issue_raw = [&](int n, i64 key_lane, int slot) {
-        i64 k_lane, v_lane, ks_lane, vs_lane;
-        row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
+        const u32 slot = sm.raw + (u32)((it & 1) * kRawTileBytes);
 #pragma unroll
-        for (int e = 0; e <= kKElems; ++e) {
-          const u32 dst = sm.raw + (u32)(slot * kRawTileBytes + e * kRawElemBytes);
-          if (e < kKElems)
-            buf.template copy_raw_fp8<SCALE_BLOCK>(dst, kbase, a.kv.k_scales,
-                                                   [&](int r) { return __shfl_sync(0xffffffffu, k_lane, r); }, k_lane,
-                                                   ks_lane, e * BK, min(BK, DEPTH - e * BK), pw, lane);
-          else
-            buf.template copy_raw_fp8<SCALE_BLOCK>(dst, vbase, a.kv.v_scales,
-                                                   [&](int r) { return __shfl_sync(0xffffffffu, v_lane, r); }, v_lane,
-                                                   vs_lane, vslice * kVCols, kVCols, pw, lane);
-        }
-      };
-      if (n_tiles > 0) {
-        const i64 key_lane = key_next;
-        if (n_tiles > 1) key_next = lookup(n_first + n_tiles - 2);
-        issue_raw(n_first + n_tiles - 1, key_lane, 0);
-      }
-      asm volatile("cp.async.commit_group;" ::: "memory");
-      for (int it = 0; it < n_tiles; ++it) {
-        const int n = n_first + n_tiles - 1 - it;
-        if (it + 1 < n_tiles) {
-          const i64 key_lane = key_next;
-          if (it + 2 < n_tiles) key_next = lookup(n - 2);
-          issue_raw(n - 1, key_lane, (it + 1) & 1);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's copies of tile it have landed
-        __syncwarp();  // and the scales its row's lane copied
-#pragma unroll
-        for (int e = 0; e <= kKElems; ++e) {
-          const int stage = count % STAGES;
+        for (int e = FP8_SCORES ? kKElems : 0; e <= kKElems; ++e) {
+          const int idx = it * (kKElems + 1) + e, stage = idx % STAGES;
           const bool is_k = e < kKElems;
           buf.template convert_raw_fp8<SCALE_BLOCK>(
-              stage, sm.raw + (u32)((it & 1) * kRawTileBytes + e * kRawElemBytes),
-              is_k ? k_tensor_scale : v_tensor_scale, pw, lane,
-              [&] { mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1); });
+              stage, slot + (u32)((FP8_SCORES ? 0 : e) * kRawElemBytes), is_k ? k_tensor_scale : v_tensor_scale, pw,
+              lane, [&] { mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1); });
           fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
           mbar_arrive(sm.full + 8 * stage);
-          ++count;
         }
       }
     } else {
+      int count = 0;
       for (int it = 0; it < n_tiles; ++it) {
         const int n = n_first + n_tiles - 1 - it;
         const i64 key_lane = key_next;
