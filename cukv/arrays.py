@@ -111,6 +111,15 @@ def check_contiguous(a, arg: str) -> None:
         raise ValueError(f"{arg} must be C-contiguous (strides {a.strides}); use cupy.ascontiguousarray({arg})")
 
 
+def check_aligned(a, arg: str, nbytes: int) -> None:
+    """Kernels load and store with vector instructions: a view that starts mid-vector (a DLPack tensor with an
+    odd storage offset) would fault on the device, so it is refused here."""
+    addr = int(a.data.ptr)
+    if addr % nbytes:
+        raise ValueError(f"{arg} starts at device address {addr:#x}, which is not {nbytes}-byte aligned; pass an "
+                         f"array whose data starts on a {nbytes}-byte boundary (e.g. cupy.ascontiguousarray of a copy)")
+
+
 def elem_strides(a) -> tuple[int, ...]:
     return tuple(s // a.itemsize for s in a.strides)
 

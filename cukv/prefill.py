@@ -13,7 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from . import compiler
-from .arrays import as_device, attention_outputs, check_contiguous, element_dtype
+from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
 from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
 from .operand import KV_PARAMS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 
@@ -442,9 +442,11 @@ class BatchPrefill:
             raise ValueError(f"q has shape {tuple(qd.shape)}; expected [{self.total_q}, {self.num_qo_heads}, "
                              f"{self.head_dim}] (total_q from plan)")
         check_contiguous(qd, "q")
+        check_aligned(qd, "q", 16)  # 16-byte loads of query rows
         rec = np.zeros((), PREFILL_ARGS)
         rec["kv"] = self._kv_params(kv)
         out, lse, sink = attention_outputs(qd, out, lse, self.total_q, self.num_qo_heads, return_lse, sink, softcap)
+        check_aligned(out, "out", 4)  # stores of value pairs
         rec["q"], rec["out"], rec["lse"], rec["sink"] = ptr(qd), ptr(out), ptr(lse), ptr(sink)
         rec["q_offsets"], rec["work"] = ptr(self._q_offsets), ptr(self._work)
         rec["q_stride"] = (qd.strides[0] // 2, qd.strides[1] // 2)

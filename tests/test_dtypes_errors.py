@@ -218,3 +218,13 @@ def test_paged_kv_check_names_the_wrong_types():
 
     with pytest.raises(TypeError, match="BatchDecode reads a PagedKVCache through a PageTable; got dict and list"):
         check_paged_kv("BatchDecode", DecodeConfig(), 2, {}, [])
+
+
+def test_check_aligned_names_the_argument_and_boundary():
+    from types import SimpleNamespace
+
+    from cukv.arrays import check_aligned
+
+    check_aligned(SimpleNamespace(data=SimpleNamespace(ptr=0x7F0000000100)), "q", 16)
+    with pytest.raises(ValueError, match=r"q starts at device address 0x7f0000000102, which is not 16-byte aligned"):
+        check_aligned(SimpleNamespace(data=SimpleNamespace(ptr=0x7F0000000102)), "q", 16)

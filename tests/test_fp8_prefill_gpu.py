@@ -107,3 +107,17 @@ def test_one_shot_and_contiguous_rejected(rng):
     assert_close(from_storage(out.get(), "bfloat16"), ref_o, "bfloat16")
     with pytest.raises(ValueError, match="paged cache"):
         cukv.BatchPrefill(8, 2, 128, None, "bfloat16", kv_dtype="fp8_e4m3")
+
+
+def test_misaligned_query_and_output_are_refused(rng):
+    import cupy as cp
+
+    case = _case(rng, [64], [10], 8, 2, 128, 16, "bfloat16", "token")
+    pf = cukv.BatchPrefill(8, 2, 128, 16, "bfloat16", kv_dtype="fp8_e4m3").plan(case["q_offsets"], case["kv_lens"])
+    flat = cp.empty(case["q"].size + 8, case["q"].dtype)
+    q = flat[1:1 + case["q"].size].reshape(case["q"].shape)  # contiguous, 2 bytes past a 16-byte boundary
+    q[...] = case["q"]
+    with pytest.raises(ValueError, match="q starts at device address .* not 16-byte aligned"):
+        pf.run(q, (case["cache"], case["table"]))
+    with pytest.raises(ValueError, match="out starts at device address .* not 4-byte aligned"):
+        pf.run(case["q"], (case["cache"], case["table"]), out=q)
