@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# A/B of header macros on the device, one call: for each variant ("NAME=VAL NAME2=VAL", "" = as checked in),
+# rewrite `#define NAME ...` in templates/*.cuh ("@DIR": copy DIR's templates over them instead), compile the probe's kernels in parallel, then run
+# benchmarks/probe_prefill_fp8.py (bf16 default beside the FP8 default) on the bench shapes. The tree is
+# restored after each variant. Logs under ${OUT:-out}.
+#   OUT=$OUT bash benchmarks/ab_macros.sh "" "CUKV_OVERLAP=0" "CUKV_PINGPONG=1"
+set -u
+out=${OUT:-out}; mkdir -p "$out"
+export PYTHONPATH=$(pwd) PYTHONUNBUFFERED=1
+shapes=${SHAPES:-4x4096x32x8x128,1x16384x32x8x128,8x2048x32x32x128,4x4096x16x16x256,8x2048x32x8x64}
+cp -r templates "$out/.templates.orig"
+i=0
+for variant in "$@"; do
+  i=$((i + 1))
+  if [[ "$variant" == @* ]]; then
+    cp "${variant#@}"/* templates/  # another tree's templates
+  else
+    for kv in $variant; do
+      sed -i "s/^#define ${kv%%=*} .*/#define ${kv%%=*} ${kv#*=}/" templates/*.cuh
+    done
+  fi
+  export CUKV_CACHE_DIR=$(pwd)/.cache/ab$i
+  echo "=== variant $i: ${variant:-as checked in}" | tee -a "$out/ab.log"
+  python3 - "$shapes" <<'PY' 2>&1 | tail -3
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from cukv.prefill import default_config
+def build(c):
+    return c.compiled.functions[c.name].registers
+cfgs = set()
+for s in sys.argv[1].split(","):
+    d = int(s.split("x")[4])
+    cfgs |= {default_config("bfloat16", d, 16), default_config("bfloat16", d, 16, "fp8_e4m3", d)}
+with ProcessPoolExecutor(16) as ex:
+    list(ex.map(build, cfgs))
+print("compiled", len(cfgs))
+PY
+  python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} 2>&1 | tee -a "$out/ab.log"
+  rm -rf templates && cp -r "$out/.templates.orig" templates
+done
+rm -rf "$out/.templates.orig"
