@@ -21,7 +21,6 @@ def main():
     ap.add_argument("--configs", default="", help="BM:BN:stages[:fp8_scores] per FP8 candidate (empty: the default only)")
     ap.add_argument("--gran", default="token")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--pack", default="", help="comma-separated pack_gqa values to time (0/1) beside the default")
     args = ap.parse_args()
     timer = Timer()
     for shape in args.shapes.split(","):
@@ -33,10 +32,6 @@ def main():
         out = cp.empty_like(q)
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
         fns = {"bf16 " + bf.config.name: lambda: bf.run(q, (cache, pt), out=out)}
-        packs = [p == "1" for p in args.pack.split(",") if p]
-        for pk in packs:
-            b2 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, pack_gqa=pk).plan(offsets, lengths, mask="causal")
-            fns[f"bf16 pack={int(pk)}"] = (lambda b2=b2: b2.run(q, (cache, pt), out=out))
         base = default_config(DTYPE, d, PAGE_SIZE, "fp8_e4m3", sb)
         cfgs = [base]
         for f in (c.split(":") for c in args.configs.split(",") if c):
@@ -50,11 +45,6 @@ def main():
                                    scale_granularity=fcache.scale_granularity, config=cfg)
             pf.plan(offsets, lengths, mask="causal")
             fns["fp8 " + cfg.name] = (lambda pf=pf: pf.run(q, (fcache, pt), out=out))
-            for pk in packs:
-                p2 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                                       scale_granularity=fcache.scale_granularity, config=cfg, pack_gqa=pk)
-                p2.plan(offsets, lengths, mask="causal")
-                fns[f"fp8 pack={int(pk)} " + cfg.name[-12:]] = (lambda p2=p2: p2.run(q, (fcache, pt), out=out))
         got = interleaved_medians(timer, fns, reps=5 * args.rounds, rounds=args.rounds)
         t0 = next(iter(got.values()))
         print(shape, " | ".join(f"{n} {t:.3f} ms bf16/x {t0 / t:.2f}" for n, t in got.items()), flush=True)

@@ -63,5 +63,5 @@ PREFILL_ARGS = np.dtype([
     ("q", "u8"), ("out", "u8"), ("lse", "u8"), ("sink", "u8"), ("q_offsets", "u8"), ("work", "u8"),
     ("q_stride", "i8", (2,)), ("o_stride", "i8", (2,)),
     ("sm_scale", "f4"), ("softcap", "f4"), ("window", "i4"), ("chunk", "i4"), ("num_qo_heads", "i4"),
-    ("group", "i4"), ("causal", "i4"), ("pack", "i4"),
+    ("group", "i4"), ("causal", "i4"), ("pad_", "i4"),
 ], align=True)

@@ -316,16 +316,6 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
     return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st)
 
 
-def default_pack_gqa(config: PrefillConfig, group: int) -> bool:
-    """Whether a block takes the rows of all ``group`` query heads of its KV head by default (``pack_gqa``)."""
-    return PACK_GQA_DEFAULT and 1 < group <= config.BM // 8
-
-
-#: pack GQA groups into the block by default (H100, both cache types: 1-7% faster at h32/8, benchmarks/NOTES.md
-#: session 10); groups past BM / 8 stay unpacked (fewer than 8 positions a block)
-PACK_GQA_DEFAULT = True
-
-
 class BatchPrefill:
     """Ragged prefill over a paged KV cache (``page_size``) or contiguous K/V (``page_size=None``).
 
@@ -348,10 +338,6 @@ class BatchPrefill:
         The FP8 cache's granularity (default 'token').
     config : PrefillConfig, optional
         Tile shape; by default the documented per-head-dim default (or an autotuned winner).
-    pack_gqa : bool, optional
-        Let one block take ``BM / group`` query positions of all ``group`` query heads that share a KV head
-        (FlashAttention-3's ``pack_gqa``), so each K/V tile is gathered (and an FP8 V tile dequantized) once
-        per group instead of once per head. Needs ``group <= BM``; ``None`` takes the measured default.
 
     Examples
     --------
@@ -369,8 +355,7 @@ class BatchPrefill:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int | None = 16,
-                 dtype="bfloat16", config: PrefillConfig | None = None, kv_dtype=None, scale_granularity=None,
-                 pack_gqa: bool | None = None):
+                 dtype="bfloat16", config: PrefillConfig | None = None, kv_dtype=None, scale_granularity=None):
         from .arrays import canonical_dtype
         from .fp8 import resolve_kv
 
@@ -395,16 +380,6 @@ class BatchPrefill:
                              f"kv_dtype={kvd}, scale block {sb}")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size, self.dtype, self.config = int(head_dim), page_size, dt, config
-        group = self.num_qo_heads // self.num_kv_heads
-        if pack_gqa is not None and not isinstance(pack_gqa, (bool, np.bool_)):
-            raise TypeError(f"pack_gqa={pack_gqa!r} must be True, False or None (the default for this config)")
-        if pack_gqa and group > config.BM:
-            raise ValueError(f"pack_gqa=True needs at most BM = {config.BM} query heads per KV head (the group "
-                             f"is {group}); use pack_gqa=False or a config with a larger BM")
-        if pack_gqa is None:
-            pack_gqa = default_pack_gqa(config, group)
-        #: query heads per block: the GQA group when its rows share the block (``pack_gqa``), else 1
-        self.pack = group if pack_gqa and group > 1 else 1
         self._planned = False
 
     def plan(self, q_offsets, kv_lengths, *, mask: str = "causal", window: int | None = None,
@@ -431,10 +406,9 @@ class BatchPrefill:
         cfg = self.config
         q_lens = np.diff(qo)
         work = []
-        rows = cfg.BM // self.pack  # query positions per block
         for s in range(b):
-            for t in range(-(-int(q_lens[s]) // rows)):
-                work.append((_tile_cost(int(q_lens[s]), int(kl[s]), t, rows, cfg.BN, mask, window, chunk), s, t))
+            for t in range(-(-int(q_lens[s]) // cfg.BM)):
+                work.append((_tile_cost(int(q_lens[s]), int(kl[s]), t, cfg, mask, window, chunk), s, t))
         work.sort(key=lambda w: -w[0])  # longest first: the tail of the grid is short blocks
         arr = np.array([(s, t) for _, s, t in work], np.int32).reshape(-1, 2)
         self.batch_size, self.total_q = b, int(qo[-1])
@@ -483,10 +457,9 @@ class BatchPrefill:
         rec["softcap"] = float(softcap or 0.0)
         rec["window"], rec["chunk"], rec["causal"] = self._window, self._chunk, int(self._mask == "causal")
         rec["num_qo_heads"], rec["group"] = self.num_qo_heads, self.num_qo_heads // self.num_kv_heads
-        rec["pack"] = self.pack
         if self._num_work:
             with (stream or cp.cuda.get_current_stream()):
-                self._fn((self.num_qo_heads // self.pack, self._num_work, cfg.num_v_slices), (cfg.num_threads,),
+                self._fn((self.num_qo_heads, self._num_work, cfg.num_v_slices), (cfg.num_threads,),
                          (as_kernel_arg(rec),), shared_mem=cfg.smem_bytes)
         return (out, lse) if return_lse else out
 
@@ -535,10 +508,10 @@ class BatchPrefill:
         return rec
 
 
-def _tile_cost(q_len, kv_len, t, rows, bn, mask, window, chunk) -> int:
-    """KV tiles a block of ``rows`` query positions visits (for ordering the work list)."""
+def _tile_cost(q_len, kv_len, t, cfg, mask, window, chunk) -> int:
+    """KV tiles a query tile visits (for ordering the work list)."""
     shift = kv_len - q_len
-    p_first, p_last = shift + t * rows, shift + min(q_len, (t + 1) * rows) - 1
+    p_first, p_last = shift + t * cfg.BM, shift + min(q_len, (t + 1) * cfg.BM) - 1
     hi = kv_len if mask == "none" else min(kv_len, p_last + 1)
     lo = 0
     if window:
@@ -546,7 +519,7 @@ def _tile_cost(q_len, kv_len, t, rows, bn, mask, window, chunk) -> int:
     if chunk:
         lo = max(lo, p_first // chunk * chunk)
         hi = min(hi, (p_last // chunk + 1) * chunk)
-    return max(0, -(-(hi - lo) // bn))
+    return max(0, -(-(hi - lo) // cfg.BN))
 
 
 def _host_ints(x, name):

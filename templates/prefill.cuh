@@ -1,7 +1,6 @@
 // Ragged prefill over a paged (or contiguous) KV cache on Hopper: warp-specialized, wgmma.
 //
-// A block owns BM query rows of one sequence (BM positions of one query head, or with GQA packing BM / group
-// positions of each head of a KV head's group: PrefillArgs::pack) and walks its visible KV tiles from the last
+// A block owns BM query rows of one (sequence, query head) and walks its visible KV tiles from the last
 // (the masked diagonal) to the first. One producer warp gathers K and V rows through the page table with
 // cp.async into the KVBuffer ring; BM / 64 consumer warpgroups each compute S = Q K^T for 64 rows with
 // wgmma (Q and K from shared memory), run the online softmax in registers, and accumulate O += P V with P
@@ -29,7 +28,7 @@ struct alignas(8) PrefillArgs {
   int num_qo_heads;
   int group;
   int causal;
-  int pack;             // query heads per block: 1, or the GQA group (its heads' rows share the block's K/V tiles)
+  int pad_;
 };
 
 // QUANTIZED: an FP8 e4m3 cache (scales per SCALE_BLOCK dims, 0 = per tensor). The producer dequantizes V
@@ -127,22 +126,18 @@ struct PrefillKernel {
   static __device__ void run(const PrefillArgs& a) {
     extern __shared__ unsigned char smem_raw[];
     const Smem sm = carve(smem_raw);
-    // Row r of the block is query position q0 + r / pack of head `head + r % pack` (pack 1: one head per
-    // block; pack = group: all query heads of a KV head, so each K/V tile is loaded, and FP8 V converted, once
-    // for the group).
-    const int pack = a.pack;
-    const int head = blockIdx.x * pack;
+    const int head = blockIdx.x;
     const int b = a.work[2 * blockIdx.y], qtile = a.work[2 * blockIdx.y + 1];
     const int vslice = blockIdx.z;
     const int kv_head = head / a.group;
     const Cache cache(a.kv);
     const int q_begin = a.q_offsets[b], q_len = a.q_offsets[b + 1] - q_begin;
     const int kv_len = cache.cache_length(b);
-    const int q0 = qtile * (BM / pack);
-    const int rows = min(BM / pack, q_len - q0) * pack;  // rows past it (and past BM / pack * pack) are idle
+    const int q0 = qtile * BM;
+    const int rows = min(BM, q_len - q0);
     const int shift = kv_len - q_len;  // query i sits at position shift + i
     // the block's key range: union over its rows (positions shift+q0 .. shift+q0+rows-1)
-    const int p_first = shift + q0, p_last = shift + q0 + rows / pack - 1;
+    const int p_first = shift + q0, p_last = shift + q0 + rows - 1;
     const int lo = max(0, key_lo(a, p_first));
     const int hi = min(kv_len, key_hi(a, p_last, kv_len));
     const int n_first = lo / BN;
@@ -180,8 +175,7 @@ struct PrefillKernel {
         const int chunk = i % 8, r = (i / 8) % BM, atom = i / (8 * BM);
         const int col = atom * 64 + chunk * 8;
         const bool ok = r < rows && col < DEPTH;
-        const T* src =
-            ok ? q + (i64)(q_begin + q0 + r / a.pack) * a.q_stride[0] + (i64)(head + r % a.pack) * a.q_stride[1] + col : q;
+        const T* src = ok ? q + (i64)(q_begin + q0 + r) * a.q_stride[0] + (i64)head * a.q_stride[1] + col : q;
         cp_async16(sm.q + (u32)(atom * BM * kAtomRowBytes) + swizzle128(r, chunk), src, ok ? 16 : 0);
       }
       mbar_arrive_cp_async(sm.q_full);
@@ -320,7 +314,7 @@ struct PrefillKernel {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = h ? r1 : r0;
-      const T* src = q + (i64)(q_begin + q0 + r / a.pack) * a.q_stride[0] + (i64)(head + r % a.pack) * a.q_stride[1];
+      const T* src = q + (i64)(q_begin + q0 + r) * a.q_stride[0] + (i64)head * a.q_stride[1];
 #pragma unroll
       for (int t = 0; t < kQ8Steps; ++t) {
         const int d = 8 * (c + 4 * t);
@@ -375,12 +369,11 @@ struct PrefillKernel {
     const int g = lane / 4, c = lane % 4;
     // this thread's two rows (within the block) and their positions
     const int r0 = wg * 64 + wq * 16 + g, r1 = r0 + 8;
-    const int pack = a.pack;
-    const int p0 = shift + q0 + r0 / pack, p1 = shift + q0 + r1 / pack;
+    const int p0 = shift + q0 + r0, p1 = shift + q0 + r1;
     const int hi0 = key_hi(a, p0, kv_len), hi1 = key_hi(a, p1, kv_len);
     const int lo0 = key_lo(a, p0), lo1 = key_lo(a, p1);
     // positions of the warpgroup's rows bound which tiles need the element-wise mask
-    const int wp_first = shift + q0 + wg * 64 / pack, wp_last = shift + q0 + (wg * 64 + 63) / pack;
+    const int wp_first = shift + q0 + wg * 64, wp_last = wp_first + 63;
     const int wg_hi_min = key_hi(a, wp_first, kv_len), wg_lo_max = key_lo(a, wp_last);
 
     const float scale_log2 = a.sm_scale * kLog2e;
@@ -547,29 +540,28 @@ struct PrefillKernel {
     const float base0 = m0 == -CUKV_INF ? 0.f : m0 * sl0, base1 = m1 == -CUKV_INF ? 0.f : m1 * sl1;
     float d0 = l0, d1 = l1;
     if (a.sink != nullptr) {
-      d0 += fast_exp2(a.sink[head + r0 % pack] * kLog2e - base0);
-      d1 += fast_exp2(a.sink[head + r1 % pack] * kLog2e - base1);
+      const float sk = a.sink[head] * kLog2e;
+      d0 += fast_exp2(sk - base0);
+      d1 += fast_exp2(sk - base1);
     }
     const float inv0 = d0 > 0.f ? 1.f / d0 : 0.f, inv1 = d1 > 0.f ? 1.f / d1 : 0.f;
     T* out = static_cast<T*>(a.out);
-    const i64 tok0 = q_begin + q0 + r0 / pack, tok1 = q_begin + q0 + r1 / pack;
-    const int h0 = head + r0 % pack, h1 = head + r1 % pack;
     const int col_base = vslice * kVCols;
 #pragma unroll
     for (int j = 0; j < kORegs / 4; ++j) {
       const int col = col_base + 8 * j + 2 * c;
       if (r0 < rows)
-        *reinterpret_cast<u32*>(out + tok0 * a.o_stride[0] + (i64)h0 * a.o_stride[1] + col) =
+        *reinterpret_cast<u32*>(out + (i64)(q_begin + q0 + r0) * a.o_stride[0] + (i64)head * a.o_stride[1] + col) =
             ElemTraits<T>::pack(o[4 * j] * inv0, o[4 * j + 1] * inv0);
       if (r1 < rows)
-        *reinterpret_cast<u32*>(out + tok1 * a.o_stride[0] + (i64)h1 * a.o_stride[1] + col) =
+        *reinterpret_cast<u32*>(out + (i64)(q_begin + q0 + r1) * a.o_stride[0] + (i64)head * a.o_stride[1] + col) =
             ElemTraits<T>::pack(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
     }
     if (a.lse != nullptr && c == 0 && vslice == 0) {
       if (r0 < rows)
-        a.lse[tok0 * a.num_qo_heads + h0] = l0 > 0.f ? (base0 + __log2f(l0)) * kLn2 : -CUKV_INF;
+        a.lse[(i64)(q_begin + q0 + r0) * a.num_qo_heads + head] = l0 > 0.f ? (base0 + __log2f(l0)) * kLn2 : -CUKV_INF;
       if (r1 < rows)
-        a.lse[tok1 * a.num_qo_heads + h1] = l1 > 0.f ? (base1 + __log2f(l1)) * kLn2 : -CUKV_INF;
+        a.lse[(i64)(q_begin + q0 + r1) * a.num_qo_heads + head] = l1 > 0.f ? (base1 + __log2f(l1)) * kLn2 : -CUKV_INF;
     }
   }
 };

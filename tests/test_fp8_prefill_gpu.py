@@ -26,13 +26,11 @@ def _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran):
                                head_dim=d, page_size=ps, dtype=dtype, kv_dtype="fp8_e4m3", scale_granularity=gran)
 
 
-def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="token", config=None, pack_gqa=None,
-           **kw):
+def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="token", config=None, **kw):
     import cupy as cp
 
     case = _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran)
-    pf = cukv.BatchPrefill(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran, config=config,
-                           pack_gqa=pack_gqa)
+    pf = cukv.BatchPrefill(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran, config=config)
     plan_kw = {k: kw.pop(k) for k in ("mask", "window", "chunk") if k in kw}
     pf.plan(case["q_offsets"], case["kv_lens"], **plan_kw)
     nan = np.float16(np.nan) if dtype == "float16" else np.uint16(0x7FC0)
@@ -77,15 +75,6 @@ def test_both_paths_at_d64_and_d128(rng, fp8_scores):
 @pytest.mark.parametrize("ps", [1, 48, 256])
 def test_page_sizes(rng, ps):
     _check(rng, [129, 40], [333, 0], 8, 8, 128, ps, "bfloat16", 64)
-
-
-@pytest.mark.parametrize("pack", [False, True])
-@pytest.mark.parametrize("d,gran", [(128, "token"), (64, "tensor")])  # e4m3 scores, and dequantized K
-def test_pack_gqa(rng, pack, d, gran):
-    import cupy as cp
-
-    sink = cp.asarray(rng.standard_normal(12).astype(np.float32))
-    _check(rng, [250, 90, 3], [0, 500, 7], 12, 2, d, 16, "bfloat16", gran, pack_gqa=pack, window=100, sink=sink)
 
 
 def test_masks_sink_softcap(rng):

@@ -304,16 +304,3 @@ def test_configs_are_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.BM = 64
     assert {cfg: 1}[PrefillConfig()] == 1 and {cfg.kv_buffer: 1}[KVBufferConfig()] == 1
-
-
-def test_pack_gqa_domain():
-    import cukv
-
-    assert cukv.BatchPrefill(12, 2, 128, 16, pack_gqa=True).pack == 6
-    assert cukv.BatchPrefill(12, 12, 128, 16, pack_gqa=True).pack == 1  # no group to pack
-    assert cukv.BatchPrefill(12, 2, 128, 16, pack_gqa=False).pack == 1
-    with pytest.raises(ValueError, match="pack_gqa=True needs at most BM = 192 query heads per KV head"):
-        cukv.BatchPrefill(256, 1, 128, 16, pack_gqa=True)
-    assert cukv.BatchPrefill(256, 1, 128, 16).pack == 1  # the default leaves groups past BM / 8 unpacked
-    with pytest.raises(TypeError, match="pack_gqa='yes' must be True, False or None"):
-        cukv.BatchPrefill(8, 2, 128, 16, pack_gqa="yes")

@@ -66,12 +66,12 @@ def _reference(case, hq, causal=True, window=None, chunk=None, softcap=None, sin
 
 
 def _run(case, hq, hkv, d, page_size, dtype="bfloat16", mask="causal", window=None, chunk=None, softcap=None,
-         sink=None, config=None, pack_gqa=None):
+         sink=None, config=None):
     import cupy as cp
 
     import cukv
 
-    pf = cukv.BatchPrefill(hq, hkv, d, page_size=page_size or None, dtype=dtype, config=config, pack_gqa=pack_gqa)
+    pf = cukv.BatchPrefill(hq, hkv, d, page_size=page_size or None, dtype=dtype, config=config)
     pf.plan(case["q_offsets"], case["kv_lens"], mask=mask, window=window, chunk=chunk)
     out = cp.full(case["q"].shape, 0x7FC0 if dtype == "bfloat16" else np.nan, case["q"].dtype)  # NaN-poisoned
     lse = cp.full((case["q"].shape[0], hq), np.nan, cp.float32)
@@ -118,23 +118,6 @@ def test_prefill_masks(rng, mask, window, chunk, softcap, sink, page):
     sk = rng.standard_normal(hq).astype(np.float32) * 2 if sink else None
     out, lse = _run(case, hq, hkv, d, page, mask=mask, window=window, chunk=chunk, softcap=softcap, sink=sk)
     want_o, want_lse = _reference(case, hq, causal=mask == "causal", window=window, chunk=chunk, softcap=softcap, sink=sk)
-    assert_close(out, want_o, "bfloat16")
-    assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
-
-
-@pytest.mark.parametrize("pack", [False, True])
-@pytest.mark.parametrize("hq,hkv,d,page,window", [
-    (12, 2, 128, 16, None),  # group 6: 32 positions of 6 heads per BM=192 block
-    (10, 2, 128, 0, 64),     # group 5: 38 positions, rows 190-191 idle; contiguous K/V; window
-    (6, 2, 64, 16, None),    # group 3 at d64
-    (16, 1, 256, 16, 100),   # group 16 at BM=128: 8 positions a block
-])
-def test_prefill_pack_gqa(rng, pack, hq, hkv, d, page, window):
-    # rows of several heads share a block: positions, masks, the per-head sink, O and LSE addresses per row
-    case = _case(rng, [300, 17, 1, 130], [100, 0, 40, 0], hq, hkv, d, page)
-    sk = rng.standard_normal(hq).astype(np.float32) * 2
-    out, lse = _run(case, hq, hkv, d, page, window=window, sink=sk, pack_gqa=pack)
-    want_o, want_lse = _reference(case, hq, window=window, sink=sk)
     assert_close(out, want_o, "bfloat16")
     assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
 
