@@ -13,7 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from . import compiler
-from .arrays import as_device, attention_outputs, check_contiguous, element_dtype
+from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
 from .cache import check_paged_kv
 from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
 from .device import sm_count
@@ -402,6 +402,7 @@ class BatchDecode:
         if qd.ndim != 3 or qd.shape[1:] != (self.num_qo_heads, cfg.head_dim):
             raise ValueError(f"q has shape {tuple(qd.shape)}; expected [batch, {self.num_qo_heads}, {cfg.head_dim}]")
         check_contiguous(qd, "q")
+        check_aligned(qd, "q", 16)  # 16-byte loads of query rows
         b = qd.shape[0]
         if not (1 <= b <= self.batch_size):
             raise ValueError(f"q has batch {b}; plan() allowed 1..{self.batch_size}")

@@ -232,9 +232,6 @@ __device__ __forceinline__ void strip_softmax(const DecodeArgs& a, float scale_l
   if constexpr (TWO_ROWS) l1 = l1 * al1 + ps1;
 }
 
-// The end of every decode block: merge the warps' (m, l, o) in shared memory in warp order (deterministic),
-// then write the final output (one split) or this split's fp32 partial and base-2 LSE; the last split
-// block of (b, hk) merges all partials. dim_of(j, e) is the head dim of accumulator o[j][e] in this lane.
 // A row's output from its base-2 running max mm, its sum ll and an unnormalized accumulator acc: the sink
 // (design.md) joins the denominator only, and an empty row (ll == 0: nothing visible) gives 0 and LSE -inf.
 __device__ __forceinline__ float out_value(const DecodeArgs& a, int hq, float mm, float ll, float acc) {
@@ -244,6 +241,9 @@ __device__ __forceinline__ float out_value(const DecodeArgs& a, int hq, float mm
 }
 __device__ __forceinline__ float out_lse(float mm, float ll) { return ll > 0.f ? (mm + __log2f(ll)) * kLn2 : -CUKV_INF; }
 
+// The end of every decode block: merge the warps' (m, l, o) in shared memory in warp order (deterministic),
+// then write the final output (one split) or this split's fp32 partial and base-2 LSE; the last split
+// block of (b, hk) merges all partials. dim_of(j, e) is the head dim of accumulator o[j][e] in this lane.
 // Smem needs m, l, M, L, o[GROUP][DEPTH] and last. slots (may be nullptr): per-warp scratch of
 // Smem::SLOT_FLOATS floats, warp w's at slots + w * slot_stride, that only warp w has touched so far; with
 // it every warp stores its rescaled output at once and the sum over warps (still in warp order, so the

@@ -214,8 +214,6 @@ struct DecodeStreamingKVBuffer {
     }
   }
 
-  // The registers load_k / load_v would have loaded, from the slot at `sl` (after wait_group + __syncwarp):
-  // K (and its scales) first, V once the scores have freed K's registers.
   // Scales [N][BN] of a slot -> the lane's tokens 2c + (r & 1) + 8 (r >> 1), as load_k / load_v hold them.
   template <int N>
   static __device__ __forceinline__ void fetch_scales(const unsigned char* at, int c, float (&dst)[4][N]) {
@@ -225,6 +223,8 @@ struct DecodeStreamingKVBuffer {
 #pragma unroll
       for (int i = 0; i < N; ++i) dst[r][i] = sc[i * BN + 2 * c + (r & 1) + (r >> 1) * 8];
   }
+  // The registers load_k / load_v would have loaded, from the slot at `sl` (after wait_group + __syncwarp):
+  // K (and its scales) first, V once the scores have freed K's registers.
   __device__ __forceinline__ void fetch_k(const unsigned char* sl) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll

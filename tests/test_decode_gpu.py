@@ -190,3 +190,16 @@ def test_graph_capture_replay(rng, staging):
         ref_o, ref_lse = reference_decode(case)
         assert_close(from_storage(out.get(), "bfloat16"), ref_o, "bfloat16")
         assert_close(lse.get(), ref_lse, "float32", atol=2e-3, rtol=2e-3)
+
+
+def test_misaligned_query_is_refused(rng):
+    import cupy as cp
+
+    case = random_decode_case(rng, batch=2, lengths=[40, 7], num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                              page_size=16, dtype="bfloat16")
+    dec = cukv.BatchDecode(8, 2, 128, 16, "bfloat16").plan(2, 64)
+    flat = cp.empty(case["q"].size + 8, case["q"].dtype)
+    q = flat[1:1 + case["q"].size].reshape(case["q"].shape)  # contiguous, 2 bytes past a 16-byte boundary
+    q[...] = case["q"]
+    with pytest.raises(ValueError, match="q starts at device address .* not 16-byte aligned"):
+        dec.run(q, case["cache"], case["table"])
