@@ -113,9 +113,9 @@ def check_contiguous(a, arg: str) -> None:
 
 def check_aligned(a, arg: str, nbytes: int) -> None:
     """Kernels load and store with vector instructions: a view that starts mid-vector (a DLPack tensor with an
-    odd storage offset) would fault on the device, so it is refused here. An empty array is never read."""
+    odd storage offset) would fault on the device, so it is refused here."""
     addr = int(a.data.ptr)
-    if getattr(a, "size", 1) and addr % nbytes:
+    if addr % nbytes:
         raise ValueError(f"{arg} starts at device address {addr:#x}, which is not {nbytes}-byte aligned; pass an "
                          f"array whose data starts on a {nbytes}-byte boundary (e.g. cupy.ascontiguousarray of a copy)")
 

@@ -20,7 +20,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from . import compiler
-from .arrays import as_device, check_aligned
+from .arrays import as_device
 from .config import check_in, check_range, check_rule
 from .device import sm_count
 from .operand import as_kernel_arg
@@ -137,6 +137,12 @@ def _check_rows(a, arg: str, inner: bool = False) -> None:
                          f"use cupy.ascontiguousarray({arg})")
 
 
+def _check_aligned(a, arg: str, align: int) -> None:
+    if a.size and a.data.ptr % align:
+        raise ValueError(f"{arg} starts at address {a.data.ptr:#x}, not a multiple of {align} bytes; "
+                         f"pass a copy (cupy.ascontiguousarray({arg}) of an aligned buffer)")
+
+
 def _prepare_out(out, lse, shape: tuple, dtype, arg_dtype: str):
     import cupy as cp
 
@@ -147,7 +153,7 @@ def _prepare_out(out, lse, shape: tuple, dtype, arg_dtype: str):
         if tuple(out.shape) != shape or out.dtype != dtype or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous {arg_dtype} array ({dtype}) of shape {list(shape)}; got "
                              f"{out.dtype} {tuple(out.shape)} with strides {out.strides}")
-        check_aligned(out, "out", 16)
+        _check_aligned(out, "out", 16)
     if lse is None:
         lse = cp.empty(shape[:-1], cp.float32)
     else:
@@ -232,8 +238,8 @@ def merge_states(v_a, s_a, v_b, s_b, out=None, lse=None, *, stream=None):
     _check_lse(sb, "s_b", tuple(va.shape[:2]))
     for arg, a in (("v_a", va), ("v_b", vb), ("s_a", sa), ("s_b", sb)):
         _check_rows(a, arg)
-    check_aligned(va, "v_a", 16)
-    check_aligned(vb, "v_b", 16)
+    _check_aligned(va, "v_a", 16)
+    _check_aligned(vb, "v_b", 16)
     cfg = MergeConfig(dt, int(va.shape[2]))
     out, lse = _prepare_out(out, lse, tuple(va.shape), va.dtype, dt)
     _check_no_overlap(out, lse, [("v_a", _span(va.data.ptr, va.nbytes, 1, 0)), ("v_b", _span(vb.data.ptr, vb.nbytes, 1, 0)),
@@ -263,7 +269,7 @@ def merge_states_n(vs, ss, out=None, lse=None, *, stream=None):
     _check_lse(sd, "ss", tuple(vd.shape[:3]))
     _check_rows(vd, "vs", inner=True)
     _check_rows(sd, "ss", inner=True)
-    check_aligned(vd, "vs", 16)
+    _check_aligned(vd, "vs", 16)
     if vd.shape[0] > 1 and vd.strides[0] % 16:
         raise ValueError(f"vs has a state stride of {vd.strides[0]} bytes; accepted: multiples of 16")
     n = int(vd.shape[0])
