@@ -35,7 +35,7 @@ with ProcessPoolExecutor(16) as ex:
     list(ex.map(build, cfgs))
 print("compiled", len(cfgs))
 PY
-  python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} 2>&1 | tee -a "$out/ab.log"
+  python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"
   rm -rf templates && cp -r "$out/.templates.orig" templates
 done
 rm -rf "$out/.templates.orig"

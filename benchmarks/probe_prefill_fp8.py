@@ -2,9 +2,11 @@
 
     PYTHONPATH=. python3 benchmarks/probe_prefill_fp8.py --shapes 4x4096x32x8x128 --configs 192:64:4:0,192:64:6:1
 
-A candidate is BM:BN:stages[:fp8_scores] (fp8_scores 1 or 0, default 0: K dequantized by the producer).
+A candidate is BM:BN:stages[:fp8_scores[:tma]] (1 or 0, default 0: K dequantized by the producer; codes by
+cp.async). The default FP8 config is timed beside its cp.async twin when it uses TMA (--cp-async-twin 0: not).
 """
 import argparse
+import dataclasses
 
 import cupy as cp
 
@@ -18,9 +20,10 @@ from cukv.prefill import PrefillConfig, default_config
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4x4096x32x8x128", help="batch x L x hq x hkv x d, comma-separated")
-    ap.add_argument("--configs", default="", help="BM:BN:stages[:fp8_scores] per FP8 candidate (empty: the default only)")
+    ap.add_argument("--configs", default="", help="BM:BN:stages[:fp8_scores[:tma]] per FP8 candidate (empty: the default only)")
     ap.add_argument("--gran", default="token")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cp-async-twin", type=int, default=1, help="1: also time the default with tma=False")
     args = ap.parse_args()
     timer = Timer()
     for shape in args.shapes.split(","):
@@ -33,11 +36,12 @@ def main():
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
         fns = {"bf16 " + bf.config.name: lambda: bf.run(q, (cache, pt), out=out)}
         base = default_config(DTYPE, d, PAGE_SIZE, "fp8_e4m3", sb)
-        cfgs = [base]
+        cfgs = [base] + ([dataclasses.replace(base, tma=False)] if base.tma and args.cp_async_twin else [])
         for f in (c.split(":") for c in args.configs.split(",") if c):
             try:
                 cfgs.append(PrefillConfig(DTYPE, d, PAGE_SIZE, int(f[0]), int(f[1]), base.BK, int(f[2]),
-                                          kv_dtype="fp8_e4m3", scale_block=sb, fp8_scores=len(f) > 3 and f[3] == "1"))
+                                          kv_dtype="fp8_e4m3", scale_block=sb, fp8_scores=len(f) > 3 and f[3] == "1",
+                                          tma=len(f) > 4 and f[4] == "1"))
             except ValueError as e:
                 print(f"{shape}: skipping {':'.join(f)}: {e}")
         for cfg in cfgs:

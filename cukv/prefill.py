@@ -16,6 +16,7 @@ from . import compiler
 from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
 from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
 from .operand import KV_PARAMS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
+from .tma import MAP_BYTES
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
 #: shared memory one block may use on an H100 (227 KB)
@@ -130,6 +131,9 @@ class PrefillConfig:
     #: FP8: S = Q K^T on the e4m3 tensor cores (K stays as codes; the query is split into two e4m3 terms per
     #: row) and only V is dequantized. bf16 queries, per-token or per-tensor scales, head dim <= 256.
     fp8_scores: bool = False
+    #: FP8: the producer brings the codes in by tensor copies (TMA), one box of ``tma_rows`` tokens of a page per
+    #: leading lane, instead of a cp.async per 16 codes per lane. Needs ``gcd(page_size, BN / 4)`` a multiple of 8.
+    tma: bool = False
 
     def __post_init__(self):
         c = "PrefillConfig"
@@ -142,6 +146,14 @@ class PrefillConfig:
         if self.fp8_scores:
             why = fp8_scores_unsupported(self.dtype, self.kv_dtype, self.scale_block, self.head_dim)
             check_rule(c, "fp8_scores", True, why is None, f"needs {why}")
+        if not isinstance(self.tma, bool):
+            raise ValueError(f"PrefillConfig.tma={self.tma!r} is not valid; accepted: True, False")
+        if self.tma:
+            check_rule(c, "tma", True, self.quantized, "applies to FP8 caches (kv_dtype='fp8_e4m3')")
+            g = math.gcd(self.page_size, self.BN // 4)
+            check_rule(c, "tma", True, g % 8 == 0,
+                       f"needs gcd(page_size={self.page_size}, BN/4={self.BN // 4}) = {g} to be a multiple of 8 "
+                       "(a box is whole 8-row swizzle groups of one page)")
         check_in(c, "head_dim", self.head_dim, HEAD_DIMS)
         check_range(c, "page_size", self.page_size, 0, 4096, "0 = contiguous K/V")
         check_in(c, "BM", self.BM, (64, 128, 192))
@@ -180,7 +192,8 @@ class PrefillConfig:
         """Registers per consumer thread after setmaxnreg (one consumer warpgroup keeps the launch's 255); an
         FP8 cache's producer holds a batch of raw chunks, so its consumers give it 8 each (16 beside an
         ``fp8_scores`` producer with two consumer warpgroups, which also forms the K code copies)."""
-        give = 0 if not self.quantized or self.BM == 64 else 16 if self.fp8_scores and self.BM == 128 else 8
+        give = (0 if not self.quantized or self.BM == 64 or (self.tma and self.BM == 192)
+                else 16 if self.fp8_scores and self.BM == 128 else 8)
         return {1: 255, 2: 224, 3: 152}[self.BM // 64] - give
 
     @property
@@ -188,9 +201,25 @@ class PrefillConfig:
         """Registers per producer thread after setmaxnreg (0: no setmaxnreg with one consumer warpgroup)."""
         if self.BM == 64:
             return 0
-        if not self.quantized:
+        if not self.quantized or (self.tma and self.BM == 192):
             return 56
         return 80 if self.BM == 192 else 88 if self.fp8_scores else 72
+
+    @property
+    def tma_rows(self) -> int:
+        """Tokens per tensor copy (0: cp.async): the most rows that stay inside a page and a producer warp's rows."""
+        return math.gcd(self.page_size, self.BN // 4) if self.tma else 0
+
+    @property
+    def tma_k_box_cols(self) -> int:
+        """Codes per K box row: one 128-byte swizzle atom with ``fp8_scores`` (K goes straight into the ring), else
+        a raw element row of BK."""
+        return 128 if self.fp8_scores else self.kv_buffer.BK
+
+    @property
+    def tma_v_box_cols(self) -> int:
+        """Codes per V box row: a raw element row of BK (dims past the head read as zeros)."""
+        return self.kv_buffer.BK
 
     @property
     def register_estimate(self) -> int:
@@ -211,7 +240,8 @@ class PrefillConfig:
     @property
     def smem_bytes(self) -> int:
         ring = self.stages * self.kv_buffer.stage_bytes
-        return 1024 + self.q_bytes + ring + self.raw_bytes + self.kscale_bytes + (2 * self.stages + 1) * 8
+        barriers = 2 * self.stages + 1 + (2 if self.tma else 0)  # full/empty per element, Q, TMA: one per raw slot
+        return 1024 + self.q_bytes + ring + self.raw_bytes + self.kscale_bytes + barriers * 8
 
     @property
     def raw_bytes(self) -> int:
@@ -231,7 +261,8 @@ class PrefillConfig:
 
     @property
     def name(self) -> str:
-        q = (f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "")) if self.quantized else ""
+        q = (f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "") + ("_tma" if self.tma else "")
+             if self.quantized else "")
         return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
                 f"_k{self.BK}_s{self.stages}")
 
@@ -245,7 +276,7 @@ class PrefillConfig:
             smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize, quantized=self.quantized,
             scale_block=self.scale_block, producer_registers=self.producer_registers,
             consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
-            kscale_bytes=self.kscale_bytes)
+            kscale_bytes=self.kscale_bytes, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -266,9 +297,10 @@ DEFAULTS = {
 #: ``fp8_scores`` tiles take DEFAULTS but for these BN limits: at BN=128 the 88-register producer beside two
 #: consumer warpgroups spills (ptxas, d80/d96)
 FP8_SCORES_BN = {80: 64, 96: 64}
-#: head dims whose FP8 default keeps K dequantized although ``fp8_scores`` applies: at d64 the per-score K scale
-#: multiply lands on the consumers' softmax, which bounds the short d64 tiles (H100: 0.77x of bf16 against 0.89x;
-#: d80-d256 gain 4-37%, benchmarks/NOTES.md session 9)
+#: head dims whose FP8 default keeps K dequantized although ``fp8_scores`` applies, unless the codes come by TMA: at
+#: d64 the per-score K scale multiply lands on the consumers' softmax, which bounds the short d64 tiles (H100, cp.async
+#: producer: 0.77x of bf16 against 0.89x; d80-d256 gain 4-37%, benchmarks/NOTES.md session 9). With the TMA producer
+#: d64 measured 0.90x with e4m3 scores against 0.85x dequantized (session 11).
 FP8_SCORES_OFF = (64,)
 
 
@@ -287,6 +319,16 @@ def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int
     return None
 
 
+#: (dtype, head_dim, scale_block) of dequantizing FP8 defaults whose TMA build spills (ptxas, sm_90a: 8 bytes at
+#: float16 d256 with token scales, BM=128 BN=32); they keep the cp.async producer
+TMA_OFF = {("float16", 256, 256)}
+
+
+def tma_applies(page_size: int, BN: int) -> bool:
+    """Whether an FP8 tile of BN keys can take its codes by tensor copies from pages of ``page_size``."""
+    return page_size > 0 and math.gcd(page_size, BN // 4) % 8 == 0
+
+
 def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
                    scale_block: int = 0) -> PrefillConfig:
     """The documented default (or this GPU's autotuned winner). FP8 caches where S can run on the e4m3 tensor
@@ -297,17 +339,19 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
     if head_dim not in DEFAULTS:
         raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
     bm, bn, bk, st = DEFAULTS[head_dim]
-    if (kv_dtype is not None and head_dim not in FP8_SCORES_OFF
-            and fp8_scores_unsupported(dtype, kv_dtype, scale_block, head_dim) is None):
-        bn = min(bn, FP8_SCORES_BN.get(head_dim, bn))
-        return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
-                             fp8_scores=True)
+    if kv_dtype is not None and fp8_scores_unsupported(dtype, kv_dtype, scale_block, head_dim) is None:
+        bn8 = min(bn, FP8_SCORES_BN.get(head_dim, bn))
+        tma = tma_applies(page_size, bn8)
+        if head_dim not in FP8_SCORES_OFF or tma:
+            return PrefillConfig(dtype, head_dim, page_size, bm, bn8, bk, st, kv_dtype=kv_dtype,
+                                 scale_block=scale_block, fp8_scores=True, tma=tma)
     if kv_dtype is not None:
         # 32-dim scale blocks hold two scales per 64-dim chunk column: half the rows again (measured spills)
         limit = 4096 if scale_block == 32 else 8192
         while bn * bk > limit and bn > 16:
             bn //= 2
-        return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block)
+        return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
+                             tma=tma_applies(page_size, bn) and (dtype, head_dim, scale_block) not in TMA_OFF)
     from .autotune import lookup
 
     tuned = lookup(dtype, head_dim, page_size)
@@ -457,11 +501,22 @@ class BatchPrefill:
         rec["softcap"] = float(softcap or 0.0)
         rec["window"], rec["chunk"], rec["causal"] = self._window, self._chunk, int(self._mask == "causal")
         rec["num_qo_heads"], rec["group"] = self.num_qo_heads, self.num_qo_heads // self.num_kv_heads
+        args = (as_kernel_arg(rec),) + ((self._tma_maps(kv[0]),) if cfg.tma else ())
         if self._num_work:
             with (stream or cp.cuda.get_current_stream()):
-                self._fn((self.num_qo_heads, self._num_work, cfg.num_v_slices), (cfg.num_threads,),
-                         (as_kernel_arg(rec),), shared_mem=cfg.smem_bytes)
+                self._fn((self.num_qo_heads, self._num_work, cfg.num_v_slices), (cfg.num_threads,), args,
+                         shared_mem=cfg.smem_bytes)
         return (out, lse) if return_lse else out
+
+    def _tma_maps(self, cache):
+        """The K and V tensor maps of a ``tma`` config (cukv/tma.py): boxes of ``tma_rows`` tokens of one head."""
+        from . import tma
+
+        cfg = self.config
+        k = tma.encode_pages("cache.k", cache.k, cfg.tma_k_box_cols, cfg.tma_rows,
+                             tma.SWIZZLE_128B if cfg.fp8_scores else tma.SWIZZLE_NONE)
+        v = tma.encode_pages("cache.v", cache.v, cfg.tma_v_box_cols, cfg.tma_rows, tma.SWIZZLE_NONE)
+        return tma.as_maps_arg(k, v)
 
     def _kv_params(self, kv):
         import cupy as cp

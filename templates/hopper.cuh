@@ -27,6 +27,23 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
       :: "r"(bar), "r"(parity) : "memory");
 }
 
+// Adds tx bytes the current phase must also see land (TMA completions count them down) without arriving.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, int bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// --- TMA (cp.async.bulk.tensor) --------------------------------------------------------------------
+// The driver's opaque 128-byte descriptor (cuda.h cannot be included under NVRTC); cukv/tma.py encodes it.
+struct alignas(64) CUtensorMap { unsigned long long opaque[16]; };
+
+// One box of a 4-d tensor map (coordinates innermost first) into shared memory at dst, completing `bytes`
+// of bar's transaction count. Coordinates outside the tensor read as zeros (and still count).
+__device__ __forceinline__ void tma_load_4d(u32 dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+      :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+
 // --- cp.async: 16 bytes global -> shared; src_bytes = 0 writes zeros without reading ---------------
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");

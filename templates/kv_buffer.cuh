@@ -127,6 +127,12 @@ struct KVBuffer {
         cp_async16(dst + (u32)((pw * kWarpChunks + c) * 16), ok ? base + off + col0 + col : base, ok ? 16 : 0);
       }
     }
+    copy_raw_scales<SB>(dst, scales, lane_row, lane_scale, col0, ncols, pw, lane);
+  }
+  // The scale part of copy_raw_fp8 (the TMA producer copies only this; its codes come by tensor copies).
+  template <int SB>
+  __device__ __forceinline__ void copy_raw_scales(u32 dst, const float* scales, i64 lane_row, i64 lane_scale, int col0,
+                                                  int ncols, int pw, int lane) const {
     if constexpr (SB > 0) {
       if (lane < kWarpRows) {
         const u32 sdst = dst + (u32)(raw_code_bytes + (pw * kWarpRows + lane) * scales_per_row<SB>() * 4);
@@ -144,9 +150,11 @@ struct KVBuffer {
   // one per pass (the default tiles have 3-4 passes, so one per element). wait_slot() runs between the first
   // batch's loads and its stores (the caller's wait for the ring element).
   static constexpr int kLoadBatch = 4;  // 4 x 5 registers held: the FP8 producer's 72-80 (prefill.cuh)
-  template <int SB, typename WaitSlot>
+  // MASK_ROWS (the TMA producer's last tile): rows from valid_rows on read as zero codes, since tensor copies
+  // bring whatever the cache holds past the sequence (unused slots may be NaN) where cp.async zero-fills.
+  template <int SB, bool MASK_ROWS = false, typename WaitSlot>
   __device__ __forceinline__ void convert_raw_fp8(int stage, u32 src, float tensor_scale, int pw, int lane,
-                                                  WaitSlot wait_slot) const {
+                                                  WaitSlot wait_slot, int valid_rows = BN) const {
     const u32 dst0 = element(stage);
     constexpr int kBatch = kLoadBatch < kChunkPasses ? kLoadBatch : kChunkPasses;
 #pragma unroll
@@ -174,6 +182,7 @@ struct KVBuffer {
         const int t = t0 + j, c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
         if (t < kChunkPasses && (kWarpChunks % 32 == 0 || c < kWarpChunks)) {
           const int row = pw * kWarpRows + r;
+          if (MASK_ROWS && row >= valid_rows) raw[j] = make_uint4(0, 0, 0, 0);
           const uint4 lo = dequant8<T>(make_uint2(raw[j].x, raw[j].y), sc[j]);
           const uint4 hi = dequant8<T>(make_uint2(raw[j].z, raw[j].w), sc[j]);
           const int chunk8 = (col % bk_smem) / 8;

@@ -37,8 +37,16 @@ struct alignas(8) PrefillArgs {
 // runs on the e4m3 tensor cores: each consumer warpgroup splits its query rows once into two e4m3 terms,
 // q * 2^k = hi + lo (2^k per row), so S = (hi K + lo K) * k_scale / 2^k keeps about bf16's precision at the
 // bf16 rate (an e4m3 wgmma is twice as fast) and the producer converts only V.
+// TMA_ROWS > 0 (FP8 caches): the codes come by tensor copies (TMA) instead of per-lane cp.async, one box of
+// TMA_ROWS rows (within a page) per leading lane; maps->k and maps->v describe the cache as 4-d tensors
+// [pages][token][head][dim] (K with the ring's 128-byte swizzle when FP8_SCORES), and the scales keep their
+// per-lane copies.
+struct alignas(64) PrefillMaps {
+  CUtensorMap k, v;
+};
+
 template <typename T, int DEPTH, int BM, int BN, int BK, int STAGES, int PAGE_SIZE, bool QUANTIZED = false,
-          int SCALE_BLOCK = 0, bool FP8_SCORES = false>
+          int SCALE_BLOCK = 0, bool FP8_SCORES = false, int TMA_ROWS = 0>
 struct PrefillKernel {
   typedef KVBuffer<T, BN, BK, DEPTH, STAGES> Buf;
   typedef typename Select<QUANTIZED, unsigned char, T>::type KVT;
@@ -48,16 +56,21 @@ struct PrefillKernel {
   static_assert(!FP8_SCORES || (QUANTIZED && sizeof(T) == 2 &&
                                 (SCALE_BLOCK == 0 || SCALE_BLOCK == DEPTH) && Buf::full_kv && DEPTH <= 256),
                 "FP8 scores: one scale per K row (token or tensor) and the whole head in one element");
+  static constexpr bool kTma = TMA_ROWS > 0;
+  static_assert(!kTma || (QUANTIZED && TMA_ROWS % 8 == 0 && PAGE_SIZE % TMA_ROWS == 0 && (BN / 4) % TMA_ROWS == 0),
+                "TMA boxes: whole 8-row swizzle groups within a page and within a producer warp's rows");
   static constexpr int kConsumerWGs = BM / 64;
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
   // and multiples of 8). An FP8 producer holds an element's raw chunks between its shared loads and their
   // conversion, so it takes 80 (72 beside two consumer warpgroups) and the consumers give up 8; with FP8 scores
-  // beside two consumer warpgroups it also forms the K code copies' addresses and takes 88 (consumers 208).
+  // beside two consumer warpgroups it also forms the K code copies' addresses and takes 88 (consumers 208). Beside three
+  // consumer warpgroups a TMA producer (no copy addresses) fits in 56 like the 16-bit one and the consumers keep
+  // their 152 (at 144 the token K-scale multiply spilled); beside two it keeps the cp.async producer's split.
   static constexpr int kProducerRegs =
-      kConsumerWGs == 1 ? 0 : !QUANTIZED ? 56 : kConsumerWGs == 3 ? 80 : FP8_SCORES ? 88 : 72;
+      kConsumerWGs == 1 ? 0 : !QUANTIZED || (kTma && kConsumerWGs == 3) ? 56 : kConsumerWGs == 3 ? 80 : FP8_SCORES ? 88 : 72;
   static constexpr int kConsumerRegs =
-      kConsumerWGs == 1 ? 255 : (kConsumerWGs == 2 ? 224 : 152) - (!QUANTIZED ? 0 : FP8_SCORES && kConsumerWGs == 2 ? 16 : 8);
+      kConsumerWGs == 1 ? 255 : (kConsumerWGs == 2 ? 224 : 152) - (!QUANTIZED || (kTma && kConsumerWGs == 3) ? 0 : FP8_SCORES && kConsumerWGs == 2 ? 16 : 8);
   // setmaxnreg.inc waits for registers the block's other warps released: the split must fit in what the launch
   // gave every thread (the register file over kThreads, in multiples of 8), or the consumers wait forever.
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8 > 255 ? 255 : (65536 / kThreads) / 8 * 8;
@@ -82,7 +95,7 @@ struct PrefillKernel {
   static constexpr int kRawElemBytes = Buf::template raw_elem_bytes<SCALE_BLOCK>();
   static constexpr int kRawTileBytes = QUANTIZED ? ((FP8_SCORES ? 0 : kKElems) + 1) * kRawElemBytes : 0;
   static constexpr int kRawBytes = 2 * kRawTileBytes;
-  static constexpr int kBarBytes = (2 * STAGES + 1) * 8;
+  static constexpr int kBarBytes = (2 * STAGES + 1 + (kTma ? 2 : 0)) * 8;  // TMA: a barrier per raw slot
   static constexpr int kSmemBytes =
       1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kRawBytes + kKScaleBytes + kBarBytes;
   static_assert(BM % 64 == 0 && BM <= 192, "BM: one to three consumer warpgroups");
@@ -93,7 +106,7 @@ struct PrefillKernel {
 
   struct Smem {
     u32 q, ring, raw, kscale;
-    u32 full, empty, q_full;  // barrier addresses
+    u32 full, empty, q_full, raw_full;  // barrier addresses
   };
 
   static __device__ __forceinline__ Smem carve(unsigned char* raw) {
@@ -106,6 +119,7 @@ struct PrefillKernel {
     s.full = s.kscale + kKScaleBytes;
     s.empty = s.full + 8 * STAGES;
     s.q_full = s.empty + 8 * STAGES;
+    s.raw_full = s.q_full + 8;
     return s;
   }
 
@@ -123,7 +137,7 @@ struct PrefillKernel {
     return lo;
   }
 
-  static __device__ void run(const PrefillArgs& a) {
+  static __device__ void run(const PrefillArgs& a, const PrefillMaps* maps) {
     extern __shared__ unsigned char smem_raw[];
     const Smem sm = carve(smem_raw);
     const int head = blockIdx.x;
@@ -150,6 +164,9 @@ struct PrefillKernel {
         mbar_init(sm.empty + 8 * s, kConsumerWGs * 4);
       }
       mbar_init(sm.q_full, 128);
+      if constexpr (kTma) {
+        for (int s = 0; s < 2; ++s) mbar_init(sm.raw_full + 8 * s, 128);  // every producer lane arrives
+      }
     }
     __syncthreads();
 
@@ -157,14 +174,15 @@ struct PrefillKernel {
     buf.ring = sm.ring;
     if (warp < 4) {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
-      produce(a, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, vslice, warp, lane);
+      produce(a, maps, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, vslice, warp, lane);
     } else {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
       consume(a, sm, buf, cache, head, q_begin, q0, rows, kv_len, shift, n_first, n_tiles, vslice, warp - 4, lane);
     }
   }
 
-  static __device__ __forceinline__ void produce(const PrefillArgs& a, const Smem& sm, const Buf& buf, const Cache& cache,
+  static __device__ __forceinline__ void produce(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
+                                                 const Buf& buf, const Cache& cache,
                                                  int b, int kv_head, int head, int q_begin, int q0, int rows,
                                                  int kv_len, int n_first, int n_tiles, int vslice, int pw, int lane) {
     // Q: BM rows x all atoms, rows past the sequence and columns past DEPTH as zeros (FP8 scores: the
@@ -213,7 +231,94 @@ struct PrefillKernel {
     };
     auto row_of = [&](i64 x, int i) -> i64 { return __shfl_sync(0xffffffffu, x, (lane / 8 + 4 * i) % 32); };
     i64 key_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : (i64)-1;
-    if constexpr (QUANTIZED) {
+    if constexpr (kTma) {
+      // Tile t's codes land in raw slot t % 2 (FP8_SCORES: K in its ring element) by tensor copies: lane j looks
+      // up row j as above, and every TMA_ROWS-th lane issues the box starting at its row (a box stays within a
+      // page and within the warp's rows). The lanes still copy their rows' scales with cp.async, so raw_full[t % 2]
+      // (and a K element's full barrier) completes when the boxes' bytes and every lane's scale copies have
+      // landed. Rows past the sequence arrive as the cache holds them (unused slots may be NaN): the last tile's
+      // conversion zeroes them and the consumers' mask drops their K columns (a select). Holes, and boxes wholly
+      // past the sequence, take page -1: outside the tensor, which TMA reads as zeros.
+      auto issue_tile = [&](int n, i64 key_lane, int t) {
+        const int r0 = pw * kWarpRows + lane, tok_lane = n * BN + r0;
+        const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
+        const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes), raw_bar = sm.raw_full + 8 * (t & 1);
+        const u32 vdst = slot + (u32)((FP8_SCORES ? 0 : kKElems) * kRawElemBytes);
+        const int idx = t * (kKElems + 1), stage = idx % STAGES;
+        __syncwarp();  // the warp's lanes have read their rows of this slot (tile t - 2) before it is refilled
+        // the scales first: their offsets die before the boxes' coordinates are formed
+        if constexpr (FP8_SCORES) {
+          mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
+          if constexpr (SCALE_BLOCK > 0) {
+            if (lane < kWarpRows)
+              cp_async4(sm.kscale + (u32)((stage * BN + r0) * 4),
+                        row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) : a.kv.k_scales,
+                        row >= 0 ? 4 : 0);
+          }
+        } else if constexpr (SCALE_BLOCK > 0) {
+          const i64 ks_lane = row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales : 0;
+#pragma unroll
+          for (int e = 0; e < kKElems; ++e)
+            buf.template copy_raw_scales<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), a.kv.k_scales, row, ks_lane, e * BK,
+                                                      min(BK, DEPTH - e * BK), pw, lane);
+        }
+        if constexpr (SCALE_BLOCK > 0) {
+          const i64 vs_lane = row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales : 0;
+          buf.template copy_raw_scales<SCALE_BLOCK>(vdst, a.kv.v_scales, row, vs_lane, vslice * kVCols, kVCols, pw, lane);
+        }
+        if (lane < kWarpRows && lane % TMA_ROWS == 0) {
+          const int page = row >= 0 ? (int)(row / PAGE_SIZE) : -1, tip = row >= 0 ? (int)(row % PAGE_SIZE) : 0;
+          if constexpr (FP8_SCORES) {
+            const u32 bar = sm.full + 8 * stage;
+            mbar_expect_tx(bar, Buf::code_atoms * TMA_ROWS * kAtomRowBytes);
+#pragma unroll
+            for (int atom = 0; atom < Buf::code_atoms; ++atom)
+              tma_load_4d(buf.element(stage) + (u32)((atom * BN + r0) * kAtomRowBytes), &maps->k, atom * 128, kv_head,
+                          tip, page, bar);
+          } else {
+#pragma unroll
+            for (int e = 0; e < kKElems; ++e) {
+              mbar_expect_tx(raw_bar, TMA_ROWS * BK);
+              tma_load_4d(slot + (u32)(e * kRawElemBytes + r0 * BK), &maps->k, e * BK, kv_head, tip, page, raw_bar);
+            }
+          }
+          mbar_expect_tx(raw_bar, TMA_ROWS * BK);
+          tma_load_4d(vdst + (u32)(r0 * BK), &maps->v, vslice * kVCols, kv_head, tip, page, raw_bar);
+        }
+        if constexpr (FP8_SCORES) mbar_arrive_cp_async(sm.full + 8 * stage);
+        mbar_arrive_cp_async(raw_bar);
+      };
+      if (n_tiles > 0) {
+        const i64 key_lane = key_next;
+        if (n_tiles > 1) key_next = lookup(n_first + n_tiles - 2);
+        issue_tile(n_first + n_tiles - 1, key_lane, 0);
+      }
+      for (int it = 0; it < n_tiles; ++it) {
+        const int n = n_first + n_tiles - 1 - it;
+        if (it + 1 < n_tiles) {
+          const i64 key_lane = key_next;
+          if (it + 2 < n_tiles) key_next = lookup(n - 2);
+          issue_tile(n - 1, key_lane, it + 1);
+        }
+        mbar_wait(sm.raw_full + 8 * (it & 1), (it >> 1) & 1);
+        const u32 slot = sm.raw + (u32)((it & 1) * kRawTileBytes);
+        const int valid = kv_len - n * BN;  // rows of this tile inside the sequence
+#pragma unroll
+        for (int e = FP8_SCORES ? kKElems : 0; e <= kKElems; ++e) {
+          const int idx = it * (kKElems + 1) + e, stage = idx % STAGES;
+          const bool is_k = e < kKElems;
+          const u32 src = slot + (u32)((FP8_SCORES ? 0 : e) * kRawElemBytes);
+          const float ts = is_k ? k_tensor_scale : v_tensor_scale;
+          auto wait_slot = [&] { mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1); };
+          if (valid >= BN)
+            buf.template convert_raw_fp8<SCALE_BLOCK>(stage, src, ts, pw, lane, wait_slot);
+          else
+            buf.template convert_raw_fp8<SCALE_BLOCK, true>(stage, src, ts, pw, lane, wait_slot, valid);
+          fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
+          mbar_arrive(sm.full + 8 * stage);
+        }
+      }
+    } else if constexpr (QUANTIZED) {
       // FP8: cp.async brings tile it + 1's codes and scales into raw slot (it + 1) % 2 while tile it is
       // converted from slot it % 2 into the ring (tile t's elements are ring indices t * (kKElems + 1) + e, V
       // last). Each lane converts exactly the codes it copied (its own cp.async.wait_group orders those); a

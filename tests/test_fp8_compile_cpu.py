@@ -1,5 +1,7 @@
 """Every FP8 decode and prefill specialization the benchmarks and defaults use compiles for sm_90a with no
 spills (NVRTC needs no GPU). The append kernels are covered in test_fp8_cpu.py."""
+import dataclasses
+
 import pytest
 
 from cukv.decode import DecodeConfig
@@ -24,9 +26,10 @@ def test_decode_fp8_compiles_without_spills(dtype, d, group, sb, stages):
     assert cfg.total_smem_bytes <= 227 * 1024
 
 
+@pytest.mark.parametrize("page_size", [16, 1], ids=["tma", "cp_async"])  # page 1 cannot take TMA boxes
 @pytest.mark.parametrize("dtype,d,sb", PREFILL)
-def test_prefill_fp8_default_compiles_without_spills(dtype, d, sb):
-    cfg = default_config(dtype, d, 16, "fp8_e4m3", sb)
+def test_prefill_fp8_default_compiles_without_spills(dtype, d, sb, page_size):
+    cfg = default_config(dtype, d, page_size, "fp8_e4m3", sb)
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0, rep
 
@@ -58,5 +61,43 @@ def test_fp8_scores_domain():
     with pytest.raises(ValueError, match="fp8_scores"):
         PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, fp8_scores=1)
     assert default_config("bfloat16", 128, 16, "fp8_e4m3", 128).fp8_scores
-    assert not default_config("bfloat16", 64, 16, "fp8_e4m3", 64).fp8_scores  # measured slower at d64
+    # d64: e4m3 scores measured slower with the cp.async producer, faster with TMA (benchmarks/NOTES.md)
+    assert not default_config("bfloat16", 64, 1, "fp8_e4m3", 64).fp8_scores
+    assert default_config("bfloat16", 64, 16, "fp8_e4m3", 64).fp8_scores
     assert not default_config("float16", 128, 16, "fp8_e4m3", 128).fp8_scores
+
+
+def test_tma_domain():
+    from cukv.prefill import TMA_OFF
+
+    ok = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, fp8_scores=True,
+                       tma=True)
+    assert ok.tma_rows == 16 and "_tma_" in ok.name and ok.tma_k_box_cols == 128 and ok.tma_v_box_cols == 128
+    assert ok.smem_bytes == dataclasses.replace(ok, tma=False).smem_bytes + 16  # two raw-slot barriers
+    assert (ok.producer_registers, ok.consumer_registers) == (56, 152)
+    src = ok.render()
+    assert "const __grid_constant__ PrefillMaps maps" in src and "sizeof(PrefillMaps) == 256" in src
+    assert "PrefillMaps maps" not in dataclasses.replace(ok, tma=False).render()
+    with pytest.raises(ValueError, match="tma.*FP8 caches"):
+        PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, tma=True)
+    with pytest.raises(ValueError, match=r"tma.*gcd\(page_size=12, BN/4=16\) = 4"):
+        PrefillConfig("bfloat16", 128, 12, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, tma=True)
+    with pytest.raises(ValueError, match="tma=1 is not valid"):
+        PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, tma=1)
+    # defaults: TMA wherever a box of 8+ rows fits a page and a producer warp's rows (24 rows at page 48, BN 96)
+    assert default_config("bfloat16", 128, 16, "fp8_e4m3", 128).tma
+    assert default_config("bfloat16", 64, 48, "fp8_e4m3", 64).tma_rows == 24
+    assert not default_config("bfloat16", 128, 1, "fp8_e4m3", 128).tma
+    assert not default_config("bfloat16", 128, 12, "fp8_e4m3", 128).tma
+    for dtype, d, sb in TMA_OFF:
+        assert not default_config(dtype, d, 16, "fp8_e4m3", sb).tma
+
+
+def test_tma_page_tensor_checks():
+    from cukv.tma import check_page_tensor
+
+    check_page_tensor("k", 256, (4, 16, 2, 128), (4096, 256, 128, 1))
+    for ptr, strides, what in ((8, (4096, 256, 128, 1), "16-byte aligned"), (256, (4096, 256, 128, 2), "dim stride"),
+                               (256, (4096, 264, 128, 1), "multiples of 16")):
+        with pytest.raises(ValueError, match=what):
+            check_page_tensor("k", ptr, (4, 16, 2, 128), strides)

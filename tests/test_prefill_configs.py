@@ -136,7 +136,7 @@ def test_every_point_raises_naming_a_field_or_renders(a):
         assert line is not None, f"no static_assert checks {what}"
         assert f"== {value}," in line, (what, value, line)
     assert ("__nv_bfloat16" if cfg.dtype == "bfloat16" else "__half") in src
-    assert f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}, false, 0, false>" in src
+    assert f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}, false, 0, false, 0>" in src
     assert cfg.render() == src  # deterministic: the cache key depends on it
 
 
