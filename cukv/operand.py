@@ -36,7 +36,7 @@ def ptr(a) -> int:
 
 
 def as_kernel_arg(rec: np.ndarray):
-    """A filled 0-d structured array -> the by-value kernel argument CuPy passes through."""
+    """A filled array (a 0-d structured record, or raw bytes) -> the by-value kernel argument CuPy passes through."""
     raw = rec.tobytes()
     return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))[0]
 

@@ -189,21 +189,23 @@ class PrefillConfig:
 
     @property
     def consumer_registers(self) -> int:
-        """Registers per consumer thread after setmaxnreg (one consumer warpgroup keeps the launch's 255); an
-        FP8 cache's producer holds a batch of raw chunks, so its consumers give it 8 each (16 beside an
-        ``fp8_scores`` producer with two consumer warpgroups, which also forms the K code copies)."""
-        give = (0 if not self.quantized or self.BM == 64 or (self.tma and self.BM == 192)
-                else 16 if self.fp8_scores and self.BM == 128 else 8)
-        return {1: 255, 2: 224, 3: 152}[self.BM // 64] - give
+        """Registers per consumer thread after setmaxnreg (one consumer warpgroup keeps the launch's 255): 224 beside
+        two consumer warpgroups, 152 beside three, less an equal share of what the producer takes above 56."""
+        if self.BM == 64:
+            return 255
+        return {2: 224, 3: 152}[self.BM // 64] - (self.producer_registers - 56) // (self.BM // 64)
 
     @property
     def producer_registers(self) -> int:
-        """Registers per producer thread after setmaxnreg (0: no setmaxnreg with one consumer warpgroup)."""
+        """Registers per producer thread after setmaxnreg (0: no setmaxnreg with one consumer warpgroup). 56 for
+        16-bit caches and for a TMA producer beside three consumer warpgroups; an FP8 producer otherwise holds a
+        batch of raw chunks: 80 beside three, 72 beside two, 88 when it also forms K code copies (``fp8_scores``)
+        or issues tensor copies there."""
         if self.BM == 64:
             return 0
         if not self.quantized or (self.tma and self.BM == 192):
             return 56
-        return 80 if self.BM == 192 else 88 if self.fp8_scores else 72
+        return 80 if self.BM == 192 else 88 if self.fp8_scores or self.tma else 72
 
     @property
     def tma_rows(self) -> int:
@@ -319,11 +321,6 @@ def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int
     return None
 
 
-#: (dtype, head_dim, scale_block) of dequantizing FP8 defaults whose TMA build spills (ptxas, sm_90a: 8 bytes at
-#: float16 d256 with token scales, BM=128 BN=32); they keep the cp.async producer
-TMA_OFF = {("float16", 256, 256)}
-
-
 def tma_applies(page_size: int, BN: int) -> bool:
     """Whether an FP8 tile of BN keys can take its codes by tensor copies from pages of ``page_size``."""
     return page_size > 0 and math.gcd(page_size, BN // 4) % 8 == 0
@@ -351,7 +348,7 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
         while bn * bk > limit and bn > 16:
             bn //= 2
         return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
-                             tma=tma_applies(page_size, bn) and (dtype, head_dim, scale_block) not in TMA_OFF)
+                             tma=tma_applies(page_size, bn))
     from .autotune import lookup
 
     tuned = lookup(dtype, head_dim, page_size)

@@ -79,7 +79,8 @@ def encode_pages(name: str, arr, box_cols: int, box_rows: int, swizzle: int) -> 
 
 
 def as_maps_arg(*maps: bytes):
-    """Descriptors back to back as one by-value kernel argument (each 128 bytes, 64-byte aligned in the
-    kernel's struct: 128-byte entries keep that)."""
-    raw = b"".join(maps)
-    return np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))[0]
+    """Descriptors back to back as one by-value kernel argument (128-byte entries keep each 64-byte aligned in the
+    kernel's struct)."""
+    from .operand import as_kernel_arg
+
+    return as_kernel_arg(np.frombuffer(b"".join(maps), np.uint8))

@@ -62,15 +62,19 @@ struct PrefillKernel {
   static constexpr int kConsumerWGs = BM / 64;
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
-  // and multiples of 8). An FP8 producer holds an element's raw chunks between its shared loads and their
-  // conversion, so it takes 80 (72 beside two consumer warpgroups) and the consumers give up 8; with FP8 scores
-  // beside two consumer warpgroups it also forms the K code copies' addresses and takes 88 (consumers 208). Beside three
-  // consumer warpgroups a TMA producer (no copy addresses) fits in 56 like the 16-bit one and the consumers keep
-  // their 152 (at 144 the token K-scale multiply spilled); beside two it keeps the cp.async producer's split.
-  static constexpr int kProducerRegs =
-      kConsumerWGs == 1 ? 0 : !QUANTIZED || (kTma && kConsumerWGs == 3) ? 56 : kConsumerWGs == 3 ? 80 : FP8_SCORES ? 88 : 72;
+  // and multiples of 8). The 16-bit producer takes 56 and the consumers share the rest (224 each beside two
+  // consumer warpgroups, 152 beside three); a producer that takes more is paid for by the consumers equally. An
+  // FP8 producer holds an element's raw chunks between its shared loads and their conversion: 80 beside three
+  // consumer warpgroups, 72 beside two, 88 when it also forms the K code copies' addresses (FP8 scores) or
+  // issues tensor copies there. Beside three, a TMA producer (no copy addresses) fits in 56 like the 16-bit one,
+  // so the consumers keep their 152 (at 144 the token K-scale multiply spilled).
+  static constexpr int kProducerRegs = kConsumerWGs == 1                          ? 0
+                                       : !QUANTIZED || (kTma && kConsumerWGs == 3) ? 56
+                                       : kConsumerWGs == 3                        ? 80
+                                       : FP8_SCORES || kTma                       ? 88
+                                                                                  : 72;
   static constexpr int kConsumerRegs =
-      kConsumerWGs == 1 ? 255 : (kConsumerWGs == 2 ? 224 : 152) - (!QUANTIZED || (kTma && kConsumerWGs == 3) ? 0 : FP8_SCORES && kConsumerWGs == 2 ? 16 : 8);
+      kConsumerWGs == 1 ? 255 : (kConsumerWGs == 2 ? 224 : 152) - (kProducerRegs - 56) / kConsumerWGs;
   // setmaxnreg.inc waits for registers the block's other warps released: the split must fit in what the launch
   // gave every thread (the register file over kThreads, in multiples of 8), or the consumers wait forever.
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8 > 255 ? 255 : (65536 / kThreads) / 8 * 8;
@@ -231,68 +235,106 @@ struct PrefillKernel {
     };
     auto row_of = [&](i64 x, int i) -> i64 { return __shfl_sync(0xffffffffu, x, (lane / 8 + 4 * i) % 32); };
     i64 key_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : (i64)-1;
-    if constexpr (kTma) {
-      // Tile t's codes land in raw slot t % 2 (FP8_SCORES: K in its ring element) by tensor copies: lane j looks
-      // up row j as above, and every TMA_ROWS-th lane issues the box starting at its row (a box stays within a
-      // page and within the warp's rows). The lanes still copy their rows' scales with cp.async, so raw_full[t % 2]
-      // (and a K element's full barrier) completes when the boxes' bytes and every lane's scale copies have
-      // landed. Rows past the sequence arrive as the cache holds them (unused slots may be NaN): the last tile's
-      // conversion zeroes them and the consumers' mask drops their K columns (a select). Holes, and boxes wholly
-      // past the sequence, take page -1: outside the tensor, which TMA reads as zeros.
+    if constexpr (QUANTIZED) {
+      // FP8: tile it + 1's codes and scales land in raw slot (it + 1) % 2 while tile it is converted from slot
+      // it % 2 into the ring (tile t's elements are ring indices t * (kKElems + 1) + e, V last). FP8_SCORES: the
+      // raw slot holds V only; the K element's codes go straight into the ring, with its rows' scales beside it,
+      // when the tile is issued (a tile ahead of V's conversion: the ring fills out of order, which the
+      // per-element barriers allow). The codes come one of two ways:
+      // - kTma: lane j looks up row j as above, and every TMA_ROWS-th lane issues a tensor copy of the box starting
+      //   at its row (a box stays within a page and within the warp's rows). The lanes still copy their rows'
+      //   scales with cp.async, so raw_full[t % 2] (and a K element's full barrier) completes when the boxes'
+      //   bytes and every lane's scale copies have landed. Rows past the sequence arrive as the cache holds them
+      //   (unused slots may be NaN): the last tile's conversion zeroes them and the consumers' mask drops their K
+      //   columns (a select). Holes, and boxes wholly past the sequence, take page -1: outside the tensor, which
+      //   TMA reads as zeros. A __syncwarp orders the refill of a warp's rows after its lanes' reads of them.
+      // - cp.async: each lane copies 16-code chunks and converts exactly the codes it copied (its own
+      //   cp.async.wait_group orders those); a row's scales come from the row's lane, so a __syncwarp follows the
+      //   wait. Refilling a slot is ordered after every lane's reads of it by the full-warp shuffles at the start
+      //   of copy_raw_fp8 (before its scale copies), which no lane passes before all have finished converting.
       auto issue_tile = [&](int n, i64 key_lane, int t) {
-        const int r0 = pw * kWarpRows + lane, tok_lane = n * BN + r0;
-        const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
-        const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes), raw_bar = sm.raw_full + 8 * (t & 1);
+        const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes);
         const u32 vdst = slot + (u32)((FP8_SCORES ? 0 : kKElems) * kRawElemBytes);
-        const int idx = t * (kKElems + 1), stage = idx % STAGES;
-        __syncwarp();  // the warp's lanes have read their rows of this slot (tile t - 2) before it is refilled
-        // the scales first: their offsets die before the boxes' coordinates are formed
-        if constexpr (FP8_SCORES) {
-          mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
-          if constexpr (SCALE_BLOCK > 0) {
-            if (lane < kWarpRows)
-              cp_async4(sm.kscale + (u32)((stage * BN + r0) * 4),
-                        row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) : a.kv.k_scales,
-                        row >= 0 ? 4 : 0);
-          }
-        } else if constexpr (SCALE_BLOCK > 0) {
-          const i64 ks_lane = row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales : 0;
-#pragma unroll
-          for (int e = 0; e < kKElems; ++e)
-            buf.template copy_raw_scales<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), a.kv.k_scales, row, ks_lane, e * BK,
-                                                      min(BK, DEPTH - e * BK), pw, lane);
-        }
-        if constexpr (SCALE_BLOCK > 0) {
-          const i64 vs_lane = row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales : 0;
-          buf.template copy_raw_scales<SCALE_BLOCK>(vdst, a.kv.v_scales, row, vs_lane, vslice * kVCols, kVCols, pw, lane);
-        }
-        if (lane < kWarpRows && lane % TMA_ROWS == 0) {
-          const int page = row >= 0 ? (int)(row / PAGE_SIZE) : -1, tip = row >= 0 ? (int)(row % PAGE_SIZE) : 0;
+        const int idx = t * (kKElems + 1), stage = idx % STAGES;  // FP8_SCORES: the K element's ring index
+        if constexpr (kTma) {
+          const int r0 = pw * kWarpRows + lane, tok_lane = n * BN + r0;
+          const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
+          const u32 raw_bar = sm.raw_full + 8 * (t & 1);
+          __syncwarp();  // the warp's lanes have read their rows of this slot (tile t - 2) before it is refilled
+          // the scales first: their offsets die before the boxes' coordinates are formed
           if constexpr (FP8_SCORES) {
-            const u32 bar = sm.full + 8 * stage;
-            mbar_expect_tx(bar, Buf::code_atoms * TMA_ROWS * kAtomRowBytes);
+            mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
+            if constexpr (SCALE_BLOCK > 0) {
+              if (lane < kWarpRows)
+                cp_async4(sm.kscale + (u32)((stage * BN + r0) * 4),
+                          row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) : a.kv.k_scales,
+                          row >= 0 ? 4 : 0);
+            }
+          } else if constexpr (SCALE_BLOCK > 0) {
+            const i64 ks_lane =
+                row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales : 0;
 #pragma unroll
-            for (int atom = 0; atom < Buf::code_atoms; ++atom)
-              tma_load_4d(buf.element(stage) + (u32)((atom * BN + r0) * kAtomRowBytes), &maps->k, atom * 128, kv_head,
-                          tip, page, bar);
+            for (int e = 0; e < kKElems; ++e)
+              buf.template copy_raw_scales<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), a.kv.k_scales, row, ks_lane,
+                                                        e * BK, min(BK, DEPTH - e * BK), pw, lane);
+          }
+          if constexpr (SCALE_BLOCK > 0) {
+            const i64 vs_lane =
+                row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales : 0;
+            buf.template copy_raw_scales<SCALE_BLOCK>(vdst, a.kv.v_scales, row, vs_lane, vslice * kVCols, kVCols, pw,
+                                                      lane);
+          }
+          if (lane < kWarpRows && lane % TMA_ROWS == 0) {
+            const int page = row >= 0 ? (int)(row / PAGE_SIZE) : -1, tip = row >= 0 ? (int)(row % PAGE_SIZE) : 0;
+            if constexpr (FP8_SCORES) {
+              const u32 bar = sm.full + 8 * stage;
+              mbar_expect_tx(bar, Buf::code_atoms * TMA_ROWS * kAtomRowBytes);
+#pragma unroll
+              for (int atom = 0; atom < Buf::code_atoms; ++atom)
+                tma_load_4d(buf.element(stage) + (u32)((atom * BN + r0) * kAtomRowBytes), &maps->k, atom * 128, kv_head,
+                            tip, page, bar);
+            } else {
+#pragma unroll
+              for (int e = 0; e < kKElems; ++e) {
+                mbar_expect_tx(raw_bar, TMA_ROWS * BK);
+                tma_load_4d(slot + (u32)(e * kRawElemBytes + r0 * BK), &maps->k, e * BK, kv_head, tip, page, raw_bar);
+              }
+            }
+            mbar_expect_tx(raw_bar, TMA_ROWS * BK);
+            tma_load_4d(vdst + (u32)(r0 * BK), &maps->v, vslice * kVCols, kv_head, tip, page, raw_bar);
+          }
+          if constexpr (FP8_SCORES) mbar_arrive_cp_async(sm.full + 8 * stage);
+          mbar_arrive_cp_async(raw_bar);
+        } else {
+          i64 k_lane, v_lane, ks_lane, vs_lane;
+          row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
+          if constexpr (FP8_SCORES) {
+            mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
+            buf.load_codes_from_dram(stage, kbase, [&](int i) { return row_of(k_lane, i); }, pw, lane);
+            if constexpr (SCALE_BLOCK > 0) {
+              if (lane < kWarpRows)
+                cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4),
+                          k_lane >= 0 ? a.kv.k_scales + ks_lane : a.kv.k_scales, k_lane >= 0 ? 4 : 0);
+            }
+            mbar_arrive_cp_async(sm.full + 8 * stage);
           } else {
 #pragma unroll
-            for (int e = 0; e < kKElems; ++e) {
-              mbar_expect_tx(raw_bar, TMA_ROWS * BK);
-              tma_load_4d(slot + (u32)(e * kRawElemBytes + r0 * BK), &maps->k, e * BK, kv_head, tip, page, raw_bar);
-            }
+            for (int e = 0; e < kKElems; ++e)
+              buf.template copy_raw_fp8<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), kbase, a.kv.k_scales,
+                                                     [&](int r) { return __shfl_sync(0xffffffffu, k_lane, r); }, k_lane,
+                                                     ks_lane, e * BK, min(BK, DEPTH - e * BK), pw, lane);
           }
-          mbar_expect_tx(raw_bar, TMA_ROWS * BK);
-          tma_load_4d(vdst + (u32)(r0 * BK), &maps->v, vslice * kVCols, kv_head, tip, page, raw_bar);
+          buf.template copy_raw_fp8<SCALE_BLOCK>(vdst, vbase, a.kv.v_scales,
+                                                 [&](int r) { return __shfl_sync(0xffffffffu, v_lane, r); }, v_lane,
+                                                 vs_lane, vslice * kVCols, kVCols, pw, lane);
         }
-        if constexpr (FP8_SCORES) mbar_arrive_cp_async(sm.full + 8 * stage);
-        mbar_arrive_cp_async(raw_bar);
       };
       if (n_tiles > 0) {
         const i64 key_lane = key_next;
         if (n_tiles > 1) key_next = lookup(n_first + n_tiles - 2);
         issue_tile(n_first + n_tiles - 1, key_lane, 0);
       }
+      if constexpr (!kTma) cp_async_commit();
       for (int it = 0; it < n_tiles; ++it) {
         const int n = n_first + n_tiles - 1 - it;
         if (it + 1 < n_tiles) {
@@ -300,83 +342,25 @@ struct PrefillKernel {
           if (it + 2 < n_tiles) key_next = lookup(n - 2);
           issue_tile(n - 1, key_lane, it + 1);
         }
-        mbar_wait(sm.raw_full + 8 * (it & 1), (it >> 1) & 1);
-        const u32 slot = sm.raw + (u32)((it & 1) * kRawTileBytes);
-        const int valid = kv_len - n * BN;  // rows of this tile inside the sequence
-#pragma unroll
-        for (int e = FP8_SCORES ? kKElems : 0; e <= kKElems; ++e) {
-          const int idx = it * (kKElems + 1) + e, stage = idx % STAGES;
-          const bool is_k = e < kKElems;
-          const u32 src = slot + (u32)((FP8_SCORES ? 0 : e) * kRawElemBytes);
-          const float ts = is_k ? k_tensor_scale : v_tensor_scale;
-          auto wait_slot = [&] { mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1); };
-          if (valid >= BN)
-            buf.template convert_raw_fp8<SCALE_BLOCK>(stage, src, ts, pw, lane, wait_slot);
-          else
-            buf.template convert_raw_fp8<SCALE_BLOCK, true>(stage, src, ts, pw, lane, wait_slot, valid);
-          fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
-          mbar_arrive(sm.full + 8 * stage);
-        }
-      }
-    } else if constexpr (QUANTIZED) {
-      // FP8: cp.async brings tile it + 1's codes and scales into raw slot (it + 1) % 2 while tile it is
-      // converted from slot it % 2 into the ring (tile t's elements are ring indices t * (kKElems + 1) + e, V
-      // last). Each lane converts exactly the codes it copied (its own cp.async.wait_group orders those); a
-      // row's scales come from the row's lane, so a __syncwarp follows the wait. Refilling a slot is ordered
-      // after every lane's reads of it by the full-warp shuffles at the start of copy_raw_fp8 (before its
-      // scale copies), which no lane passes before all have finished converting the previous tile.
-      // FP8_SCORES: the raw slot holds V only; the K element is copied as codes straight into the ring, with
-      // its rows' scales beside it, when the tile is issued (a tile ahead of V's conversion: the ring fills out
-      // of order, which the per-element barriers allow).
-      auto issue_tile = [&](int n, i64 key_lane, int t) {
-        i64 k_lane, v_lane, ks_lane, vs_lane;
-        row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
-        const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes);
-        if constexpr (FP8_SCORES) {
-          const int idx = t * (kKElems + 1), stage = idx % STAGES;
-          mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
-          buf.load_codes_from_dram(stage, kbase, [&](int i) { return row_of(k_lane, i); }, pw, lane);
-          if constexpr (SCALE_BLOCK > 0) {
-            if (lane < kWarpRows)
-              cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4),
-                        k_lane >= 0 ? a.kv.k_scales + ks_lane : a.kv.k_scales, k_lane >= 0 ? 4 : 0);
-          }
-          mbar_arrive_cp_async(sm.full + 8 * stage);
+        if constexpr (kTma) {
+          mbar_wait(sm.raw_full + 8 * (it & 1), (it >> 1) & 1);
         } else {
-#pragma unroll
-          for (int e = 0; e < kKElems; ++e)
-            buf.template copy_raw_fp8<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), kbase, a.kv.k_scales,
-                                                   [&](int r) { return __shfl_sync(0xffffffffu, k_lane, r); }, k_lane,
-                                                   ks_lane, e * BK, min(BK, DEPTH - e * BK), pw, lane);
+          cp_async_commit();
+          cp_async_wait<1>();  // this lane's copies of tile it have landed
+          __syncwarp();        // and the scales its row's lane copied
         }
-        buf.template copy_raw_fp8<SCALE_BLOCK>(slot + (u32)((FP8_SCORES ? 0 : kKElems) * kRawElemBytes), vbase,
-                                               a.kv.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, v_lane, r); },
-                                               v_lane, vs_lane, vslice * kVCols, kVCols, pw, lane);
-      };
-      if (n_tiles > 0) {
-        const i64 key_lane = key_next;
-        if (n_tiles > 1) key_next = lookup(n_first + n_tiles - 2);
-        issue_tile(n_first + n_tiles - 1, key_lane, 0);
-      }
-      asm volatile("cp.async.commit_group;" ::: "memory");
-      for (int it = 0; it < n_tiles; ++it) {
-        const int n = n_first + n_tiles - 1 - it;
-        if (it + 1 < n_tiles) {
-          const i64 key_lane = key_next;
-          if (it + 2 < n_tiles) key_next = lookup(n - 2);
-          issue_tile(n - 1, key_lane, it + 1);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's copies of tile it have landed
-        __syncwarp();  // and the scales its row's lane copied
         const u32 slot = sm.raw + (u32)((it & 1) * kRawTileBytes);
+        const int valid = kv_len - n * BN;  // rows of this tile inside the sequence (TMA: the rest must be zeroed)
 #pragma unroll
         for (int e = FP8_SCORES ? kKElems : 0; e <= kKElems; ++e) {
           const int idx = it * (kKElems + 1) + e, stage = idx % STAGES;
-          const bool is_k = e < kKElems;
-          buf.template convert_raw_fp8<SCALE_BLOCK>(
-              stage, slot + (u32)((FP8_SCORES ? 0 : e) * kRawElemBytes), is_k ? k_tensor_scale : v_tensor_scale, pw,
-              lane, [&] { mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1); });
+          const u32 src = slot + (u32)((FP8_SCORES ? 0 : e) * kRawElemBytes);
+          const float ts = e < kKElems ? k_tensor_scale : v_tensor_scale;
+          auto wait_slot = [&] { mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1); };
+          if (kTma && valid < BN)
+            buf.template convert_raw_fp8<SCALE_BLOCK, true>(stage, src, ts, pw, lane, wait_slot, valid);
+          else
+            buf.template convert_raw_fp8<SCALE_BLOCK>(stage, src, ts, pw, lane, wait_slot);
           fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
           mbar_arrive(sm.full + 8 * stage);
         }

@@ -68,8 +68,6 @@ def test_fp8_scores_domain():
 
 
 def test_tma_domain():
-    from cukv.prefill import TMA_OFF
-
     ok = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, fp8_scores=True,
                        tma=True)
     assert ok.tma_rows == 16 and "_tma_" in ok.name and ok.tma_k_box_cols == 128 and ok.tma_v_box_cols == 128
@@ -89,8 +87,8 @@ def test_tma_domain():
     assert default_config("bfloat16", 64, 48, "fp8_e4m3", 64).tma_rows == 24
     assert not default_config("bfloat16", 128, 1, "fp8_e4m3", 128).tma
     assert not default_config("bfloat16", 128, 12, "fp8_e4m3", 128).tma
-    for dtype, d, sb in TMA_OFF:
-        assert not default_config(dtype, d, 16, "fp8_e4m3", sb).tma
+    assert default_config("float16", 256, 16, "fp8_e4m3", 256).tma  # dequantizing, BM=128: producer 88
+    assert default_config("float16", 256, 16, "fp8_e4m3", 256).producer_registers == 88
 
 
 def test_tma_page_tensor_checks():
