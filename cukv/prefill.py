@@ -150,8 +150,8 @@ class PrefillConfig:
             raise ValueError(f"PrefillConfig.tma={self.tma!r} is not valid; accepted: True, False")
         if self.tma:
             check_rule(c, "tma", True, self.quantized, "applies to FP8 caches (kv_dtype='fp8_e4m3')")
-            g = math.gcd(self.page_size, self.BN // 4)
-            check_rule(c, "tma", True, g % 8 == 0,
+            g = tma_box_rows(self.page_size, self.BN)
+            check_rule(c, "tma", True, tma_applies(self.page_size, self.BN),
                        f"needs gcd(page_size={self.page_size}, BN/4={self.BN // 4}) = {g} to be a multiple of 8 "
                        "(a box is whole 8-row swizzle groups of one page)")
         check_in(c, "head_dim", self.head_dim, HEAD_DIMS)
@@ -210,7 +210,7 @@ class PrefillConfig:
     @property
     def tma_rows(self) -> int:
         """Tokens per tensor copy (0: cp.async): the most rows that stay inside a page and a producer warp's rows."""
-        return math.gcd(self.page_size, self.BN // 4) if self.tma else 0
+        return tma_box_rows(self.page_size, self.BN) if self.tma else 0
 
     @property
     def tma_k_box_cols(self) -> int:
@@ -321,9 +321,15 @@ def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int
     return None
 
 
+def tma_box_rows(page_size: int, BN: int) -> int:
+    """Tokens per tensor copy: the most rows that stay inside one page and inside a producer warp's BN / 4 rows."""
+    return math.gcd(page_size, BN // 4)
+
+
 def tma_applies(page_size: int, BN: int) -> bool:
-    """Whether an FP8 tile of BN keys can take its codes by tensor copies from pages of ``page_size``."""
-    return page_size > 0 and math.gcd(page_size, BN // 4) % 8 == 0
+    """Whether an FP8 tile of BN keys can take its codes by tensor copies from pages of ``page_size``: the boxes
+    must be whole 8-row swizzle groups."""
+    return page_size > 0 and tma_box_rows(page_size, BN) % 8 == 0
 
 
 def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
