@@ -8,6 +8,7 @@
 // cp.async completions, `empty` the consumer warps that finished reading.
 #pragma once
 #include "kv_buffer.cuh"
+#include "trace.cuh"  // trace_mark(it, event): benchmarks/trace_prefill.py; compiles to nothing as shipped
 
 namespace cukv {
 
@@ -337,11 +338,13 @@ struct PrefillKernel {
       if constexpr (!kTma) cp_async_commit();
       for (int it = 0; it < n_tiles; ++it) {
         const int n = n_first + n_tiles - 1 - it;
+        trace_mark(it, 0);
         if (it + 1 < n_tiles) {
           const i64 key_lane = key_next;
           if (it + 2 < n_tiles) key_next = lookup(n - 2);
           issue_tile(n - 1, key_lane, it + 1);
         }
+        trace_mark(it, 1);
         if constexpr (kTma) {
           mbar_wait(sm.raw_full + 8 * (it & 1), (it >> 1) & 1);
         } else {
@@ -349,6 +352,7 @@ struct PrefillKernel {
           cp_async_wait<1>();  // this lane's copies of tile it have landed
           __syncwarp();        // and the scales its row's lane copied
         }
+        trace_mark(it, 2);
         const u32 slot = sm.raw + (u32)((it & 1) * kRawTileBytes);
         const int valid = kv_len - n * BN;  // rows of this tile inside the sequence (TMA: the rest must be zeroed)
 #pragma unroll
@@ -356,7 +360,10 @@ struct PrefillKernel {
           const int idx = it * (kKElems + 1) + e, stage = idx % STAGES;
           const u32 src = slot + (u32)((FP8_SCORES ? 0 : e) * kRawElemBytes);
           const float ts = e < kKElems ? k_tensor_scale : v_tensor_scale;
-          auto wait_slot = [&] { mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1); };
+          auto wait_slot = [&] {
+            mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
+            trace_mark(it, 3);
+          };
           if (kTma && valid < BN)
             buf.template convert_raw_fp8<SCALE_BLOCK, true>(stage, src, ts, pw, lane, wait_slot, valid);
           else
@@ -364,6 +371,7 @@ struct PrefillKernel {
           fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
           mbar_arrive(sm.full + 8 * stage);
         }
+        trace_mark(it, 4);
       }
     } else {
       int count = 0;
@@ -378,7 +386,9 @@ struct PrefillKernel {
 #pragma unroll
         for (int e = 0; e <= kKElems; ++e) {
           const int stage = count % STAGES;
+          trace_mark(it, 2 * min(e, 1));  // events 0-1: the (last) K element's slot; 2-3: V's
           mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+          trace_mark(it, 2 * min(e, 1) + 1);
           if (e < kKElems)
             buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
           else
@@ -386,6 +396,7 @@ struct PrefillKernel {
           mbar_arrive_cp_async(sm.full + 8 * stage);
           ++count;
         }
+        trace_mark(it, 4);
       }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // leave only after every copy has landed
@@ -496,10 +507,12 @@ struct PrefillKernel {
     for (int it = 0; it < n_tiles; ++it) {
       const int n = n_first + n_tiles - 1 - it;
       float s[kSRegs];
+      trace_mark(it, 0);
       // ---- S = Q K^T over the K elements of this tile
       if constexpr (FP8_SCORES) {
         const int stage = count % STAGES;
         mbar_wait(sm.full + 8 * stage, (count / STAGES) & 1);
+        trace_mark(it, 1);
         fence_proxy_async();
         wgmma_fence();
 #pragma unroll
@@ -515,6 +528,7 @@ struct PrefillKernel {
         for (int e = 0; e < kKElems; ++e) {
           const int stage = (count + e) % STAGES;
           mbar_wait(sm.full + 8 * stage, ((count + e) / STAGES) & 1);
+          trace_mark(it, 1);
           fence_proxy_async();
           wgmma_fence();
 #pragma unroll
@@ -530,6 +544,7 @@ struct PrefillKernel {
         }
       }
       wgmma_wait<0>();
+      trace_mark(it, 2);
       fence_regs(s);
       fence_regs(o);
       if constexpr (FP8_SCORES && SCALE_BLOCK > 0) {
@@ -606,7 +621,9 @@ struct PrefillKernel {
 
       // ---- O += P V (P from registers: k16 step kk uses score columns 16kk .. 16kk + 15)
       const int vstage = count % STAGES;
+      trace_mark(it, 3);
       mbar_wait(sm.full + 8 * vstage, (count / STAGES) & 1);
+      trace_mark(it, 4);
       fence_proxy_async();
       wgmma_fence();
 #pragma unroll
@@ -615,6 +632,7 @@ struct PrefillKernel {
         MmaO::rs(o, frag, buf.v_desc(vstage, kk), 1);
       }
       wgmma_commit();
+      trace_mark(it, 5);
       fence_regs(o);
       pending_v = vstage;
       count += 1;

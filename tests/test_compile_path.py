@@ -450,3 +450,30 @@ def test_atomic_write_replaces_and_cleans_up(tmp_path, monkeypatch):
         compiler._atomic_write(target, b"three")
     assert target.read_bytes() == b"two"  # the old file is intact
     assert os.listdir(target.parent) == ["f.bin"]  # and the temporary is gone
+
+
+def test_trace_build_is_opt_in(cache, monkeypatch):
+    """benchmarks/trace_prefill.py compiles from a copy of templates/ with CUKV_TRACE 1: that build exports the
+    timestamp buffer, while the shipped headers keep the switch off (trace_mark compiles to nothing)."""
+    import sys
+    from pathlib import Path
+
+    from cukv.prefill import default_config
+
+    shipped = (compiler.template_dir() / "trace.cuh").read_text()
+    assert "#define CUKV_TRACE 0" in shipped
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import trace_prefill
+    finally:
+        sys.path.pop(0)
+    dst = trace_prefill.copy_traced_templates(cache)
+    monkeypatch.setattr(compiler, "template_dir", lambda: dst)
+    compiler._jinja_env.cache_clear()
+    try:
+        cfg = default_config("bfloat16", 64, 16)
+        mod = cfg.compiled
+        assert b"cukv_trace\x00" in mod.cubin_path.read_bytes()
+        assert mod.functions[cfg.name].spills == 0
+    finally:
+        compiler._jinja_env.cache_clear()
