@@ -78,8 +78,8 @@ def summarize(tr, n_iters, fp8, wgs):
             # V(t) handed over (producer ev 4 of iteration t) vs consumer reaching its V wait (ev 3)
             if fp8:  # (the bf16 producer's event 4 is its copies' issue, not their landing)
                 r["V slack"] = float(np.median(c[:-1, 3] - p[:-1, 4]))
-            # spread of the warpgroups: how far apart they reach their V waits (0: in lock-step)
             rows[f"wg{wg}"] = r
+        # spread of the warpgroups: how far apart they reach their V waits (0: in lock-step)
         v = np.stack([tr[blk, 4 + 4 * wg, lo:hi, 3] for wg in range(wgs)]).astype(np.float64)
         rows["producer"]["WG spread"] = float(np.median(v.max(0) - v.min(0)))
         out[blk] = {"tiles": n, "roles": rows}
@@ -89,7 +89,7 @@ def summarize(tr, n_iters, fp8, wgs):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="4x4096x32x8x128", help="batch x L x hq x hkv x d")
-    ap.add_argument("--gran", default="token")
+    ap.add_argument("--gran", default="token", choices=["token", "tensor", "32", "64", "128"])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -98,13 +98,11 @@ def main():
 
     import cukv
     from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
-    from cukv.prefill import default_config
 
     batch, seq_len, hq, hkv, d = map(int, args.shape.split("x"))
     data = _build(batch, seq_len, hq, hkv, d)
-    q, k, v, cache, pt, offsets, lengths = data
-    fcache = fp8_cache_like(data, args.gran)
-    sb = d if args.gran == "token" else 0
+    q, _, _, cache, pt, offsets, lengths = data
+    fcache = fp8_cache_like(data, args.gran if args.gran in ("token", "tensor") else int(args.gran))
     out = cp.empty_like(q)
     result = {"shape": args.shape}
     for label, kv_dtype in (("bf16", "bfloat16"), ("fp8", "fp8_e4m3")):

@@ -3,7 +3,6 @@
 // first kTraceBlocks blocks (blockIdx.x == 0 and z == 0) writes clock64() for (warp, iteration, event) into
 // cukv_trace, which the host reads with RawModule.get_global.
 #pragma once
-#include "common.cuh"
 
 #define CUKV_TRACE 0
 
