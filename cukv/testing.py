@@ -126,17 +126,18 @@ def cache_pages_host(cache):
     return cache_values_host(cache, (slice(None),))
 
 
-def cache_values_host(cache, index, rounded_to: str | None = None, round_k: bool = True):
+def cache_values_host(cache, index, rounded_to: str | None = None, round_k: bool = True, round_v: bool = True):
     """float64 K and V at ``cache.k[index]`` (a tuple of device indices over (page, token)), dequantized
     exactly (``e4m3 * scale`` in float64) for an FP8 cache, or, with ``rounded_to`` ('bfloat16'/'float16'),
-    as the FP8 prefill stages them: the float32 product rounded to that type (V only with ``round_k=False``:
-    the FP8-scores path keeps K exact)."""
+    as the FP8 prefill stages them: the float32 product rounded to that type, for K unless ``round_k=False``
+    (the FP8-scores path keeps K exact) and for V unless ``round_v=False`` (a per-tensor V scale multiplies the
+    output, so V is staged as its exact codes)."""
     if not getattr(cache, "quantized", False):
         return from_storage(cache.k[index].get(), cache.dtype), from_storage(cache.v[index].get(), cache.dtype)
     from .fp8 import dequantize
 
     out = []
-    for codes, scales, rnd in ((cache.k, cache.k_scales, round_k), (cache.v, cache.v_scales, True)):
+    for codes, scales, rnd in ((cache.k, cache.k_scales, round_k), (cache.v, cache.v_scales, round_v)):
         sc = scales.get() if cache.scale_block == 0 else scales[index].get()
         vals = dequantize(codes[index].get(), sc, cache.scale_block)
         if rounded_to is not None and rnd:
@@ -210,8 +211,9 @@ def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False,
     (gathered on the device, like :func:`reference_decode`). ``kw`` are :func:`cukv.reference.prefill_contiguous`'s
     options (``mask``, ``window``, ``chunk``, ``softcap``, ``sink``, ``sm_scale``); a device ``sink`` is copied
     to the host. ``staged='bfloat16'`` (or 'float16') reads an FP8 cache as the prefill kernel stages it
-    (``code * scale`` in float32, rounded to that type); with ``fp8_scores`` (``PrefillConfig.fp8_scores``) K
-    stays exact and the query is read as the kernel splits it (:func:`cukv.fp8.split_query`)."""
+    (``code * scale`` in float32, rounded to that type; V exact with a per-tensor scale, which the kernel applies
+    to the output); with ``fp8_scores`` (``PrefillConfig.fp8_scores``) K stays exact and the query is read as the
+    kernel splits it (:func:`cukv.fp8.split_query`)."""
     import cupy as cp
 
     if kw.get("sink") is not None and hasattr(kw["sink"], "get") and not isinstance(kw["sink"], np.ndarray):
@@ -221,7 +223,8 @@ def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False,
     pos = [np.arange(int(n)) for n in lengths]
     rp = np.concatenate([table[b, p // ps] for b, p in enumerate(pos)] + [np.zeros(0, np.int64)]).astype(np.int64)
     ro = np.concatenate([p % ps for p in pos] + [np.zeros(0, np.int64)]).astype(np.int64)
-    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)), staged, round_k=not fp8_scores)
+    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)), staged, round_k=not fp8_scores,
+                             round_v=getattr(cache, "scale_block", 1) != 0)
     q = case["q_host"]
     if fp8_scores:
         from .fp8 import split_query

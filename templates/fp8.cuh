@@ -46,6 +46,15 @@ __device__ __forceinline__ uint4 dequant8(uint2 raw, float scale) {
   return r;
 }
 
+// Sixteen codes (16 bytes, dims in order) -> their exact values as sixteen f16 (two 16-byte chunks): one cvt a
+// pair. Prefill's V with a per-tensor scale: the scale multiplies the output instead (prefill.cuh).
+__device__ __forceinline__ void codes16_f16(uint4 raw, uint4& lo, uint4& hi) {
+  lo = make_uint4(f16x2_from_e4m3x2((u16)(raw.x & 0xffffu)), f16x2_from_e4m3x2((u16)(raw.x >> 16)),
+                  f16x2_from_e4m3x2((u16)(raw.y & 0xffffu)), f16x2_from_e4m3x2((u16)(raw.y >> 16)));
+  hi = make_uint4(f16x2_from_e4m3x2((u16)(raw.z & 0xffffu)), f16x2_from_e4m3x2((u16)(raw.z >> 16)),
+                  f16x2_from_e4m3x2((u16)(raw.w & 0xffffu)), f16x2_from_e4m3x2((u16)(raw.w >> 16)));
+}
+
 // Two codes as an mma operand pair holding their exact values: f16 (cvt), or bf16 scaled by 2^-112 (the
 // f16 bits moved into bf16 position: every e4m3 value is a normal f16 whose low 7 mantissa bits are zero,
 // so dropping 3 bits is exact and the exponent bias moves from 15 to 127; zero stays zero).

@@ -152,7 +152,8 @@ struct KVBuffer {
   static constexpr int kLoadBatch = 4;  // 4 x 5 registers held: the FP8 producer's 72-80 (prefill.cuh)
   // MASK_ROWS (the TMA producer's last tile): rows from valid_rows on read as zero codes, since tensor copies
   // bring whatever the cache holds past the sequence (unused slots may be NaN) where cp.async zero-fills.
-  template <int SB, bool MASK_ROWS = false, typename WaitSlot>
+  // CODES (V with a per-tensor scale): the element holds the codes' exact values as f16, unscaled.
+  template <int SB, bool MASK_ROWS = false, bool CODES = false, typename WaitSlot>
   __device__ __forceinline__ void convert_raw_fp8(int stage, u32 src, float tensor_scale, int pw, int lane,
                                                   WaitSlot wait_slot, int valid_rows = BN) const {
     const u32 dst0 = element(stage);
@@ -183,8 +184,13 @@ struct KVBuffer {
         if (t < kChunkPasses && (kWarpChunks % 32 == 0 || c < kWarpChunks)) {
           const int row = pw * kWarpRows + r;
           if (MASK_ROWS && row >= valid_rows) raw[j] = make_uint4(0, 0, 0, 0);
-          const uint4 lo = dequant8<T>(make_uint2(raw[j].x, raw[j].y), sc[j]);
-          const uint4 hi = dequant8<T>(make_uint2(raw[j].z, raw[j].w), sc[j]);
+          uint4 lo, hi;
+          if constexpr (CODES) {
+            codes16_f16(raw[j], lo, hi);
+          } else {
+            lo = dequant8<T>(make_uint2(raw[j].x, raw[j].y), sc[j]);
+            hi = dequant8<T>(make_uint2(raw[j].z, raw[j].w), sc[j]);
+          }
           const int chunk8 = (col % bk_smem) / 8;
           const u32 dst = dst0 + (u32)((col / bk_smem) * BN * kAtomRowBytes);
           asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};"

@@ -1,7 +1,7 @@
 """Prefill over FP8 e4m3 paged caches on the GPU.
 
-The producer warps dequantize V (``code * scale`` in float32, rounded to the query dtype) into shared memory,
-and K too unless the config runs S on the e4m3 tensor cores (``fp8_scores``: bf16 queries, token or tensor
+The producer warps dequantize V (``code * scale`` in float32, rounded to the query dtype; with a per-tensor
+scale, V's exact codes as f16 and the scale on the output) into shared memory, and K too unless the config runs S on the e4m3 tensor cores (``fp8_scores``: bf16 queries, token or tensor
 scales), which keeps K exact and splits the query into two e4m3 terms. Tight check: the float64 prefill over
 the cache read the same way (``reference_prefill(staged=dtype, fp8_scores=...)``) at the query dtype's
 tolerance. The e4m3 tensor cores accumulate with fewer bits than float32 (about 13-14, so scores carry a
@@ -29,10 +29,12 @@ def _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout="combined
 
 
 def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="token", config=None, layout="combined",
-           **kw):
+           prepare=None, **kw):
     import cupy as cp
 
     case = _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout)
+    if prepare is not None:
+        prepare(case)
     pf = cukv.BatchPrefill(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran, config=config)
     plan_kw = {k: kw.pop(k) for k in ("mask", "window", "chunk") if k in kw}
     pf.plan(case["q_offsets"], case["kv_lens"], **plan_kw)
@@ -95,6 +97,31 @@ def test_tma_and_cp_async_producers(rng, tma, d, gran, ps, layout):
     base = default_config("bfloat16", d, ps, "fp8_e4m3", sb)
     cfg = dataclasses.replace(base, tma=tma)
     _check(rng, [200, 65, 1], [50, 301, 17], 8, 2, d, ps, "bfloat16", gran, config=cfg, layout=layout)
+
+
+@pytest.mark.parametrize("v_factor", [2.0 ** -20, 3e3])
+@pytest.mark.parametrize("dtype,d", [("bfloat16", 128), ("float16", 64), ("bfloat16", 512)])
+def test_tensor_v_scale_scales_the_output(rng, v_factor, dtype, d):
+    """A per-tensor V scale is applied to the output, not to staged V (the codes go into P V as exact f16 values
+    and P runs in f16): tiny and large scales must come out exactly scaled, on both paths (e4m3 scores at
+    d128, dequantized K at d64 with float16 queries and at d512)."""
+    import cupy as cp
+
+    def prepare(case):
+        cache = case["cache"]
+        cache.set_tensor_scales(cache.k_scales, cache.v_scales * cp.float32(v_factor))
+
+    from cukv.prefill import default_config
+
+    case, out = _check(rng, [130, 7], [70, 300], 8, 2, d, 16, dtype, "tensor", prepare=prepare)
+    # the tolerances above are absolute at small outputs: check again in units of the V scale
+    fp8_scores = default_config(dtype, d, 16, "fp8_e4m3", 0).fp8_scores
+    ref_o, _ = reference_prefill(case, staged=dtype, fp8_scores=fp8_scores)
+    if fp8_scores:
+        st_o, _ = reference_prefill(case, staged=dtype)
+        assert_within_staging(out / v_factor, ref_o / v_factor, st_o / v_factor, dtype, name="out / v_factor")
+    else:
+        assert_close(out / v_factor, ref_o / v_factor, dtype, name="out / v_factor")
 
 
 @pytest.mark.parametrize("ps", [1, 48, 256])

@@ -274,7 +274,9 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None
     result = {"summary": summary, "rows": rows}
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        tag = "" if kv_dtype == "bfloat16" else f"_{kv_dtype}"
+        # the default granularity keeps the historical file names; others get their own files
+        tag = "" if kv_dtype == "bfloat16" else f"_{kv_dtype}" + ("" if scale_granularity == "token" else
+                                                                   f"_{scale_granularity}")
         with open(os.path.join(out_dir, f"bench_prefill{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
         _plot(rows, summary, os.path.join(out_dir, f"bench_prefill{tag}.png"))
