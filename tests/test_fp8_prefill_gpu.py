@@ -131,7 +131,8 @@ def test_masks_sink_softcap(rng):
     _check(rng, [250], [64], 8, 2, 128, 16, "bfloat16", "token", mask="none", chunk=128)
 
 
-@pytest.mark.parametrize("gran", [32, "token"])  # dequantized K, and K as codes in the e4m3 mma (fp8_scores)
+# dequantized K; K as codes in the e4m3 mma (fp8_scores); and that with V as f16 codes (per-tensor scales)
+@pytest.mark.parametrize("gran", [32, "token", "tensor"])
 def test_close_to_unquantized(rng, gran):
     from cukv import reference
 
