@@ -33,7 +33,8 @@ struct alignas(8) PrefillArgs {
 };
 
 // QUANTIZED: an FP8 e4m3 cache (scales per SCALE_BLOCK dims, 0 = per tensor). The producer dequantizes V
-// to T on the way into shared memory. K either takes the same path, or, with FP8_SCORES (bf16 queries,
+// to T on the way into shared memory (per tensor: V's codes as exact f16, P V in f16, the V scale applied to
+// the output). K either takes the same path, or, with FP8_SCORES (bf16 queries,
 // scales per token or per tensor, heads up to 256), goes into the ring as the cache's codes and S = Q K^T
 // runs on the e4m3 tensor cores: each consumer warpgroup splits its query rows once into two e4m3 terms,
 // q * 2^k = hi + lo (2^k per row), so S = (hi K + lo K) * k_scale / 2^k keeps about bf16's precision at the
