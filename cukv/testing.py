@@ -126,17 +126,18 @@ def cache_pages_host(cache):
     return cache_values_host(cache, (slice(None),))
 
 
-def cache_values_host(cache, index, rounded_to: str | None = None, round_k: bool = True, round_v: bool = True):
+def cache_values_host(cache, index, rounded_to: str | None = None, round_k: bool = True):
     """float64 K and V at ``cache.k[index]`` (a tuple of device indices over (page, token)), dequantized
     exactly (``e4m3 * scale`` in float64) for an FP8 cache, or, with ``rounded_to`` ('bfloat16'/'float16'),
     as the FP8 prefill stages them: the float32 product rounded to that type, for K unless ``round_k=False``
-    (the FP8-scores path keeps K exact) and for V unless ``round_v=False`` (a per-tensor V scale multiplies the
-    output, so V is staged as its exact codes)."""
+    (the FP8-scores path keeps K exact) and for V unless the cache has one scale per tensor (the prefill
+    stages V's exact codes then and multiplies the output by the scale)."""
     if not getattr(cache, "quantized", False):
         return from_storage(cache.k[index].get(), cache.dtype), from_storage(cache.v[index].get(), cache.dtype)
     from .fp8 import dequantize
 
     out = []
+    round_v = cache.scale_block != 0
     for codes, scales, rnd in ((cache.k, cache.k_scales, round_k), (cache.v, cache.v_scales, round_v)):
         sc = scales.get() if cache.scale_block == 0 else scales[index].get()
         vals = dequantize(codes[index].get(), sc, cache.scale_block)
@@ -223,8 +224,7 @@ def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False,
     pos = [np.arange(int(n)) for n in lengths]
     rp = np.concatenate([table[b, p // ps] for b, p in enumerate(pos)] + [np.zeros(0, np.int64)]).astype(np.int64)
     ro = np.concatenate([p % ps for p in pos] + [np.zeros(0, np.int64)]).astype(np.int64)
-    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)), staged, round_k=not fp8_scores,
-                             round_v=getattr(cache, "scale_block", 1) != 0)
+    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)), staged, round_k=not fp8_scores)
     q = case["q_host"]
     if fp8_scores:
         from .fp8 import split_query

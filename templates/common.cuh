@@ -15,6 +15,8 @@ typedef unsigned int u32;
 // A if C else B (NVRTC has no <type_traits> without the CUDA standard library headers).
 template <bool C, typename A, typename B> struct Select { typedef A type; };
 template <typename A, typename B> struct Select<false, A, B> { typedef B type; };
+// A compile-time bool as a value: picks a template argument inside an unrolled loop's branch.
+template <bool B> struct Bool { static constexpr bool value = B; };
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

@@ -156,6 +156,7 @@ struct KVBuffer {
   template <int SB, bool MASK_ROWS = false, bool CODES = false, typename WaitSlot>
   __device__ __forceinline__ void convert_raw_fp8(int stage, u32 src, float tensor_scale, int pw, int lane,
                                                   WaitSlot wait_slot, int valid_rows = BN) const {
+    static_assert(!CODES || SB == 0, "codes go in unscaled only when one scale serves the tensor");
     const u32 dst0 = element(stage);
     constexpr int kBatch = kLoadBatch < kChunkPasses ? kLoadBatch : kChunkPasses;
 #pragma unroll

@@ -369,16 +369,19 @@ struct PrefillKernel {
             mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
             trace_mark(it, 3);
           };
-          if (kVCodes && e == kKElems) {
+          // V with a per-tensor scale goes in as its codes (kVCodes); the TMA producer's last tile zeroes the rows
+          // past the sequence, full tiles pay nothing for that
+          auto convert = [&](auto codes) {
+            constexpr bool kCodes = decltype(codes)::value;
             if (kTma && valid < BN)
-              buf.template convert_raw_fp8<SCALE_BLOCK, true, true>(stage, src, ts, pw, lane, wait_slot, valid);
+              buf.template convert_raw_fp8<SCALE_BLOCK, true, kCodes>(stage, src, ts, pw, lane, wait_slot, valid);
             else
-              buf.template convert_raw_fp8<SCALE_BLOCK, false, true>(stage, src, ts, pw, lane, wait_slot);
-          } else if (kTma && valid < BN) {
-            buf.template convert_raw_fp8<SCALE_BLOCK, true>(stage, src, ts, pw, lane, wait_slot, valid);
-          } else {
-            buf.template convert_raw_fp8<SCALE_BLOCK>(stage, src, ts, pw, lane, wait_slot);
-          }
+              buf.template convert_raw_fp8<SCALE_BLOCK, false, kCodes>(stage, src, ts, pw, lane, wait_slot);
+          };
+          if (e == kKElems)
+            convert(Bool<kVCodes>());
+          else
+            convert(Bool<false>());
           fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
           mbar_arrive(sm.full + 8 * stage);
         }

@@ -1,8 +1,9 @@
 """Prefill over FP8 e4m3 paged caches on the GPU.
 
 The producer warps dequantize V (``code * scale`` in float32, rounded to the query dtype; with a per-tensor
-scale, V's exact codes as f16 and the scale on the output) into shared memory, and K too unless the config runs S on the e4m3 tensor cores (``fp8_scores``: bf16 queries, token or tensor
-scales), which keeps K exact and splits the query into two e4m3 terms. Tight check: the float64 prefill over
+scale, V's exact codes as f16 and the scale on the output) into shared memory, and K too unless the config
+runs S on the e4m3 tensor cores (``fp8_scores``: bf16 queries, token or tensor scales), which keeps K exact and
+splits the query into two e4m3 terms. Tight check: the float64 prefill over
 the cache read the same way (``reference_prefill(staged=dtype, fp8_scores=...)``) at the query dtype's
 tolerance. The e4m3 tensor cores accumulate with fewer bits than float32 (about 13-14, so scores carry a
 relative error near 1e-4 that float64 cannot replay); there the check is bf16-level by construction: the
@@ -114,8 +115,7 @@ def test_tensor_v_scale_scales_the_output(rng, dtype, d, v_factor):
         cache = case["cache"]
         cache.set_tensor_scales(cache.k_scales, cache.v_scales * cp.float32(v_factor))
 
-    _, out = _check(rng, [130, 7], [70, 300], 8, 2, d, 16, dtype, "tensor", prepare=prepare, unit=v_factor)
-    assert np.all(np.isfinite(out))
+    _check(rng, [130, 7], [70, 300], 8, 2, d, 16, dtype, "tensor", prepare=prepare, unit=v_factor)
 
 
 @pytest.mark.parametrize("ps", [1, 48, 256])
