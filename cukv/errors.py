@@ -22,12 +22,18 @@ class CompileError(CukvError):
     def __init__(self, name: str, log: str, source: str):
         self.name = name
         self.log = log
+        self._raw_source = source
         self.source = "\n".join(f"{i + 1:5d}  {line}" for i, line in enumerate(source.splitlines()))
         super().__init__(
             f"NVRTC failed to compile {name}:\n{log.strip()}\n"
             "(set CUKV_DUMP_SOURCE=DIR to write the source and its headers to DIR; "
             "the numbered source is in this exception's .source)"
         )
+
+    def __reduce__(self):
+        # picklable with its arguments, so `python -m cukv compile --jobs N` workers report the NVRTC log instead
+        # of a broken process pool
+        return (CompileError, (self.name, self.log, self._raw_source))
 
 
 class CompileForbidden(CukvError):

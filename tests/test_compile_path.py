@@ -2,6 +2,7 @@
 reports, strict rendering and atomic writes."""
 import json
 import os
+import pickle
 import re
 import shutil
 
@@ -171,6 +172,9 @@ def test_syntax_error_raises_compile_error(cache):
     assert re.match(r"^\s+2    x\[threadIdx\.x\] = 1\.f$", lines[1])
     assert "CUKV_DUMP_SOURCE" in str(e) and e.log.strip().splitlines()[0] in str(e)
     assert not list(cache.glob("*.cubin")) and not list(cache.glob("*.json"))  # nothing cached for a failure
+    # it crosses process boundaries intact (`python -m cukv compile --jobs N` runs compiles in worker processes)
+    back = pickle.loads(pickle.dumps(e))
+    assert (type(back), back.name, back.log, back.source, str(back)) == (CompileError, e.name, e.log, e.source, str(e))
 
 
 def test_dump_source_on_error(cache, tmp_path, monkeypatch):
