@@ -226,10 +226,14 @@ struct PrefillKernel {
       return (lane < kWarpRows && tok < kv_len) ? cache.row_key(b, tok) : (i64)-1;
     };
     static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
-    auto row_offsets = [&](int n, i64 key_lane, i64& k_lane, i64& v_lane, i64& ks_lane, i64& vs_lane) {
+    // this lane's row of tile n (a cache row), or -1 when it reads as zeros
+    auto lane_row = [&](int n, i64 key_lane) -> i64 {
       const int tok_lane = n * BN + pw * kWarpRows + lane;
+      return (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
+    };
+    auto row_offsets = [&](int n, i64 key_lane, i64& k_lane, i64& v_lane, i64& ks_lane, i64& vs_lane) {
       k_lane = -1, v_lane = -1, ks_lane = 0, vs_lane = 0;
-      const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
+      const i64 row = lane_row(n, key_lane);
       if (row >= 0) {
         k_lane = Cache::offset(a.kv.k_stride, row, kv_head, 0);
         v_lane = Cache::offset(a.kv.v_stride, row, kv_head, 0);
@@ -258,24 +262,26 @@ struct PrefillKernel {
       //   cp.async.wait_group orders those); a row's scales come from the row's lane, so a __syncwarp follows the
       //   wait. Refilling a slot is ordered after every lane's reads of it by the full-warp shuffles at the start
       //   of copy_raw_fp8 (before its scale copies), which no lane passes before all have finished converting.
+      // FP8_SCORES with token scales: the lane's row's K scale beside the K element in ring slot `stage` (zero for
+      // a row that reads as zeros)
+      auto copy_k_scale = [&](int stage, bool ok, const float* src) {
+        if (lane < kWarpRows)
+          cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4), ok ? src : a.kv.k_scales, ok ? 4 : 0);
+      };
       auto issue_tile = [&](int n, i64 key_lane, int t) {
         const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes);
         const u32 vdst = slot + (u32)((FP8_SCORES ? 0 : kKElems) * kRawElemBytes);
         const int idx = t * (kKElems + 1), stage = idx % STAGES;  // FP8_SCORES: the K element's ring index
         if constexpr (kTma) {
-          const int r0 = pw * kWarpRows + lane, tok_lane = n * BN + r0;
-          const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
+          const int r0 = pw * kWarpRows + lane;
+          const i64 row = lane_row(n, key_lane);
           const u32 raw_bar = sm.raw_full + 8 * (t & 1);
           __syncwarp();  // the warp's lanes have read their rows of this slot (tile t - 2) before it is refilled
           // the scales first: their offsets die before the boxes' coordinates are formed
           if constexpr (FP8_SCORES) {
             mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
-            if constexpr (SCALE_BLOCK > 0) {
-              if (lane < kWarpRows)
-                cp_async4(sm.kscale + (u32)((stage * BN + r0) * 4),
-                          row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) : a.kv.k_scales,
-                          row >= 0 ? 4 : 0);
-            }
+            if constexpr (SCALE_BLOCK > 0)
+              copy_k_scale(stage, row >= 0, cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0));
           } else if constexpr (SCALE_BLOCK > 0) {
             const i64 ks_lane =
                 row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales : 0;
@@ -317,11 +323,7 @@ struct PrefillKernel {
           if constexpr (FP8_SCORES) {
             mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
             buf.load_codes_from_dram(stage, kbase, [&](int i) { return row_of(k_lane, i); }, pw, lane);
-            if constexpr (SCALE_BLOCK > 0) {
-              if (lane < kWarpRows)
-                cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4),
-                          k_lane >= 0 ? a.kv.k_scales + ks_lane : a.kv.k_scales, k_lane >= 0 ? 4 : 0);
-            }
+            if constexpr (SCALE_BLOCK > 0) copy_k_scale(stage, k_lane >= 0, a.kv.k_scales + ks_lane);
             mbar_arrive_cp_async(sm.full + 8 * stage);
           } else {
 #pragma unroll
