@@ -47,6 +47,9 @@ def traced_templates() -> Path:
     return dst
 
 
+# cukv_trace's shape: kTraceBlocks, kTraceWarps, kTraceIters, kTraceEvents in templates/trace.cuh
+TRACE_SHAPE = (8, 16, 128, 8)
+
 # (phase, from event, to event) per role; the events are the trace_mark calls in templates/prefill.cuh
 PHASES = {
     "fp8_producer": [("issue next", 0, 1), ("wait raw", 1, 2), ("wait slot", 2, 3), ("convert", 3, 4)],
@@ -116,7 +119,7 @@ def main():
         pf.plan(offsets, lengths, mask="causal")
         cfg = pf.config
         buf = cfg.compiled.module().get_global("cukv_trace")
-        arr = cp.ndarray((8, 16, 128, 8), cp.int64, buf)  # kTraceBlocks, kTraceWarps, kTraceIters, kTraceEvents
+        arr = cp.ndarray(TRACE_SHAPE, cp.int64, buf)
         for _ in range(3):
             run()
         arr.fill(0)
@@ -128,7 +131,7 @@ def main():
         ms = cp.cuda.get_elapsed_time(start, stop)
         tr = arr.get()
         np.save(Path(args.out) / f"trace_{label}.npy", tr)
-        summ = summarize(tr, 128, label == "fp8", cfg.BM // 64)
+        summ = summarize(tr, TRACE_SHAPE[2], label == "fp8", cfg.BM // 64)
         result[label] = {"config": cfg.name, "ms": ms, "blocks": summ}
         print(f"== {label} {cfg.name}: {ms:.3f} ms (traced)")
         for blk, b in list(summ.items())[:3]:

@@ -471,6 +471,8 @@ def test_trace_build_is_opt_in(cache, monkeypatch):
         import trace_prefill
     finally:
         sys.path.pop(0)
+    m = re.search(r"kTraceBlocks = (\d+), kTraceWarps = (\d+), kTraceIters = (\d+), kTraceEvents = (\d+);", shipped)
+    assert m and tuple(map(int, m.groups())) == trace_prefill.TRACE_SHAPE  # the host views the buffer with it
     dst = trace_prefill.copy_traced_templates(cache)
     monkeypatch.setattr(compiler, "template_dir", lambda: dst)
     compiler._jinja_env.cache_clear()
