@@ -231,11 +231,6 @@ struct PrefillKernel {
       const int tok_lane = n * BN + pw * kWarpRows + lane;
       return (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
     };
-    // FP8 scales per token or block: the offset of a row's first K or V scale (0 for a row that reads as zeros)
-    auto scale_offset = [&](bool is_k, i64 row) -> i64 {
-      const float* base = is_k ? a.kv.k_scales : a.kv.v_scales;
-      return row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(is_k, row, kv_head, 0) - base : 0;
-    };
     auto row_offsets = [&](int n, i64 key_lane, i64& k_lane, i64& v_lane, i64& ks_lane, i64& vs_lane) {
       k_lane = -1, v_lane = -1, ks_lane = 0, vs_lane = 0;
       const i64 row = lane_row(n, key_lane);
@@ -243,8 +238,8 @@ struct PrefillKernel {
         k_lane = Cache::offset(a.kv.k_stride, row, kv_head, 0);
         v_lane = Cache::offset(a.kv.v_stride, row, kv_head, 0);
         if constexpr (QUANTIZED && SCALE_BLOCK > 0) {
-          ks_lane = scale_offset(true, row);
-          vs_lane = scale_offset(false, row);
+          ks_lane = cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales;
+          vs_lane = cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales;
         }
       }
     };
@@ -288,14 +283,16 @@ struct PrefillKernel {
             if constexpr (SCALE_BLOCK > 0)
               copy_k_scale(stage, row >= 0, cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0));
           } else if constexpr (SCALE_BLOCK > 0) {
-            const i64 ks_lane = scale_offset(true, row);
+            const i64 ks_lane =
+                row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales : 0;
 #pragma unroll
             for (int e = 0; e < kKElems; ++e)
               buf.template copy_raw_scales<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), a.kv.k_scales, row, ks_lane,
                                                         e * BK, min(BK, DEPTH - e * BK), pw, lane);
           }
           if constexpr (SCALE_BLOCK > 0) {
-            const i64 vs_lane = scale_offset(false, row);
+            const i64 vs_lane =
+                row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales : 0;
             buf.template copy_raw_scales<SCALE_BLOCK>(vdst, a.kv.v_scales, row, vs_lane, vslice * kVCols, kVCols, pw,
                                                       lane);
           }
