@@ -134,6 +134,10 @@ class PrefillConfig:
     #: FP8: the producer brings the codes in by tensor copies (TMA), one box of ``tma_rows`` tokens of a page per
     #: leading lane, instead of a cp.async per 16 codes per lane. Needs ``gcd(page_size, BN / 4)`` a multiple of 8.
     tma: bool = False
+    #: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers), so their softmax phases
+    #: run staggered instead of in lock-step. Needs BM >= 128. Default for FP8 ``fp8_scores`` tiles at head dims
+    #: 128 and 256 (2-4% faster on H100; not faster for 16-bit caches or d64, benchmarks/NOTES.md session 17).
+    pingpong: bool = False
 
     def __post_init__(self):
         c = "PrefillConfig"
@@ -154,6 +158,11 @@ class PrefillConfig:
             check_rule(c, "tma", True, tma_applies(self.page_size, self.BN),
                        f"needs gcd(page_size={self.page_size}, BN/4={self.BN // 4}) = {g} to be a multiple of 8 "
                        "(a box is whole 8-row swizzle groups of one page)")
+        if not isinstance(self.pingpong, bool):
+            raise ValueError(f"PrefillConfig.pingpong={self.pingpong!r} is not valid; accepted: True, False")
+        if self.pingpong:
+            check_rule(c, "pingpong", True, self.BM >= 128,
+                       f"needs two or more consumer warpgroups (BM >= 128, not {self.BM})")
         check_in(c, "head_dim", self.head_dim, HEAD_DIMS)
         check_range(c, "page_size", self.page_size, 0, 4096, "0 = contiguous K/V")
         check_in(c, "BM", self.BM, (64, 128, 192))
@@ -266,7 +275,7 @@ class PrefillConfig:
         q = (f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "") + ("_tma" if self.tma else "")
              if self.quantized else "")
         return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
-                f"_k{self.BK}_s{self.stages}")
+                f"_k{self.BK}_s{self.stages}" + ("_pp" if self.pingpong else ""))
 
     def render(self) -> str:
         kb = self.kv_buffer
@@ -278,7 +287,7 @@ class PrefillConfig:
             smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize, quantized=self.quantized,
             scale_block=self.scale_block, producer_registers=self.producer_registers,
             consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
-            kscale_bytes=self.kscale_bytes, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES)
+            kscale_bytes=self.kscale_bytes, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES, pingpong=self.pingpong)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -304,6 +313,10 @@ FP8_SCORES_BN = {80: 64, 96: 64}
 #: producer: 0.77x of bf16 against 0.89x; d80-d256 gain 4-37%, benchmarks/NOTES.md session 9). With the TMA producer
 #: d64 measured 0.90x with e4m3 scores against 0.85x dequantized (session 11).
 FP8_SCORES_OFF = (64,)
+#: head dims whose ``fp8_scores`` default issues S in ring order (``PrefillConfig.pingpong``), per scale kind (token,
+#: tensor): H100, four A/B calls (session 17), token scales 2-4% faster at d128 and d256, per-tensor 1-7% at d128; d64
+#: 2% slower; others not measured. Per-tensor d256 spills 12 bytes with it (ptxas, 168 registers), so it stays off.
+FP8_PINGPONG = {128: (True, True), 256: (True, False)}
 
 
 def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int) -> str | None:
@@ -336,7 +349,8 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
                    scale_block: int = 0) -> PrefillConfig:
     """The documented default (or this GPU's autotuned winner). FP8 caches where S can run on the e4m3 tensor
     cores (``fp8_scores``: bf16 queries, token or tensor scales, head dim 80-256; not 64, measured slower)
-    take the 16-bit default tile. Other FP8 caches take it with BN halved until BN * BK <= 8192 (4096 with 32-dim scale blocks):
+    take the 16-bit default tile, with ``pingpong`` (S issued in warpgroup ring order) where FP8_PINGPONG says.
+    Other FP8 caches take it with BN halved until BN * BK <= 8192 (4096 with 32-dim scale blocks):
     wider tiles measured no faster there (the producer's conversion bounds them either way,
     benchmarks/NOTES.md) and need more shared memory."""
     if head_dim not in DEFAULTS:
@@ -347,7 +361,8 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
         tma = tma_applies(page_size, bn8)
         if head_dim not in FP8_SCORES_OFF or tma:
             return PrefillConfig(dtype, head_dim, page_size, bm, bn8, bk, st, kv_dtype=kv_dtype,
-                                 scale_block=scale_block, fp8_scores=True, tma=tma)
+                                 scale_block=scale_block, fp8_scores=True, tma=tma,
+                                 pingpong=FP8_PINGPONG.get(head_dim, (False, False))[scale_block == 0])
     if kv_dtype is not None:
         # 32-dim scale blocks hold two scales per 64-dim chunk column: half the rows again (measured spills)
         limit = 4096 if scale_block == 32 else 8192

@@ -93,6 +93,16 @@ __device__ __forceinline__ float ld_cluster_f32(u32 addr) {
 // Generic-proxy writes (cp.async, st.shared) become visible to wgmma's async proxy after this fence.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// Named barriers (ids 1-15; 0 is __syncthreads): THREADS counts the syncing and the arriving threads together.
+template <int THREADS>
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "n"(THREADS) : "memory");
+}
+template <int THREADS>
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;" :: "r"(id), "n"(THREADS) : "memory");
+}
+
 // --- wgmma sequencing ------------------------------------------------------------------------------
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }

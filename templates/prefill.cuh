@@ -43,12 +43,15 @@ struct alignas(8) PrefillArgs {
 // TMA_ROWS rows (within a page) per leading lane; maps->k and maps->v describe the cache as 4-d tensors
 // [pages][token][head][dim] (K with the ring's 128-byte swizzle when FP8_SCORES), and the scales keep their
 // per-lane copies.
+// PINGPONG: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers 4 + wg), so the
+// tensor cores finish one warpgroup's scores before the next one's and the softmax phases drift apart instead of
+// running in lock-step (FP8 at d128/d256: 2-4% faster on H100, benchmarks/NOTES.md session 17).
 struct alignas(64) PrefillMaps {
   CUtensorMap k, v;
 };
 
 template <typename T, int DEPTH, int BM, int BN, int BK, int STAGES, int PAGE_SIZE, bool QUANTIZED = false,
-          int SCALE_BLOCK = 0, bool FP8_SCORES = false, int TMA_ROWS = 0>
+          int SCALE_BLOCK = 0, bool FP8_SCORES = false, int TMA_ROWS = 0, bool PINGPONG = false>
 struct PrefillKernel {
   typedef KVBuffer<T, BN, BK, DEPTH, STAGES> Buf;
   typedef typename Select<QUANTIZED, unsigned char, T>::type KVT;
@@ -62,6 +65,7 @@ struct PrefillKernel {
   static_assert(!kTma || (QUANTIZED && TMA_ROWS % 8 == 0 && PAGE_SIZE % TMA_ROWS == 0 && (BN / 4) % TMA_ROWS == 0),
                 "TMA boxes: whole 8-row swizzle groups within a page and within a producer warp's rows");
   static constexpr int kConsumerWGs = BM / 64;
+  static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
   // and multiples of 8). The 16-bit producer takes 56 and the consumers share the rest (224 each beside two
@@ -505,7 +509,7 @@ struct PrefillKernel {
         f1 *= ks;
       }
       fence_proxy_async();  // the generic-proxy stores -> wgmma; then every warp of the warpgroup has stored
-      asm volatile("bar.sync %0, 128;" :: "r"(1 + wg) : "memory");
+      named_barrier_sync<128>(1 + wg);
     } else {
       mbar_wait(sm.q_full, 0);
       fence_proxy_async();
@@ -520,15 +524,21 @@ struct PrefillKernel {
     const u32 q_wg = sm.q + (u32)(wg * 64 * kAtomRowBytes);
 
     int count = 0, pending_v = -1;
+    // PINGPONG: wait for the previous warpgroup's S issue, then let the next one go. Warpgroup 0 goes first
+    // and the last skips its final pass, so every named barrier sees as many passes as waits.
+    const int ring_next = 4 + (wg + 1) % kConsumerWGs;
     for (int it = 0; it < n_tiles; ++it) {
       const int n = n_first + n_tiles - 1 - it;
       float s[kSRegs];
       trace_mark(it, 0);
+      const bool ring_wait = PINGPONG && !(wg == 0 && it == 0);
+      const bool ring_pass = PINGPONG && !(wg == kConsumerWGs - 1 && it == n_tiles - 1);
       // ---- S = Q K^T over the K elements of this tile
       if constexpr (FP8_SCORES) {
         const int stage = count % STAGES;
         mbar_wait(sm.full + 8 * stage, (count / STAGES) & 1);
         trace_mark(it, 1);
+        if (ring_wait) named_barrier_sync<256>(4 + wg);
         fence_proxy_async();
         wgmma_fence();
 #pragma unroll
@@ -540,6 +550,7 @@ struct PrefillKernel {
         }
         wgmma_commit();
       } else {
+        if (ring_wait) named_barrier_sync<256>(4 + wg);
 #pragma unroll
         for (int e = 0; e < kKElems; ++e) {
           const int stage = (count + e) % STAGES;
@@ -559,6 +570,7 @@ struct PrefillKernel {
           wgmma_commit();
         }
       }
+      if (ring_pass) named_barrier_arrive<256>(ring_next);
       wgmma_wait<0>();
       trace_mark(it, 2);
       fence_regs(s);

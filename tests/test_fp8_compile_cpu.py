@@ -112,3 +112,21 @@ def test_tma_page_tensor_checks():
                                (256, (4096, 264, 128, 1), "multiples of 16")):
         with pytest.raises(ValueError, match=what):
             check_page_tensor("k", ptr, (4, 16, 2, 128), strides)
+
+
+def test_pingpong_domain():
+    ok = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, pingpong=True)
+    assert ok.name.endswith("_pp") and ok.smem_bytes == dataclasses.replace(ok, pingpong=False).smem_bytes
+    assert ", true> K;" in ok.render() and ", false> K;" in dataclasses.replace(ok, pingpong=False).render()
+    with pytest.raises(ValueError, match=r"pingpong.*BM >= 128, not 64"):
+        PrefillConfig("bfloat16", 128, 16, 64, 64, 128, 4, pingpong=True)
+    with pytest.raises(ValueError, match="pingpong=1 is not valid"):
+        PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, pingpong=1)
+    # defaults: FP8 e4m3-score tiles at d128 and d256 (measured faster there; per-tensor d256 would spill)
+    for d, token, tensor in ((64, False, False), (80, False, False), (128, True, True), (192, False, False),
+                             (256, True, False)):
+        assert default_config("bfloat16", d, 16, "fp8_e4m3", d).pingpong is token, d
+        assert default_config("bfloat16", d, 16, "fp8_e4m3", 0).pingpong is tensor, d
+        assert not default_config("bfloat16", d, 16).pingpong
+    assert not default_config("float16", 128, 16, "fp8_e4m3", 128).pingpong
+    assert not default_config("bfloat16", 128, 16, "fp8_e4m3", 64).pingpong

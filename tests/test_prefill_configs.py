@@ -41,7 +41,7 @@ def shape_args():
     return st.fixed_dictionaries({
         "dtype": st.sampled_from(DTYPES), "head_dim": st.sampled_from(HEAD_DIMS),
         "page_size": st.sampled_from(PAGE_SIZES), "BM": st.sampled_from(BMS), "BN": st.sampled_from(BNS),
-        "BK": st.sampled_from(BKS), "stages": st.sampled_from(STAGES)})
+        "BK": st.sampled_from(BKS), "stages": st.sampled_from(STAGES), "pingpong": st.booleans()})
 
 
 def valid_args():
@@ -60,6 +60,8 @@ def _documented_violations(a):
         must.add("BK")  # the head rounded up to whole 64-dim atoms (full_kv), or a divisor of it (streamed)
     elif a["stages"] < -(-d // bk) + 1:
         must.add("stages")  # a tile's K elements plus the previous tile's V element
+    if a.get("pingpong") and a["BM"] < 128:
+        must.add("pingpong")  # the ring orders two or three consumer warpgroups
     q_and_ring = a["BM"] * _round64(d) * 2 + a["stages"] * a["BN"] * bk * 2
     if q_and_ring > SMEM_LIMIT:
         must.add("smem")
@@ -136,7 +138,8 @@ def test_every_point_raises_naming_a_field_or_renders(a):
         assert line is not None, f"no static_assert checks {what}"
         assert f"== {value}," in line, (what, value, line)
     assert ("__nv_bfloat16" if cfg.dtype == "bfloat16" else "__half") in src
-    assert f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}, false, 0, false, 0>" in src
+    assert (f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}, false, 0, false, 0, "
+            f"{str(cfg.pingpong).lower()}>") in src
     assert cfg.render() == src  # deterministic: the cache key depends on it
 
 
