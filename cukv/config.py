@@ -23,6 +23,11 @@ def check_in(config: str, field: str, value, allowed) -> None:
         raise ValueError(f"{config}.{field}={value!r} is not valid; accepted: {shown}")
 
 
+def check_bool(config: str, field: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{config}.{field}={value!r} is not valid; accepted: True, False")
+
+
 def check_range(config: str, field: str, value, lo: int, hi: int, rule: str = "") -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not (lo <= value <= hi):
         raise ValueError(f"{config}.{field}={value!r} is not valid; accepted: integers {lo}..{hi}"

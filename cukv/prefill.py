@@ -14,7 +14,7 @@ import numpy as np
 
 from . import compiler
 from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
-from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
+from .config import CTYPES, SHORT, check_bool, check_in, check_kv_quant, check_range, check_rule
 from .operand import KV_PARAMS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 from .tma import MAP_BYTES
 
@@ -59,8 +59,7 @@ class KVBufferConfig:
         check_rule(c, "stages", self.stages, self.stages >= self.num_k_tiles + 1,
                    f"must be >= num_k_tiles + 1 = {self.num_k_tiles + 1} (a tile's K elements and the previous V)")
         check_in(c, "swizzle", self.swizzle, (128,))
-        if not isinstance(self.transpose, bool):
-            raise ValueError(f"KVBufferConfig.transpose={self.transpose!r} is not valid; accepted: True, False")
+        check_bool(c, "transpose", self.transpose)
         cd = self.cache_depth if self.cache_depth is not None else self.depth
         check_range(c, "cache_depth", cd, self.depth, 4096, "at least depth")
         check_range(c, "head_dim_offset", self.head_dim_offset, 0, cd - self.depth, "depth columns must fit the row")
@@ -135,8 +134,8 @@ class PrefillConfig:
     #: leading lane, instead of a cp.async per 16 codes per lane. Needs ``gcd(page_size, BN / 4)`` a multiple of 8.
     tma: bool = False
     #: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers), so their softmax phases
-    #: run staggered instead of in lock-step. Needs BM >= 128. Default for FP8 ``fp8_scores`` tiles at head dims
-    #: 128 and 256 (2-4% faster on H100; not faster for 16-bit caches or d64, benchmarks/NOTES.md session 17).
+    #: run staggered instead of in lock-step. Needs BM >= 128. Default where ``FP8_PINGPONG`` lists it (FP8
+    #: ``fp8_scores`` tiles at d128, and d256 with token scales: 2-4% faster on H100; benchmarks/NOTES.md session 17).
     pingpong: bool = False
 
     def __post_init__(self):
@@ -145,21 +144,18 @@ class PrefillConfig:
         check_kv_quant(c, self.kv_dtype, self.scale_block, self.head_dim)
         if self.quantized:
             check_rule(c, "page_size", self.page_size, self.page_size > 0, "FP8 prefill reads a paged cache (not 0)")
-        if not isinstance(self.fp8_scores, bool):
-            raise ValueError(f"PrefillConfig.fp8_scores={self.fp8_scores!r} is not valid; accepted: True, False")
+        check_bool(c, "fp8_scores", self.fp8_scores)
         if self.fp8_scores:
             why = fp8_scores_unsupported(self.dtype, self.kv_dtype, self.scale_block, self.head_dim)
             check_rule(c, "fp8_scores", True, why is None, f"needs {why}")
-        if not isinstance(self.tma, bool):
-            raise ValueError(f"PrefillConfig.tma={self.tma!r} is not valid; accepted: True, False")
+        check_bool(c, "tma", self.tma)
         if self.tma:
             check_rule(c, "tma", True, self.quantized, "applies to FP8 caches (kv_dtype='fp8_e4m3')")
             g = tma_box_rows(self.page_size, self.BN)
             check_rule(c, "tma", True, tma_applies(self.page_size, self.BN),
                        f"needs gcd(page_size={self.page_size}, BN/4={self.BN // 4}) = {g} to be a multiple of 8 "
                        "(a box is whole 8-row swizzle groups of one page)")
-        if not isinstance(self.pingpong, bool):
-            raise ValueError(f"PrefillConfig.pingpong={self.pingpong!r} is not valid; accepted: True, False")
+        check_bool(c, "pingpong", self.pingpong)
         if self.pingpong:
             check_rule(c, "pingpong", True, self.BM >= 128,
                        f"needs two or more consumer warpgroups (BM >= 128, not {self.BM})")
@@ -313,10 +309,10 @@ FP8_SCORES_BN = {80: 64, 96: 64}
 #: producer: 0.77x of bf16 against 0.89x; d80-d256 gain 4-37%, benchmarks/NOTES.md session 9). With the TMA producer
 #: d64 measured 0.90x with e4m3 scores against 0.85x dequantized (session 11).
 FP8_SCORES_OFF = (64,)
-#: head dims whose ``fp8_scores`` default issues S in ring order (``PrefillConfig.pingpong``), per scale kind (token,
-#: tensor): H100, four A/B calls (session 17), token scales 2-4% faster at d128 and d256, per-tensor 1-7% at d128; d64
-#: 2% slower; others not measured. Per-tensor d256 spills 12 bytes with it (ptxas, 168 registers), so it stays off.
-FP8_PINGPONG = {128: (True, True), 256: (True, False)}
+#: (head dim, scales) whose ``fp8_scores`` default issues S in ring order (``PrefillConfig.pingpong``): H100, four A/B
+#: calls (session 17), token scales 2-4% faster at d128 and d256, per-tensor 1-7% at d128; d64 2% slower; others not
+#: measured. Per-tensor d256 spills 12 bytes with it (ptxas, 168 registers), so it stays off.
+FP8_PINGPONG = {(128, "token"), (128, "tensor"), (256, "token")}
 
 
 def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int) -> str | None:
@@ -362,7 +358,7 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
         if head_dim not in FP8_SCORES_OFF or tma:
             return PrefillConfig(dtype, head_dim, page_size, bm, bn8, bk, st, kv_dtype=kv_dtype,
                                  scale_block=scale_block, fp8_scores=True, tma=tma,
-                                 pingpong=FP8_PINGPONG.get(head_dim, (False, False))[scale_block == 0])
+                                 pingpong=(head_dim, "tensor" if scale_block == 0 else "token") in FP8_PINGPONG)
     if kv_dtype is not None:
         # 32-dim scale blocks hold two scales per 64-dim chunk column: half the rows again (measured spills)
         limit = 4096 if scale_block == 32 else 8192
