@@ -21,7 +21,7 @@ for variant in "$@"; do
   fi
   export CUKV_CACHE_DIR=$(pwd)/.cache/ab$i
   echo "=== variant $i: ${variant:-as checked in}" | tee -a "$out/ab.log"
-  python3 - "$shapes" <<'PY' 2>&1 | tail -3
+  python3 - "$shapes" ${VARIANTS:-} <<'PY' 2>&1 | tail -3
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from cukv.prefill import default_config
@@ -30,12 +30,17 @@ def build(c):
 cfgs = set()
 for s in sys.argv[1].split(","):
     d = int(s.split("x")[4])
-    cfgs |= {default_config("bfloat16", d, 16), default_config("bfloat16", d, 16, "fp8_e4m3", d)}
+    base = default_config("bfloat16", d, 16, "fp8_e4m3", d)
+    cfgs |= {default_config("bfloat16", d, 16), base}
+    if len(sys.argv) > 2:
+        sys.path.insert(0, "benchmarks")
+        from probe_prefill_fp8 import variant_configs
+        cfgs |= set(variant_configs(base, sys.argv[2]))
 with ProcessPoolExecutor(16) as ex:
     list(ex.map(build, cfgs))
 print("compiled", len(cfgs))
 PY
-  python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"
+  python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} --variants "${VARIANTS:-}" ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"
   rm -rf templates && cp -r "$out/.templates.orig" templates
 done
 rm -rf "$out/.templates.orig"

@@ -17,10 +17,25 @@ from cukv.bench.timing import Timer
 from cukv.prefill import PrefillConfig, default_config
 
 
+def variant_configs(base, variants):
+    """Named variants of the FP8 default (see --variants)."""
+    out = []
+    for v in (v for v in variants.split(",") if v):
+        for stages in range(base.stages, 1, -1):  # the dequantized K element needs more shared memory
+            try:
+                out.append(dataclasses.replace(base, fp8_scores=False, pingpong=(v == "dqpp"), stages=stages))
+                break
+            except ValueError as e:
+                print(f"skipping {v} stages {stages}: {e}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4x4096x32x8x128", help="batch x L x hq x hkv x d, comma-separated")
     ap.add_argument("--configs", default="", help="BM:BN:stages[:fp8_scores[:tma]] per FP8 candidate (empty: the default only)")
+    ap.add_argument("--variants", default="", help="dq, dqpp: the FP8 default with K dequantized by the producer "
+                    "(fp8_scores=False), without or with pingpong")
     ap.add_argument("--gran", default="token")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cp-async-twin", type=int, default=1, help="1: also time the default with tma=False")
@@ -37,6 +52,7 @@ def main():
         fns = {"bf16 " + bf.config.name: lambda: bf.run(q, (cache, pt), out=out)}
         base = default_config(DTYPE, d, PAGE_SIZE, "fp8_e4m3", sb)
         cfgs = [base] + ([dataclasses.replace(base, tma=False)] if base.tma and args.cp_async_twin else [])
+        cfgs += variant_configs(base, args.variants)
         for f in (c.split(":") for c in args.configs.split(",") if c):
             try:
                 cfgs.append(PrefillConfig(DTYPE, d, PAGE_SIZE, int(f[0]), int(f[1]), base.BK, int(f[2]),

@@ -95,11 +95,11 @@ def load_records(path: Path | None = None) -> dict:
 
 
 def _config_from_record(rec, dtype: str, head_dim: int, page_size: int):
-    from .prefill import PrefillConfig
+    from .prefill import tile_config
 
     cfg = rec["config"]
     vals = [cfg[f] for f in FIELDS]
-    return PrefillConfig(dtype, head_dim, page_size, *vals)
+    return tile_config(dtype, head_dim, page_size, *vals)
 
 
 def lookup(dtype, head_dim, page_size):
@@ -178,18 +178,18 @@ class _locked:
 
 def default_prefill_config(dtype: str, head_dim: int, page_size: int):
     """The documented default (``prefill.DEFAULTS``), ignoring any tuned record."""
-    from .prefill import DEFAULTS, HEAD_DIMS, PrefillConfig
+    from .prefill import DEFAULTS, HEAD_DIMS, tile_config
 
     if head_dim not in DEFAULTS:
         raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
-    return PrefillConfig(dtype, head_dim, page_size, *DEFAULTS[head_dim])
+    return tile_config(dtype, head_dim, page_size, *DEFAULTS[head_dim])
 
 
 def candidate_configs(dtype: str, head_dim: int, page_size: int, *, quick: bool = False) -> list:
     """Valid configs around the default, the default first. Full grid: BM in 64/128/192, BN in 16..128 step
     16, stages 2..6, every BK the rules allow; ``quick``: the default's BK, BM in 64/128, BN in 64/96/128,
     stages 2..4 (plus the default's own values). Invalid combinations (``ValueError``) are left out."""
-    from .prefill import PrefillConfig
+    from .prefill import tile_config
 
     base = default_prefill_config(dtype, head_dim, page_size)
     if quick:
@@ -200,7 +200,7 @@ def candidate_configs(dtype: str, head_dim: int, page_size: int, *, quick: bool 
     out, seen = [base], {base}
     for bm, bn, bk, st in itertools.product(*grid):
         try:
-            cfg = PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st)
+            cfg = tile_config(dtype, head_dim, page_size, bm, bn, bk, st)
         except ValueError:
             continue
         if cfg not in seen:
@@ -348,14 +348,14 @@ def _make_problem(*args, **kwargs):
 
 
 def _as_config(c, dtype, head_dim, page_size):
-    from .prefill import PrefillConfig
+    from .prefill import PrefillConfig, tile_config
 
     if isinstance(c, PrefillConfig):
         if (c.dtype, c.head_dim, c.page_size) != (dtype, head_dim, page_size):
             raise ValueError(f"candidate {c.name} is not for dtype={dtype}, head_dim={head_dim}, page_size={page_size}")
         return c
     bm, bn, bk, st = c
-    return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st)
+    return tile_config(dtype, head_dim, page_size, bm, bn, bk, st)
 
 
 def tune_prefill(dtype="bfloat16", head_dim=128, page_size=16, *, num_qo_heads=32, num_kv_heads=8, seq_len=4096,

@@ -130,8 +130,10 @@ class PrefillConfig:
     #: FP8: S = Q K^T on the e4m3 tensor cores (K stays as codes; the query is split into two e4m3 terms per
     #: row) and only V is dequantized. bf16 queries, per-token or per-tensor scales, head dim <= 256.
     fp8_scores: bool = False
-    #: FP8: the producer brings the codes in by tensor copies (TMA), one box of ``tma_rows`` tokens of a page per
-    #: leading lane, instead of a cp.async per 16 codes per lane. Needs ``gcd(page_size, BN / 4)`` a multiple of 8.
+    #: the producer brings K/V in by tensor copies (TMA), one box of ``tma_rows`` tokens of a page per leading
+    #: lane, instead of a cp.async per 16 bytes per lane. Needs ``gcd(page_size, BN / 4)`` a multiple of 8. 16-bit
+    #: caches: boxes go straight into the ring, and the tile holding a sequence's end keeps cp.async (its zero fill
+    #: keeps unused slots out of P V); FP8: codes land in raw slots (and K, with ``fp8_scores``, in the ring).
     tma: bool = False
     #: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers), so their softmax phases
     #: run staggered instead of in lock-step. Needs BM >= 128. Default where ``FP8_PINGPONG`` lists it (FP8
@@ -150,7 +152,6 @@ class PrefillConfig:
             check_rule(c, "fp8_scores", True, why is None, f"needs {why}")
         check_bool(c, "tma", self.tma)
         if self.tma:
-            check_rule(c, "tma", True, self.quantized, "applies to FP8 caches (kv_dtype='fp8_e4m3')")
             g = tma_box_rows(self.page_size, self.BN)
             check_rule(c, "tma", True, tma_applies(self.page_size, self.BN),
                        f"needs gcd(page_size={self.page_size}, BN/4={self.BN // 4}) = {g} to be a multiple of 8 "
@@ -221,12 +222,13 @@ class PrefillConfig:
     def tma_k_box_cols(self) -> int:
         """Codes per K box row: one 128-byte swizzle atom with ``fp8_scores`` (K goes straight into the ring), else
         a raw element row of BK."""
-        return 128 if self.fp8_scores else self.kv_buffer.BK
+        return 128 if self.fp8_scores or not self.quantized else self.kv_buffer.BK
 
     @property
     def tma_v_box_cols(self) -> int:
-        """Codes per V box row: a raw element row of BK (dims past the head read as zeros)."""
-        return self.kv_buffer.BK
+        """Codes per V box row: a raw element row of BK (dims past the head read as zeros); 16-bit caches: bytes of
+        one 128-byte swizzle atom (the boxes go straight into the ring)."""
+        return 128 if not self.quantized else self.kv_buffer.BK
 
     @property
     def register_estimate(self) -> int:
@@ -247,7 +249,8 @@ class PrefillConfig:
     @property
     def smem_bytes(self) -> int:
         ring = self.stages * self.kv_buffer.stage_bytes
-        barriers = 2 * self.stages + 1 + (2 if self.tma else 0)  # full/empty per element, Q, TMA: one per raw slot
+        # full/empty per element, Q; FP8 TMA: one per raw slot
+        barriers = 2 * self.stages + 1 + (2 if self.tma and self.quantized else 0)
         return 1024 + self.q_bytes + ring + self.raw_bytes + self.kscale_bytes + barriers * 8
 
     @property
@@ -268,8 +271,8 @@ class PrefillConfig:
 
     @property
     def name(self) -> str:
-        q = (f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "") + ("_tma" if self.tma else "")
-             if self.quantized else "")
+        q = ((f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "") if self.quantized else "")
+             + ("_tma" if self.tma else ""))
         return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
                 f"_k{self.BK}_s{self.stages}" + ("_pp" if self.pingpong else ""))
 
@@ -331,14 +334,21 @@ def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int
 
 
 def tma_box_rows(page_size: int, BN: int) -> int:
-    """Tokens per tensor copy: the most rows that stay inside one page and inside a producer warp's BN / 4 rows."""
+    """Tokens per tensor copy: the most rows that stay inside one page (if paged: ``page_size`` > 0) and inside a
+    producer warp's BN / 4 rows."""
     return math.gcd(page_size, BN // 4)
 
 
 def tma_applies(page_size: int, BN: int) -> bool:
-    """Whether an FP8 tile of BN keys can take its codes by tensor copies from pages of ``page_size``: the boxes
-    must be whole 8-row swizzle groups."""
-    return page_size > 0 and tma_box_rows(page_size, BN) % 8 == 0
+    """Whether a tile of BN keys can come by tensor copies from pages of ``page_size`` (0: contiguous K/V): the
+    boxes must be whole 8-row swizzle groups."""
+    return tma_box_rows(page_size, BN) % 8 == 0
+
+
+def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
+    """The 16-bit config of this tile with the producer the defaults use: tensor copies (``tma``) wherever the
+    pages allow them (8-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md session 18)."""
+    return PrefillConfig(dtype, head_dim, page_size, BM, BN, BK, stages, tma=tma_applies(page_size, BN))
 
 
 def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
@@ -371,7 +381,7 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
     tuned = lookup(dtype, head_dim, page_size)
     if tuned is not None:
         return tuned
-    return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st)
+    return tile_config(dtype, head_dim, page_size, bm, bn, bk, st)
 
 
 class BatchPrefill:
@@ -515,21 +525,29 @@ class BatchPrefill:
         rec["softcap"] = float(softcap or 0.0)
         rec["window"], rec["chunk"], rec["causal"] = self._window, self._chunk, int(self._mask == "causal")
         rec["num_qo_heads"], rec["group"] = self.num_qo_heads, self.num_qo_heads // self.num_kv_heads
-        args = (as_kernel_arg(rec),) + ((self._tma_maps(kv[0]),) if cfg.tma else ())
+        args = (as_kernel_arg(rec),) + ((self._tma_maps(kv),) if cfg.tma else ())
         if self._num_work:
             with (stream or cp.cuda.get_current_stream()):
                 self._fn((self.num_qo_heads, self._num_work, cfg.num_v_slices), (cfg.num_threads,), args,
                          shared_mem=cfg.smem_bytes)
         return (out, lse) if return_lse else out
 
-    def _tma_maps(self, cache):
+    def _tma_maps(self, kv):
         """The K and V tensor maps of a ``tma`` config (cukv/tma.py): boxes of ``tma_rows`` tokens of one head."""
+        import cupy as cp
+
         from . import tma
 
         cfg = self.config
-        k = tma.encode_pages("cache.k", cache.k, cfg.tma_k_box_cols, cfg.tma_rows,
-                             tma.SWIZZLE_128B if cfg.fp8_scores else tma.SWIZZLE_NONE)
-        v = tma.encode_pages("cache.v", cache.v, cfg.tma_v_box_cols, cfg.tma_rows, tma.SWIZZLE_NONE)
+        ring = cfg.fp8_scores or not cfg.quantized  # boxes straight into the 128-byte swizzled ring
+        if cfg.page_size == 0:  # contiguous k/v[total, H, D]: one page of total tokens
+            kb, vb = (tma.OnePage(as_device(x, n)[0].view(cp.uint8)) for x, n in ((kv[0], "k"), (kv[1], "v")))
+        else:
+            kb, vb = (kv[0].k, kv[0].v) if cfg.quantized else (kv[0].k.view(cp.uint8), kv[0].v.view(cp.uint8))
+        k = tma.encode_pages("cache.k", kb, cfg.tma_k_box_cols, cfg.tma_rows,
+                             tma.SWIZZLE_128B if ring else tma.SWIZZLE_NONE)
+        v = tma.encode_pages("cache.v", vb, cfg.tma_v_box_cols, cfg.tma_rows,
+                             tma.SWIZZLE_128B if not cfg.quantized else tma.SWIZZLE_NONE)
         return tma.as_maps_arg(k, v)
 
     def _kv_params(self, kv):

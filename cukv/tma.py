@@ -5,9 +5,10 @@ The descriptor is the driver's opaque 128-byte ``CUtensorMap``, encoded on the h
 ``__grid_constant__`` parameter, so a launch captured in a CUDA graph keeps its own copy. Encoding costs a few
 microseconds; descriptors are memoized by everything they encode (address, shape, strides, box, swizzle).
 
-Only what the FP8 prefill producer needs is here: byte elements (e4m3 codes), a cache viewed as the 4-d tensor
-``[pages][token][head][dim]`` (innermost first in the driver's order), boxes of one head and ``rows`` tokens
-of one page, and the 128-byte swizzle or none. Coordinates outside the tensor read as zeros.
+Only what the prefill producer needs is here: byte elements (e4m3 codes, or 16-bit values seen as byte pairs), a
+cache viewed as the 4-d tensor ``[pages][token][head][dim]`` (innermost first in the driver's order; contiguous
+K/V as one page), boxes of one head and ``rows`` tokens of one page, and the 128-byte swizzle or none. Coordinates
+outside the tensor read as zeros.
 """
 from __future__ import annotations
 
@@ -68,9 +69,20 @@ def _encode_cached(ptr: int, shape: tuple, strides: tuple, box_cols: int, box_ro
     return bytes(out)
 
 
+class OnePage:
+    """Contiguous ``[tokens, heads, dim]`` bytes seen as one page ``[1, tokens, heads, dim]`` (what encode_pages
+    reads: ``shape``, ``strides``, ``data.ptr``)."""
+
+    def __init__(self, arr):
+        self.shape = (1,) + tuple(int(n) for n in arr.shape)
+        self.strides = (int(arr.shape[0]) * int(arr.strides[0]),) + tuple(int(s) for s in arr.strides)
+        self.data = arr.data
+
+
 def encode_pages(name: str, arr, box_cols: int, box_rows: int, swizzle: int) -> bytes:
-    """The descriptor of a byte array ``arr[pages, page_size, heads, dim]`` (CuPy) for boxes of ``box_cols``
-    dims x ``box_rows`` tokens of one head; ``box_cols`` may exceed ``dim`` (the excess reads as zeros)."""
+    """The descriptor of a byte array ``arr[pages, page_size, heads, dim]`` (CuPy, or contiguous rows in a
+    :class:`OnePage`) for boxes of ``box_cols`` dims x ``box_rows`` tokens of one head; ``box_cols`` may exceed
+    ``dim`` (the excess reads as zeros)."""
     shape = tuple(int(n) for n in arr.shape)
     strides = tuple(int(s) for s in arr.strides)
     ptr = int(arr.data.ptr)

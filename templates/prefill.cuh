@@ -62,8 +62,9 @@ struct PrefillKernel {
                                 (SCALE_BLOCK == 0 || SCALE_BLOCK == DEPTH) && Buf::full_kv && DEPTH <= 256),
                 "FP8 scores: one scale per K row (token or tensor) and the whole head in one element");
   static constexpr bool kTma = TMA_ROWS > 0;
-  static_assert(!kTma || (QUANTIZED && TMA_ROWS % 8 == 0 && PAGE_SIZE % TMA_ROWS == 0 && (BN / 4) % TMA_ROWS == 0),
-                "TMA boxes: whole 8-row swizzle groups within a page and within a producer warp's rows");
+  static_assert(!kTma || (TMA_ROWS % 8 == 0 && PAGE_SIZE % TMA_ROWS == 0 && (BN / 4) % TMA_ROWS == 0 &&
+                          (!QUANTIZED || PAGE_SIZE > 0)),
+                "TMA boxes: whole 8-row swizzle groups within a page (if paged) and within a producer warp's rows");
   static constexpr int kConsumerWGs = BM / 64;
   static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
@@ -109,7 +110,7 @@ struct PrefillKernel {
   static constexpr int kRawElemBytes = Buf::template raw_elem_bytes<SCALE_BLOCK>();
   static constexpr int kRawTileBytes = QUANTIZED ? ((FP8_SCORES ? 0 : kKElems) + 1) * kRawElemBytes : 0;
   static constexpr int kRawBytes = 2 * kRawTileBytes;
-  static constexpr int kBarBytes = (2 * STAGES + 1 + (kTma ? 2 : 0)) * 8;  // TMA: a barrier per raw slot
+  static constexpr int kBarBytes = (2 * STAGES + 1 + (kTma && QUANTIZED ? 2 : 0)) * 8;  // FP8 TMA: one per raw slot
   static constexpr int kSmemBytes =
       1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kRawBytes + kKScaleBytes + kBarBytes;
   static_assert(BM % 64 == 0 && BM <= 192, "BM: one to three consumer warpgroups");
@@ -178,7 +179,7 @@ struct PrefillKernel {
         mbar_init(sm.empty + 8 * s, kConsumerWGs * 4);
       }
       mbar_init(sm.q_full, 128);
-      if constexpr (kTma) {
+      if constexpr (kTma && QUANTIZED) {
         for (int s = 0; s < 2; ++s) mbar_init(sm.raw_full + 8 * s, 128);  // every producer lane arrives
       }
     }
@@ -399,6 +400,48 @@ struct PrefillKernel {
         const int n = n_first + n_tiles - 1 - it;
         const i64 key_lane = key_next;
         if (it + 1 < n_tiles) key_next = lookup(n - 1);
+        // kTma: a tile wholly inside the sequence comes as tensor copies straight into the ring (every TMA_ROWS-th
+        // lane issues one box of its rows per 64-dim atom). The tile holding the sequence's end keeps the
+        // cp.async path below: its zero fill past the sequence is what keeps unused (possibly NaN) slots out of
+        // P V, where a masked score's zero weight would still multiply them.
+        if constexpr (kTma) {
+          if ((n + 1) * BN <= kv_len) {
+            // paged: a box stays in one page, so its rows share the entry's check; contiguous: the box starts at the
+            // unchecked row (k/v viewed as one page), and rows outside k/v read as zeros, as cp.async's holes do
+            int page = 0, tip;
+            if constexpr (PAGE_SIZE > 0) {
+              const i64 row = lane_row(n, key_lane);
+              page = row >= 0 ? (int)(row / PAGE_SIZE) : -1, tip = row >= 0 ? (int)(row % PAGE_SIZE) : 0;
+            } else {
+              tip = (int)(key_lane + n * BN + pw * kWarpRows + lane);
+            }
+            const bool lead = lane < kWarpRows && lane % TMA_ROWS == 0;
+            const int r0 = pw * kWarpRows + lane;
+#pragma unroll
+            for (int e = 0; e <= kKElems; ++e) {
+              const int stage = count % STAGES;
+              const u32 bar = sm.full + 8 * stage;
+              trace_mark(it, 2 * min(e, 1));
+              mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+              trace_mark(it, 2 * min(e, 1) + 1);
+              if (lead) {
+                // dims of this element: a K element's BK, or V's slice; boxes past the head read as zeros
+                const int col0 = e < kKElems ? e * BK : vslice * kVCols;
+                const int ncols = e < kKElems ? min(BK, DEPTH - e * BK) : kVCols;
+                const CUtensorMap* map = e < kKElems ? &maps->k : &maps->v;
+                const int atoms = (ncols + 63) / 64;
+                mbar_expect_tx(bar, atoms * TMA_ROWS * kAtomRowBytes);
+                for (int atom = 0; atom < atoms; ++atom)
+                  tma_load_4d(buf.element(stage) + (u32)((atom * BN + r0) * kAtomRowBytes), map,
+                              (col0 + atom * 64) * (int)sizeof(T), kv_head, tip, page, bar);
+              }
+              mbar_arrive(bar);
+              ++count;
+            }
+            trace_mark(it, 4);
+            continue;
+          }
+        }
         i64 k_lane, v_lane, ks_lane, vs_lane;
         row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
         auto koff = [&](int i) -> i64 { return row_of(k_lane, i); };

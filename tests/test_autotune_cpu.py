@@ -12,7 +12,7 @@ import cukv
 from cukv import autotune, cli
 from cukv.compiler import FunctionReport
 from cukv.errors import NoGPUError
-from cukv.prefill import DEFAULTS, HEAD_DIMS, PrefillConfig, default_config
+from cukv.prefill import DEFAULTS, HEAD_DIMS, PrefillConfig, default_config, tile_config
 
 DEV = "Fake GPU 80GB"
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -89,7 +89,7 @@ def test_persist_lookup_round_trip(store, monkeypatch):
     assert autotune.lookup("float16", 128, 16) is None
     assert autotune.lookup("bfloat16", 128, 0) is None
     assert autotune.lookup("bfloat16", 64, 16) is None
-    assert cukv.BatchPrefill(32, 8, 128, page_size=None).config == PrefillConfig("bfloat16", 128, 0, *DEFAULTS[128])
+    assert cukv.BatchPrefill(32, 8, 128, page_size=None).config == tile_config("bfloat16", 128, 0, *DEFAULTS[128])
     monkeypatch.setattr(autotune, "device_name", lambda: "Another GPU")
     assert autotune.lookup("bfloat16", 128, 16) is None
     monkeypatch.setattr(autotune, "device_name", lambda: None)  # no GPU: nothing applies
@@ -104,14 +104,14 @@ def test_second_tune_keeps_other_records_and_replaces_its_own(store, monkeypatch
     recs = json.loads(store.read_text())["records"]
     assert set(recs) == {f"{DEV}|bfloat16|128|16", f"{DEV}|float16|64|0"}
     assert recs[f"{DEV}|bfloat16|128|16"]["config"]["BN"] == 32
-    assert autotune.lookup("float16", 64, 0) == PrefillConfig("float16", 64, 0, 128, 64, 64, 2)
+    assert autotune.lookup("float16", 64, 0) == tile_config("float16", 64, 0, 128, 64, 64, 2)
     assert [p.name for p in store.parent.iterdir() if p.name.endswith(".tmp")] == []
 
 
 def test_default_candidates_start_with_the_default(store, monkeypatch):
     problem = FakeProblem({})
     best, seen = _tune(monkeypatch, problem, quick=True)
-    assert seen[0].is_default and seen[0].config == PrefillConfig("bfloat16", 128, 16, *DEFAULTS[128])
+    assert seen[0].is_default and seen[0].config == tile_config("bfloat16", 128, 16, *DEFAULTS[128])
     assert len(seen) == len(autotune.candidate_configs("bfloat16", 128, 16, quick=True))
     assert best == seen[0].config  # every candidate 1.0 ms: the first (the default) wins ties
 
@@ -142,7 +142,7 @@ def test_nothing_correct_raises_and_stores_nothing(store, monkeypatch):
 
 
 def test_candidate_for_another_shape_rejected(store, monkeypatch):
-    _, seen = _tune(monkeypatch, FakeProblem({}), candidates=[PrefillConfig("bfloat16", 64, 16, 128, 64, 64, 2),
+    _, seen = _tune(monkeypatch, FakeProblem({}), candidates=[tile_config("bfloat16", 64, 16, 128, 64, 64, 2),
                                                               (128, 64, 128, 2)])
     assert seen[0].status == "invalid" and "not for dtype=bfloat16, head_dim=128" in seen[0].detail
 
@@ -161,7 +161,7 @@ def test_no_gpu_raises(store, monkeypatch):
 
 def test_env_switch_off(store, monkeypatch):
     best, _ = _tune(monkeypatch, FakeProblem({}), candidates=[(64, 32, 128, 2)])
-    default = PrefillConfig("bfloat16", 128, 16, *DEFAULTS[128])
+    default = tile_config("bfloat16", 128, 16, *DEFAULTS[128])
     for value, want in (("0", None), (" 0 ", None), ("1", best), ("", best)):
         monkeypatch.setenv("CUKV_AUTOTUNE", value)
         assert autotune.lookup("bfloat16", 128, 16) == want, value
@@ -181,7 +181,7 @@ def test_corrupt_file_warns_and_is_ignored(store, monkeypatch, text):
     with pytest.warns(autotune.AutotuneWarning, match="ignoring the autotune file"):
         assert autotune.lookup("bfloat16", 128, 16) is None
     with pytest.warns(autotune.AutotuneWarning):
-        assert default_config("bfloat16", 128, 16) == PrefillConfig("bfloat16", 128, 16, *DEFAULTS[128])
+        assert default_config("bfloat16", 128, 16) == tile_config("bfloat16", 128, 16, *DEFAULTS[128])
     # tuning replaces a corrupt file
     best, _ = _tune(monkeypatch, FakeProblem({}), candidates=[(64, 32, 128, 2)])
     assert autotune.lookup("bfloat16", 128, 16) == best
@@ -222,7 +222,7 @@ def test_failed_write_leaves_the_old_file(store, monkeypatch):
 
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
-        autotune.save_record(PrefillConfig("bfloat16", 64, 16, 64, 64, 64, 2), DEV, ms=1.0)
+        autotune.save_record(tile_config("bfloat16", 64, 16, 64, 64, 64, 2), DEV, ms=1.0)
     assert store.read_bytes() == before
     assert [p.name for p in store.parent.iterdir() if p.name.endswith(".tmp")] == []
 
@@ -231,7 +231,7 @@ def test_candidate_grid():
     for d in HEAD_DIMS:
         full = autotune.candidate_configs("bfloat16", d, 16)
         quick = autotune.candidate_configs("bfloat16", d, 16, quick=True)
-        base = PrefillConfig("bfloat16", d, 16, *DEFAULTS[d])
+        base = tile_config("bfloat16", d, 16, *DEFAULTS[d])
         assert full[0] == base and quick[0] == base
         assert len(set(full)) == len(full) and set(quick) <= set(full) | {base}
         assert 1 < len(quick) <= 40 < len(full)
@@ -249,7 +249,7 @@ def test_compile_reports_real(tmp_path, monkeypatch):
 
     compiler.target_arch.cache_clear()
     try:
-        cfgs = [PrefillConfig("bfloat16", 64, 16, 64, 32, 64, 2), PrefillConfig("float16", 64, 0, 64, 16, 64, 2)]
+        cfgs = [tile_config("bfloat16", 64, 16, 64, 32, 64, 2), tile_config("float16", 64, 0, 64, 16, 64, 2)]
         reps = autotune._compile_reports(cfgs, jobs=2)
         for c in cfgs:
             rep, err = reps[c.name]
@@ -264,7 +264,7 @@ def test_defaults_table_and_readme():
     rows = table.splitlines()[2:]
     assert len(rows) == len(DEFAULTS)
     for row, d in zip(rows, sorted(DEFAULTS)):
-        c = PrefillConfig("bfloat16", d, 16, *DEFAULTS[d])
+        c = tile_config("bfloat16", d, 16, *DEFAULTS[d])
         assert row == f"| {d} | {c.BM} | {c.BN} | {c.BK} | {c.stages} | {c.num_threads} | {c.smem_bytes} |"
     assert table in README.read_text(), ("README's 'Prefill configs' table is out of date with prefill.DEFAULTS; "
                                          "paste the output of `python -m cukv autotune defaults`")
@@ -291,7 +291,7 @@ def test_cli_autotune_table(store, monkeypatch, capsys):
     assert cli.main(["autotune", "prefill", "--head-dim", "128", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "ok (default)" in out and "spills" in out and "TFLOP/s" in out
-    assert f"winner: {PrefillConfig('bfloat16', 128, 16, *fast).name}" in out and "0.250 ms" in out
+    assert f"winner: {tile_config('bfloat16', 128, 16, *fast).name}" in out and "0.250 ms" in out
     assert "saved to" in out
     assert cli.main(["autotune", "show"]) == 0
     assert f"{DEV}|bfloat16|128|16: BM=128 BN=64 BK=128 stages=2  0.250 ms" in capsys.readouterr().out

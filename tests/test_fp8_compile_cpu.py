@@ -89,8 +89,15 @@ def test_tma_domain():
     src = ok.render()
     assert "const __grid_constant__ PrefillMaps maps" in src and "sizeof(PrefillMaps) == 256" in src
     assert "PrefillMaps maps" not in dataclasses.replace(ok, tma=False).render()
-    with pytest.raises(ValueError, match="tma.*FP8 caches"):
-        PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, tma=True)
+    # 16-bit caches: boxes of one 128-byte atom straight into the ring; contiguous K/V is one page (boxes of a
+    # producer warp's BN / 4 rows)
+    b16 = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, tma=True)
+    assert b16.tma_rows == 16 and b16.name.startswith("cukv_prefill_bf16_tma_d128")
+    assert (b16.tma_k_box_cols, b16.tma_v_box_cols, b16.producer_registers) == (128, 128, 56)
+    assert default_config("bfloat16", 128, 16) == b16 and not default_config("bfloat16", 128, 1).tma
+    assert default_config("bfloat16", 64, 0).tma_rows == 24 and default_config("float16", 128, 0).tma_rows == 16
+    with pytest.raises(ValueError, match=r"tma.*gcd\(page_size=0, BN/4=4\) = 4"):
+        PrefillConfig("bfloat16", 128, 0, 192, 16, 128, 4, tma=True)
     with pytest.raises(ValueError, match=r"tma.*gcd\(page_size=12, BN/4=16\) = 4"):
         PrefillConfig("bfloat16", 128, 12, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, tma=True)
     with pytest.raises(ValueError, match="tma=1 is not valid"):

@@ -3,6 +3,7 @@ names the field, or renders (StrictUndefined) with derived sizes that keep their
 valid points compile for sm_90a without spills and within the shared-memory limit."""
 import dataclasses
 import itertools
+import math
 import re
 
 import pytest
@@ -41,7 +42,8 @@ def shape_args():
     return st.fixed_dictionaries({
         "dtype": st.sampled_from(DTYPES), "head_dim": st.sampled_from(HEAD_DIMS),
         "page_size": st.sampled_from(PAGE_SIZES), "BM": st.sampled_from(BMS), "BN": st.sampled_from(BNS),
-        "BK": st.sampled_from(BKS), "stages": st.sampled_from(STAGES), "pingpong": st.booleans()})
+        "BK": st.sampled_from(BKS), "stages": st.sampled_from(STAGES), "pingpong": st.booleans(),
+        "tma": st.booleans()})
 
 
 def valid_args():
@@ -62,6 +64,8 @@ def _documented_violations(a):
         must.add("stages")  # a tile's K elements plus the previous tile's V element
     if a.get("pingpong") and a["BM"] < 128:
         must.add("pingpong")  # the ring orders two or three consumer warpgroups
+    if a.get("tma") and math.gcd(a["page_size"], a["BN"] // 4) % 8:
+        must.add("tma")  # a box is whole 8-row swizzle groups of one page (if paged) and of a producer warp's rows
     q_and_ring = a["BM"] * _round64(d) * 2 + a["stages"] * a["BN"] * bk * 2
     if q_and_ring > SMEM_LIMIT:
         must.add("smem")
@@ -138,7 +142,7 @@ def test_every_point_raises_naming_a_field_or_renders(a):
         assert line is not None, f"no static_assert checks {what}"
         assert f"== {value}," in line, (what, value, line)
     assert ("__nv_bfloat16" if cfg.dtype == "bfloat16" else "__half") in src
-    assert (f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}, false, 0, false, 0, "
+    assert (f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}, false, 0, false, {cfg.tma_rows}, "
             f"{str(cfg.pingpong).lower()}>") in src
     assert cfg.render() == src  # deterministic: the cache key depends on it
 

@@ -1,5 +1,5 @@
 """Prefill on the GPU over hypothesis-drawn tile shapes (BM, BN, BK, stages), not just the defaults: a small
-ragged causal batch, paged or contiguous, against the float64 reference. Draws that spill are skipped (the
+ragged causal batch, paged (tensor copies where the tile allows them) or contiguous, against the float64 reference. Draws that spill are skipped (the
 CPU config tests own that question)."""
 import itertools
 
@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cukv.dtypes import from_storage, nan_bits
-from cukv.prefill import HEAD_DIMS, PrefillConfig
+from cukv.prefill import HEAD_DIMS, PrefillConfig, tile_config
 from cukv.testing import assert_close, random_prefill_case, reference_prefill
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +39,7 @@ def test_prefill_tile_shapes_match_reference(shape, dtype, page_size, seed):
     import cukv
 
     d, bm, bn, bk, stages = shape
-    cfg = PrefillConfig(dtype, d, page_size, bm, bn, bk, stages)
+    cfg = tile_config(dtype, d, page_size, bm, bn, bk, stages)  # tensor copies where the pages allow them
     rep = cfg.compiled.functions.get(cfg.name)
     assume(rep is None or not (rep.spills or rep.stack_frame))
     rng = np.random.default_rng(seed)
