@@ -347,7 +347,7 @@ def tma_applies(page_size: int, BN: int) -> bool:
 
 def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
     """The 16-bit config of this tile with the producer the defaults use: tensor copies (``tma``) wherever the
-    pages allow them (8-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md session 18)."""
+    pages allow them (3-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md session 18)."""
     return PrefillConfig(dtype, head_dim, page_size, BM, BN, BK, stages, tma=tma_applies(page_size, BN))
 
 

@@ -39,10 +39,11 @@ struct alignas(8) PrefillArgs {
 // runs on the e4m3 tensor cores: each consumer warpgroup splits its query rows once into two e4m3 terms,
 // q * 2^k = hi + lo (2^k per row), so S = (hi K + lo K) * k_scale / 2^k keeps about bf16's precision at the
 // bf16 rate (an e4m3 wgmma is twice as fast) and the producer converts only V.
-// TMA_ROWS > 0 (FP8 caches): the codes come by tensor copies (TMA) instead of per-lane cp.async, one box of
-// TMA_ROWS rows (within a page) per leading lane; maps->k and maps->v describe the cache as 4-d tensors
-// [pages][token][head][dim] (K with the ring's 128-byte swizzle when FP8_SCORES), and the scales keep their
-// per-lane copies.
+// TMA_ROWS > 0: K/V come by tensor copies (TMA) instead of per-lane cp.async, one box of TMA_ROWS rows (within a
+// page; contiguous K/V is one page) per leading lane; maps->k and maps->v describe the cache as 4-d tensors
+// [pages][token][head][dim]. 16-bit caches: bytes, boxes of one 128-byte atom straight into the ring (128-byte
+// swizzle); the tile holding a sequence's end keeps cp.async. FP8: codes into raw slots (K into the ring when
+// FP8_SCORES), and the scales keep their per-lane copies.
 // PINGPONG: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers 4 + wg), so the
 // tensor cores finish one warpgroup's scores before the next one's and the softmax phases drift apart instead of
 // running in lock-step (FP8 at d128/d256: 2-4% faster on H100, benchmarks/NOTES.md session 17).
