@@ -219,16 +219,25 @@ class PrefillConfig:
         return tma_box_rows(self.page_size, self.BN) if self.tma else 0
 
     @property
+    def tma_k_ring(self) -> bool:
+        """K boxes go straight into the 128-byte swizzled ring (16-bit caches, and FP8 with ``fp8_scores``); else
+        into a raw slot, row-major, for the producer's conversion."""
+        return self.fp8_scores or not self.quantized
+
+    @property
+    def tma_v_ring(self) -> bool:
+        """V boxes go straight into the ring (16-bit caches; FP8 V is always converted from a raw slot)."""
+        return not self.quantized
+
+    @property
     def tma_k_box_cols(self) -> int:
-        """Codes per K box row: one 128-byte swizzle atom with ``fp8_scores`` (K goes straight into the ring), else
-        a raw element row of BK."""
-        return 128 if self.fp8_scores or not self.quantized else self.kv_buffer.BK
+        """Bytes per K box row: one 128-byte swizzle atom into the ring, else a raw element row of BK codes."""
+        return 128 if self.tma_k_ring else self.kv_buffer.BK
 
     @property
     def tma_v_box_cols(self) -> int:
-        """Codes per V box row: a raw element row of BK (dims past the head read as zeros); 16-bit caches: bytes of
-        one 128-byte swizzle atom (the boxes go straight into the ring)."""
-        return 128 if not self.quantized else self.kv_buffer.BK
+        """Bytes per V box row, as for K (dims past the head read as zeros)."""
+        return 128 if self.tma_v_ring else self.kv_buffer.BK
 
     @property
     def register_estimate(self) -> int:
@@ -512,7 +521,7 @@ class BatchPrefill:
         check_contiguous(qd, "q")
         check_aligned(qd, "q", 16)  # 16-byte loads of query rows
         rec = np.zeros((), PREFILL_ARGS)
-        rec["kv"] = self._kv_params(kv)
+        rec["kv"], kv_arrays = self._kv_params(kv)
         out, lse, sink = attention_outputs(qd, out, lse, self.total_q, self.num_qo_heads, return_lse, sink, softcap)
         check_aligned(out, "out", 4)  # stores of value pairs
         rec["q"], rec["out"], rec["lse"], rec["sink"] = ptr(qd), ptr(out), ptr(lse), ptr(sink)
@@ -525,32 +534,35 @@ class BatchPrefill:
         rec["softcap"] = float(softcap or 0.0)
         rec["window"], rec["chunk"], rec["causal"] = self._window, self._chunk, int(self._mask == "causal")
         rec["num_qo_heads"], rec["group"] = self.num_qo_heads, self.num_qo_heads // self.num_kv_heads
-        args = (as_kernel_arg(rec),) + ((self._tma_maps(kv),) if cfg.tma else ())
+        args = (as_kernel_arg(rec),) + ((self._tma_maps(*kv_arrays),) if cfg.tma else ())
         if self._num_work:
             with (stream or cp.cuda.get_current_stream()):
                 self._fn((self.num_qo_heads, self._num_work, cfg.num_v_slices), (cfg.num_threads,), args,
                          shared_mem=cfg.smem_bytes)
         return (out, lse) if return_lse else out
 
-    def _tma_maps(self, kv):
-        """The K and V tensor maps of a ``tma`` config (cukv/tma.py): boxes of ``tma_rows`` tokens of one head."""
+    def _tma_maps(self, k, v):
+        """The K and V tensor maps of a ``tma`` config (cukv/tma.py) over the arrays the kernel reads: boxes of
+        ``tma_rows`` tokens of one head, of bytes (16-bit values as byte pairs); contiguous K/V as one page."""
         import cupy as cp
 
         from . import tma
 
         cfg = self.config
-        ring = cfg.fp8_scores or not cfg.quantized  # boxes straight into the 128-byte swizzled ring
-        if cfg.page_size == 0:  # contiguous k/v[total, H, D]: one page of total tokens
-            kb, vb = (tma.OnePage(as_device(x, n)[0].view(cp.uint8)) for x, n in ((kv[0], "k"), (kv[1], "v")))
-        else:
-            kb, vb = (kv[0].k, kv[0].v) if cfg.quantized else (kv[0].k.view(cp.uint8), kv[0].v.view(cp.uint8))
-        k = tma.encode_pages("cache.k", kb, cfg.tma_k_box_cols, cfg.tma_rows,
-                             tma.SWIZZLE_128B if ring else tma.SWIZZLE_NONE)
-        v = tma.encode_pages("cache.v", vb, cfg.tma_v_box_cols, cfg.tma_rows,
-                             tma.SWIZZLE_128B if not cfg.quantized else tma.SWIZZLE_NONE)
-        return tma.as_maps_arg(k, v)
+
+        def as_pages(a):
+            b = a.view(cp.uint8) if a.dtype != cp.uint8 else a
+            return tma.OnePage(b) if cfg.page_size == 0 else b
+
+        name = "" if cfg.page_size == 0 else "cache."
+        maps = [tma.encode_pages(name + n, as_pages(a), cols, cfg.tma_rows,
+                                 tma.SWIZZLE_128B if ring else tma.SWIZZLE_NONE)
+                for n, a, cols, ring in (("k", k, cfg.tma_k_box_cols, cfg.tma_k_ring),
+                                         ("v", v, cfg.tma_v_box_cols, cfg.tma_v_ring))]
+        return tma.as_maps_arg(*maps)
 
     def _kv_params(self, kv):
+        """The kernel's KV_PARAMS record for ``kv``, validated, and the (k, v) device arrays it reads."""
         import cupy as cp
 
         from .cache import check_paged_kv
@@ -565,7 +577,7 @@ class BatchPrefill:
             check_paged_kv("BatchPrefill", cfg, self.num_kv_heads, cache, table)
             if table.batch_size < self.batch_size:
                 raise ValueError(f"table covers {table.batch_size} sequences; plan() has {self.batch_size}")
-            return kv_params(cache, table)
+            return kv_params(cache, table), (cache.k, cache.v)
         k, v, offs = kv
         if cfg.page_size != 0:
             raise ValueError(f"this BatchPrefill reads a paged cache (page_size={cfg.page_size}); pass (cache, table)")
@@ -581,6 +593,7 @@ class BatchPrefill:
                                  f"{self.head_dim}] of {kd.dtype}")
             if a.strides[2] != 2 or a.strides[1] % 16 or a.strides[0] % 16:
                 raise ValueError(f"{n} must have a unit dim stride and 16-byte aligned token/head strides")
+            check_aligned(a, n, 16)  # 16-byte copies of its rows
         if vd.shape[0] != kd.shape[0]:
             raise ValueError(f"v has {vd.shape[0]} tokens, k has {kd.shape[0]}")
         if od.dtype != cp.int32 or od.shape != (self.batch_size + 1,):
@@ -592,7 +605,7 @@ class BatchPrefill:
         rec["num_pages"] = kd.shape[0]
         rec["batch_size"] = self.batch_size
         self._keep = od  # kernels read it during run
-        return rec
+        return rec, (kd, vd)
 
 
 def _tile_cost(q_len, kv_len, t, cfg, mask, window, chunk) -> int:

@@ -227,15 +227,36 @@ struct PrefillKernel {
     // load's latency hides behind this tile's copies) and forms that row's 64-bit K and V offsets (and FP8
     // scale offsets) from it once (row_from_key checks the entry there); every lane that copies a chunk of
     // that row takes them by shuffle, so the address math is not repeated.
+    auto lane_tok = [&](int n) -> int { return n * BN + pw * kWarpRows + lane; };  // this lane's token of tile n
     auto lookup = [&](int n) -> i64 {
-      const int tok = n * BN + pw * kWarpRows + lane;
+      const int tok = lane_tok(n);
       return (lane < kWarpRows && tok < kv_len) ? cache.row_key(b, tok) : (i64)-1;
     };
     static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
     // this lane's row of tile n (a cache row), or -1 when it reads as zeros
     auto lane_row = [&](int n, i64 key_lane) -> i64 {
-      const int tok_lane = n * BN + pw * kWarpRows + lane;
+      const int tok_lane = lane_tok(n);
       return (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
+    };
+    // TMA: (page, token in the page) of the box that starts at this lane's row of tile n. Paged: from the checked
+    // row `row` (a box stays in one page, so its rows share the entry's check; page -1 is outside the tensor and
+    // reads as zeros). Contiguous (k/v seen as one page): the unchecked row, whose rows outside k/v read as zeros,
+    // as cp.async's holes do.
+    auto box_coords = [&](int n, i64 key_lane, i64 row) -> int2 {
+      if constexpr (PAGE_SIZE > 0)
+        return row >= 0 ? make_int2((int)(row / PAGE_SIZE), (int)(row % PAGE_SIZE)) : make_int2(-1, 0);
+      else
+        return make_int2(0, (int)(key_lane + lane_tok(n)));
+    };
+    // TMA straight into ring element `stage` (the leading lane of a box): one box of this lane's TMA_ROWS rows per
+    // 128-byte swizzle atom, from byte column `col_bytes` of the map's rows, counted on the element's full barrier
+    auto ring_boxes = [&](int stage, const CUtensorMap* map, int col_bytes, int atoms, int2 box) {
+      const u32 bar = sm.full + 8 * stage;
+      mbar_expect_tx(bar, atoms * TMA_ROWS * kAtomRowBytes);
+#pragma unroll
+      for (int atom = 0; atom < atoms; ++atom)
+        tma_load_4d(buf.element(stage) + (u32)((atom * BN + pw * kWarpRows + lane) * kAtomRowBytes), map,
+                    col_bytes + atom * kAtomRowBytes, kv_head, box.y, box.x, bar);
     };
     auto row_offsets = [&](int n, i64 key_lane, i64& k_lane, i64& v_lane, i64& ks_lane, i64& vs_lane) {
       k_lane = -1, v_lane = -1, ks_lane = 0, vs_lane = 0;
@@ -303,14 +324,10 @@ struct PrefillKernel {
                                                       lane);
           }
           if (lane < kWarpRows && lane % TMA_ROWS == 0) {
-            const int page = row >= 0 ? (int)(row / PAGE_SIZE) : -1, tip = row >= 0 ? (int)(row % PAGE_SIZE) : 0;
+            const int2 box = box_coords(n, key_lane, row);
+            const int page = box.x, tip = box.y;
             if constexpr (FP8_SCORES) {
-              const u32 bar = sm.full + 8 * stage;
-              mbar_expect_tx(bar, Buf::code_atoms * TMA_ROWS * kAtomRowBytes);
-#pragma unroll
-              for (int atom = 0; atom < Buf::code_atoms; ++atom)
-                tma_load_4d(buf.element(stage) + (u32)((atom * BN + r0) * kAtomRowBytes), &maps->k, atom * 128, kv_head,
-                            tip, page, bar);
+              ring_boxes(stage, &maps->k, 0, Buf::code_atoms, box);
             } else {
 #pragma unroll
               for (int e = 0; e < kKElems; ++e) {
@@ -407,21 +424,11 @@ struct PrefillKernel {
         // P V, where a masked score's zero weight would still multiply them.
         if constexpr (kTma) {
           if ((n + 1) * BN <= kv_len) {
-            // paged: a box stays in one page, so its rows share the entry's check; contiguous: the box starts at the
-            // unchecked row (k/v viewed as one page), and rows outside k/v read as zeros, as cp.async's holes do
-            int page = 0, tip;
-            if constexpr (PAGE_SIZE > 0) {
-              const i64 row = lane_row(n, key_lane);
-              page = row >= 0 ? (int)(row / PAGE_SIZE) : -1, tip = row >= 0 ? (int)(row % PAGE_SIZE) : 0;
-            } else {
-              tip = (int)(key_lane + n * BN + pw * kWarpRows + lane);
-            }
+            const int2 box = box_coords(n, key_lane, PAGE_SIZE > 0 ? lane_row(n, key_lane) : (i64)-1);
             const bool lead = lane < kWarpRows && lane % TMA_ROWS == 0;
-            const int r0 = pw * kWarpRows + lane;
 #pragma unroll
             for (int e = 0; e <= kKElems; ++e) {
               const int stage = count % STAGES;
-              const u32 bar = sm.full + 8 * stage;
               trace_mark(it, 2 * min(e, 1));
               mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
               trace_mark(it, 2 * min(e, 1) + 1);
@@ -429,14 +436,9 @@ struct PrefillKernel {
                 // dims of this element: a K element's BK, or V's slice; boxes past the head read as zeros
                 const int col0 = e < kKElems ? e * BK : vslice * kVCols;
                 const int ncols = e < kKElems ? min(BK, DEPTH - e * BK) : kVCols;
-                const CUtensorMap* map = e < kKElems ? &maps->k : &maps->v;
-                const int atoms = (ncols + 63) / 64;
-                mbar_expect_tx(bar, atoms * TMA_ROWS * kAtomRowBytes);
-                for (int atom = 0; atom < atoms; ++atom)
-                  tma_load_4d(buf.element(stage) + (u32)((atom * BN + r0) * kAtomRowBytes), map,
-                              (col0 + atom * 64) * (int)sizeof(T), kv_head, tip, page, bar);
+                ring_boxes(stage, e < kKElems ? &maps->k : &maps->v, col0 * (int)sizeof(T), (ncols + 63) / 64, box);
               }
-              mbar_arrive(bar);
+              mbar_arrive(sm.full + 8 * stage);
               ++count;
             }
             trace_mark(it, 4);

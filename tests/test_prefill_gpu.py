@@ -215,3 +215,22 @@ def test_prefill_tma_matches_cp_async(rng, d, page, layout):
     want_o, want_lse = _reference(case, hq)
     assert_close(out, want_o, "bfloat16")
     assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
+
+
+def test_contiguous_kv_misaligned_is_refused(rng):
+    # contiguous K/V are read by 16-byte copies (cp.async or TMA boxes): a view 2 bytes past a boundary is refused
+    import cupy as cp
+
+    import cukv
+
+    hq, hkv, d = 4, 2, 128
+    case = _case(rng, [70], [0], hq, hkv, d, 0)
+    k, v, offs = case["kv"]
+    flat = cp.empty(k.size + 8, k.dtype)
+    k_off = flat[1:1 + k.size].reshape(k.shape)
+    k_off[...] = k
+    pf = cukv.BatchPrefill(hq, hkv, d, page_size=None).plan(case["q_offsets"], case["kv_lens"])
+    with pytest.raises(ValueError, match="k starts at device address .* not 16-byte aligned"):
+        pf.run(case["q"], (k_off, v, offs))
+    out = pf.run(case["q"], (k, v, offs))  # the aligned arrays still run
+    assert_close(from_storage(out.get(), "bfloat16"), _reference(case, hq)[0], "bfloat16")
