@@ -105,7 +105,7 @@ struct KVBuffer {
   // offsets). Rows that read as zeros, and dims past ncols, get zero codes and a zero scale.
   // convert_raw_fp8 (after this lane's cp.async.wait_group and a __syncwarp for the scales other lanes copied):
   // 16 codes times their scale, stored as two swizzled 16-byte chunks of T in the ring element. A lane converts
-  // the chunks it copied. The caller fences the generic-proxy stores before handing the element to wgmma.
+  // the chunks it copied, or with PAIRS the chunks conv_chunk gives it (the raw slot came by TMA). The caller fences the generic-proxy stores before handing the element to wgmma.
   static constexpr int kChunksPerRow = BK / 16;
   static constexpr int kWarpRows = BN / kProducerWarps;
   static constexpr int kWarpChunks = kWarpRows * kChunksPerRow;
@@ -145,6 +145,25 @@ struct KVBuffer {
     }
   }
 
+  // Which chunk of the warp's rows (row, 16-code column) conversion pass slot c takes. With 8 or 16 chunks a row
+  // (BK 128 or 256), an 8-lane phase of a pass takes 4 chunks of one row and 4 of the next row: the raw loads stay
+  // on 8 distinct 16-byte bank groups, and the two rows' chunk pairs land on opposite parities of the ring's 128-byte
+  // swizzle. Row-major order (8 chunks of one row a phase) put the phase's two atoms on the same bank groups, a
+  // 2-way conflict on every store (Nsight Compute, session 19). c < kWarpChunks maps onto the same set of chunks.
+#ifndef CUKV_CONV_PAIRS
+#define CUKV_CONV_PAIRS 1
+#endif
+  template <bool PAIRS>
+  static constexpr bool pair_rows() { return PAIRS && CUKV_CONV_PAIRS && (kChunksPerRow == 8 || kChunksPerRow == 16); }
+  static_assert(kWarpRows % 2 == 0, "row pairs");
+  template <bool PAIRS>
+  static __device__ __forceinline__ int2 conv_chunk(int c) {
+    if constexpr (pair_rows<PAIRS>())
+      return make_int2(2 * (c / (2 * kChunksPerRow)) + (((c >> 2) ^ (c >> 3)) & 1),
+                       8 * ((c % (2 * kChunksPerRow)) / 16) + c % 8);
+    return make_int2(c / kChunksPerRow, c % kChunksPerRow);
+  }
+
   // The shared loads of up to kLoadBatch passes are issued before their conversions (the asm statements are
   // volatile, so a load written after a store stays after it): one shared-memory round trip per batch, not
   // one per pass (the default tiles have 3-4 passes, so one per element). wait_slot() runs between the first
@@ -153,7 +172,8 @@ struct KVBuffer {
   // MASK_ROWS (the TMA producer's last tile): rows from valid_rows on read as zero codes, since tensor copies
   // bring whatever the cache holds past the sequence (unused slots may be NaN) where cp.async zero-fills.
   // CODES (V with a per-tensor scale): the element holds the codes' exact values as f16, unscaled.
-  template <int SB, bool MASK_ROWS = false, bool CODES = false, typename WaitSlot>
+  // PAIRS: take chunks in conv_chunk's row pairs (the caller opts in where it measured no spill).
+  template <int SB, bool MASK_ROWS = false, bool CODES = false, bool PAIRS = false, typename WaitSlot>
   __device__ __forceinline__ void convert_raw_fp8(int stage, u32 src, float tensor_scale, int pw, int lane,
                                                   WaitSlot wait_slot, int valid_rows = BN) const {
     static_assert(!CODES || SB == 0, "codes go in unscaled only when one scale serves the tensor");
@@ -165,12 +185,15 @@ struct KVBuffer {
       float sc[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        const int t = t0 + j, c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+        const int t = t0 + j, c = lane + 32 * t;
+        const int2 rc = conv_chunk<PAIRS>(c);  // (row, chunk) of the warp's rows
+        const int r = rc.x, col = rc.y * 16;
         sc[j] = tensor_scale;
         if (t < kChunkPasses && (kWarpChunks % 32 == 0 || c < kWarpChunks)) {
           asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                        : "=r"(raw[j].x), "=r"(raw[j].y), "=r"(raw[j].z), "=r"(raw[j].w)
-                       : "r"(src + (u32)((pw * kWarpChunks + c) * 16)) : "memory");
+                       : "r"(src + (u32)((pw * kWarpChunks + (pair_rows<PAIRS>() ? r * kChunksPerRow + rc.y : c)) * 16))
+                       : "memory");
           if constexpr (SB > 0)
             asm volatile("ld.shared.f32 %0, [%1];"
                          : "=f"(sc[j])
@@ -181,7 +204,9 @@ struct KVBuffer {
       if (t0 == 0) wait_slot();
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        const int t = t0 + j, c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+        const int t = t0 + j, c = lane + 32 * t;
+        const int2 rc = conv_chunk<PAIRS>(c);
+        const int r = rc.x, col = rc.y * 16;
         if (t < kChunkPasses && (kWarpChunks % 32 == 0 || c < kWarpChunks)) {
           const int row = pw * kWarpRows + r;
           if (MASK_ROWS && row >= valid_rows) raw[j] = make_uint4(0, 0, 0, 0);

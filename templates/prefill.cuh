@@ -96,6 +96,10 @@ struct PrefillKernel {
   // V with a per-tensor scale is staged as the codes' exact f16 values and P V runs in f16 (P in [0, 1] keeps
   // 11 bits there); the scale multiplies the output once. One cvt per code pair instead of six instructions.
   static constexpr bool kVCodes = QUANTIZED && SCALE_BLOCK == 0;
+  // The producer converts in Buf::conv_chunk's row pairs (no bank conflict on its ring stores) where the raw slot
+  // comes by TMA and only V is converted: elsewhere a lane converts the chunks it copied, and the producers that
+  // also convert K spilled with the pairs' addressing (ptxas, 4-12 bytes).
+  static constexpr bool kConvPairs = kTma && FP8_SCORES;
   typedef typename Select<kVCodes, __half, T>::type PT;  // P and the staged V
   // FP8 scores: the query as two e4m3 terms, each BM rows x kQ8Atoms atoms of 128 codes (lo kQ8Half after hi)
   static constexpr int kQ8Atoms = (DEPTH + 127) / 128;
@@ -399,9 +403,9 @@ struct PrefillKernel {
           auto convert = [&](auto codes) {
             constexpr bool kCodes = decltype(codes)::value;
             if (kTma && valid < BN)
-              buf.template convert_raw_fp8<SCALE_BLOCK, true, kCodes>(stage, src, ts, pw, lane, wait_slot, valid);
+              buf.template convert_raw_fp8<SCALE_BLOCK, true, kCodes, kConvPairs>(stage, src, ts, pw, lane, wait_slot, valid);
             else
-              buf.template convert_raw_fp8<SCALE_BLOCK, false, kCodes>(stage, src, ts, pw, lane, wait_slot);
+              buf.template convert_raw_fp8<SCALE_BLOCK, false, kCodes, kConvPairs>(stage, src, ts, pw, lane, wait_slot);
           };
           if (e == kKElems)
             convert(Bool<kVCodes>());
