@@ -160,8 +160,11 @@ struct PrefillKernel {
   static __device__ void run(const PrefillArgs& a, const PrefillMaps* maps) {
     extern __shared__ unsigned char smem_raw[];
     const Smem sm = carve(smem_raw);
-    const int head = blockIdx.x;
-    const int b = a.work[2 * blockIdx.y], qtile = a.work[2 * blockIdx.y + 1];
+    // work items along x (launched first), heads along y: the blocks in flight are the query tiles of one or two
+    // heads, which read the same K/V rows while they are in L2 (heads along x had each KV head's rows read by
+    // blocks far apart in time: 2-40% slower on H100, most at MHA, benchmarks/NOTES.md session 19)
+    const int head = blockIdx.y;
+    const int b = a.work[2 * blockIdx.x], qtile = a.work[2 * blockIdx.x + 1];
     const int vslice = blockIdx.z;
     const int kv_head = head / a.group;
     const Cache cache(a.kv);

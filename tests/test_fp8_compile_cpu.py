@@ -94,8 +94,9 @@ def test_tma_domain():
     b16 = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, tma=True)
     assert b16.tma_rows == 16 and b16.name.startswith("cukv_prefill_bf16_tma_d128")
     assert (b16.tma_k_box_cols, b16.tma_v_box_cols, b16.producer_registers) == (128, 128, 56)
-    assert default_config("bfloat16", 128, 16) == b16 and not default_config("bfloat16", 128, 1).tma
-    assert default_config("bfloat16", 64, 0).tma_rows == 24 and default_config("float16", 128, 0).tma_rows == 16
+    assert default_config("bfloat16", 128, 16) == dataclasses.replace(b16, BM=128, BN=128)
+    assert not default_config("bfloat16", 128, 1).tma
+    assert default_config("bfloat16", 64, 0).tma_rows == 24 and default_config("float16", 128, 0).tma_rows == 32
     with pytest.raises(ValueError, match=r"tma.*gcd\(page_size=0, BN/4=4\) = 4"):
         PrefillConfig("bfloat16", 128, 0, 192, 16, 128, 4, tma=True)
     with pytest.raises(ValueError, match=r"tma.*gcd\(page_size=12, BN/4=16\) = 4"):
