@@ -91,7 +91,7 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg.splitlines()[0][:200]}" if msg else type(e).__name__
 
 
-def _build(batch, seq_len, hq, hkv, d, seed=0):
+def _build(batch, seq_len, hq, hkv, d, seed=0, page_size=PAGE_SIZE):
     """Q, K, V (bf16 bits), the paged cache filled by append_kv in random page order, its table, offsets."""
     import cupy as cp
 
@@ -102,15 +102,15 @@ def _build(batch, seq_len, hq, hkv, d, seed=0):
     q = _bits(rs, (total, hq, d))
     k = _bits(rs, (total, hkv, d))
     v = _bits(rs, (total, hkv, d))
-    pages_per = -(-seq_len // PAGE_SIZE)
+    pages_per = -(-seq_len // page_size)
     num_pages = batch * pages_per
-    cache = cukv.PagedKVCache(num_pages, PAGE_SIZE, hkv, d, dtype=DTYPE)
+    cache = cukv.PagedKVCache(num_pages, page_size, hkv, d, dtype=DTYPE)
     table = np.random.default_rng(seed).permutation(num_pages).astype(np.int32).reshape(batch, pages_per)
     pos = np.arange(seq_len)
-    slots = (table[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).reshape(-1).astype(np.int64)
+    slots = (table[:, pos // page_size] * page_size + pos % page_size).reshape(-1).astype(np.int64)
     cukv.append_kv(cache, k, v, cp.asarray(slots))
     lengths = np.full(batch, seq_len, np.int32)
-    pt = cukv.PageTable(cp.asarray(table), cp.asarray(lengths), PAGE_SIZE)
+    pt = cukv.PageTable(cp.asarray(table), cp.asarray(lengths), page_size)
     offsets = (np.arange(batch + 1) * seq_len).astype(np.int32)
     return q, k, v, cache, pt, offsets, lengths
 
@@ -180,14 +180,14 @@ def fp8_cache_like(data, granularity):
     import cukv
 
     q, k, v, cache, pt, offsets, lengths = data
-    fcache = cukv.PagedKVCache(cache.num_pages, PAGE_SIZE, cache.num_kv_heads, cache.head_dim, dtype="fp8_e4m3",
+    fcache = cukv.PagedKVCache(cache.num_pages, cache.page_size, cache.num_kv_heads, cache.head_dim, dtype="fp8_e4m3",
                                scale_granularity=granularity)
     if granularity == "tensor":
         fcache.set_tensor_scales(5.0 / 448, 5.0 / 448)  # N(0,1) data: 5 sigma saturates
     bt = pt.block_table.get()
     seq_len = int(lengths[0])
     pos = np.arange(seq_len)
-    slots = (bt[:, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).reshape(-1).astype(np.int64)
+    slots = (bt[:, pos // cache.page_size] * cache.page_size + pos % cache.page_size).reshape(-1).astype(np.int64)
     cukv.append_kv(fcache, k, v, cp.asarray(slots))
     return fcache
 
