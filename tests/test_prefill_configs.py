@@ -311,3 +311,15 @@ def test_configs_are_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.BM = 64
     assert {cfg: 1}[PrefillConfig()] == 1 and {cfg.kv_buffer: 1}[KVBufferConfig()] == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    ((4, 3, 128), r"num_qo_heads=4 must be a multiple of num_kv_heads=3"),
+    ((0, 1, 128), r"num_qo_heads=0 must be a positive integer"),
+    ((65536, 1, 128), r"num_qo_heads=65536 exceeds 65535"),  # heads run along the grid's y (work items along x)
+])
+def test_batch_prefill_refuses_head_counts(args, match):
+    import cukv
+
+    with pytest.raises(ValueError, match=match):
+        cukv.BatchPrefill(*args, page_size=16)
