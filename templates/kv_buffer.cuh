@@ -105,7 +105,8 @@ struct KVBuffer {
   // offsets). Rows that read as zeros, and dims past ncols, get zero codes and a zero scale.
   // convert_raw_fp8 (after this lane's cp.async.wait_group and a __syncwarp for the scales other lanes copied):
   // 16 codes times their scale, stored as two swizzled 16-byte chunks of T in the ring element. A lane converts
-  // the chunks it copied, or with PAIRS the chunks conv_chunk gives it (the raw slot came by TMA). The caller fences the generic-proxy stores before handing the element to wgmma.
+  // the chunks it copied, or with PAIRS the chunks conv_chunk gives it (the raw slot came by TMA). The caller fences
+  // the generic-proxy stores before handing the element to wgmma.
   static constexpr int kChunksPerRow = BK / 16;
   static constexpr int kWarpRows = BN / kProducerWarps;
   static constexpr int kWarpChunks = kWarpRows * kChunksPerRow;
