@@ -190,6 +190,8 @@ struct KVBuffer {
         const int2 rc = conv_chunk<PAIRS>(c);  // (row, chunk) of the warp's rows
         const int r = rc.x, col = rc.y * 16;
         sc[j] = tensor_scale;
+        // the raw slot is row-major, so chunk (r, rc.y) is at r * kChunksPerRow + rc.y, which is c itself without
+        // PAIRS: c keeps that path's addressing as it was (spelled as r * kChunksPerRow + rc.y it spilled 4 bytes)
         if (t < kChunkPasses && (kWarpChunks % 32 == 0 || c < kWarpChunks)) {
           asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                        : "=r"(raw[j].x), "=r"(raw[j].y), "=r"(raw[j].z), "=r"(raw[j].w)

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from cukv.decode import DecodeConfig
-from cukv.prefill import HEAD_DIMS, PrefillConfig, default_config
+from cukv.prefill import DEFAULTS, DEQUANT_TILES, HEAD_DIMS, PrefillConfig, default_config
 
 DECODE = [("bfloat16", 128, 4, sb) for sb in (0, 32, 64, 128)] + [
     ("float16", 128, 4, 128), ("bfloat16", 64, 8, 64), ("bfloat16", 96, 4, 32), ("bfloat16", 256, 4, 256),
@@ -138,3 +138,12 @@ def test_pingpong_domain():
         assert not default_config("bfloat16", d, 16).pingpong
     assert not default_config("float16", 128, 16, "fp8_e4m3", 128).pingpong
     assert not default_config("bfloat16", 128, 16, "fp8_e4m3", 64).pingpong
+
+
+def test_dequantizing_fp8_defaults_keep_their_measured_tile():
+    # FP8 caches whose producer also dequantizes K start from DEQUANT_TILES, not the 16-bit d128 tile (128 x 128)
+    bm, bn, bk, st = DEQUANT_TILES[128]
+    assert DEFAULTS[128] != DEQUANT_TILES[128]
+    for dtype, sb, want_bn in (("float16", 128, bn), ("bfloat16", 64, bn), ("bfloat16", 32, bn // 2)):
+        c = default_config(dtype, 128, 16, "fp8_e4m3", sb)
+        assert not c.fp8_scores and (c.BM, c.BN, c.BK, c.stages) == (bm, want_bn, bk, st), (dtype, sb)
