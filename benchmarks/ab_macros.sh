@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A/B of header macros on the device, one call: for each variant ("NAME=VAL NAME2=VAL", "" = as checked in),
-# rewrite `#define NAME ...` in templates/*.cuh ("@DIR": copy DIR's templates over them instead), compile the probe's kernels in parallel, then run
+# rewrite `#define NAME ...` in templates/*.cuh ("@DIR": copy DIR's templates, and its cukv/ if it has one, over
+# ours instead), compile the probe's kernels in parallel, then run
 # benchmarks/probe_prefill_fp8.py (bf16 default beside the FP8 default) on the bench shapes. The tree is
 # restored after each variant. Logs under ${OUT:-out}.
 #   OUT=$OUT bash benchmarks/ab_macros.sh "" "CUKV_OVERLAP=0" "CUKV_PINGPONG=1"
@@ -8,12 +9,16 @@ set -u
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$(pwd) PYTHONUNBUFFERED=1
 shapes=${SHAPES:-4x4096x32x8x128,1x16384x32x8x128,8x2048x32x32x128,4x4096x16x16x256,8x2048x32x8x64}
-cp -r templates "$out/.templates.orig"
+cp -r templates "$out/.templates.orig"; cp -r cukv "$out/.cukv.orig"
 i=0
 for variant in "$@"; do
   i=$((i + 1))
   if [[ "$variant" == @* ]]; then
-    cp "${variant#@}"/* templates/  # another tree's templates
+    if [[ -d "${variant#@}/templates" ]]; then
+      cp "${variant#@}"/templates/* templates/; cp -r "${variant#@}"/cukv/* cukv/  # another tree
+    else
+      cp "${variant#@}"/* templates/  # another tree's templates
+    fi
   else
     for kv in $variant; do
       sed -i "s/^#define ${kv%%=*} .*/#define ${kv%%=*} ${kv#*=}/" templates/*.cuh
@@ -41,6 +46,6 @@ with ProcessPoolExecutor(16) as ex:
 print("compiled", len(cfgs))
 PY
   python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} --variants "${VARIANTS:-}" ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"
-  rm -rf templates && cp -r "$out/.templates.orig" templates
+  rm -rf templates cukv && cp -r "$out/.templates.orig" templates && cp -r "$out/.cukv.orig" cukv
 done
-rm -rf "$out/.templates.orig"
+rm -rf "$out/.templates.orig" "$out/.cukv.orig"

@@ -206,12 +206,14 @@ class PrefillConfig:
         """Registers per producer thread after setmaxnreg (0: no setmaxnreg with one consumer warpgroup). 56 for
         16-bit caches and for a TMA producer beside three consumer warpgroups; an FP8 producer otherwise holds a
         batch of raw chunks: 80 beside three, 72 beside two, 88 when it also forms K code copies (``fp8_scores``)
-        or issues tensor copies there."""
+        or issues tensor copies there, except a TMA producer with ``fp8_scores`` up to d128, which fits in 72."""
         if self.BM == 64:
             return 0
         if not self.quantized or (self.tma and self.BM == 192):
             return 56
-        return 80 if self.BM == 192 else 88 if self.fp8_scores or self.tma else 72
+        if self.BM == 192:
+            return 80
+        return 72 if self.fp8_scores and self.tma and self.head_dim <= 128 else 88 if self.fp8_scores or self.tma else 72
 
     @property
     def tma_rows(self) -> int:

@@ -110,6 +110,10 @@ def test_tma_domain():
     assert not default_config("bfloat16", 128, 12, "fp8_e4m3", 128).tma
     assert default_config("float16", 256, 16, "fp8_e4m3", 256).tma  # dequantizing, BM=128: producer 88
     assert default_config("float16", 256, 16, "fp8_e4m3", 256).producer_registers == 88
+    # e4m3 scores by TMA beside two consumer warpgroups: 72 up to d128 (measured), 88 at d256 (72 spilled)
+    assert default_config("bfloat16", 128, 16, "fp8_e4m3", 128).producer_registers == 72
+    assert default_config("bfloat16", 256, 16, "fp8_e4m3", 256).producer_registers == 88
+    assert default_config("bfloat16", 128, 16, "fp8_e4m3", 128).consumer_registers == 216
 
 
 def test_tma_page_tensor_checks():
