@@ -164,3 +164,13 @@ def test_importing_the_harness_pulls_in_no_gpu_library():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("template, name", [("spin.cu.j2", "cukv_spin"), ("read_ceiling.cu.j2", "cukv_read_ceiling")])
+def test_timing_helper_kernels_compile_without_spills(template, name):
+    """The Timer's spin kernel (it covers a timed call's host work, cukv/bench/timing.py) and the read-ceiling
+    kernel build through the one compile path, off the GPU."""
+    from cukv import compiler
+
+    rep = compiler.build(template, name, name=name).functions[name]
+    assert rep.spill_stores == 0 and rep.registers <= 64, rep
