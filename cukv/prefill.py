@@ -213,7 +213,9 @@ class PrefillConfig:
             return 56
         if self.BM == 192:
             return 80
-        return 72 if self.fp8_scores and self.tma and self.head_dim <= 128 else 88 if self.fp8_scores or self.tma else 72
+        if self.fp8_scores and self.tma and self.head_dim <= 128:
+            return 72
+        return 88 if self.fp8_scores or self.tma else 72
 
     @property
     def tma_rows(self) -> int:

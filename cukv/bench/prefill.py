@@ -91,6 +91,12 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg.splitlines()[0][:200]}" if msg else type(e).__name__
 
 
+def _slots(table, seq_len, page_size):
+    """Cache slots of every sequence's tokens 0..seq_len-1, row by row of the host page table."""
+    pos = np.arange(seq_len)
+    return (table[:, pos // page_size] * page_size + pos % page_size).reshape(-1).astype(np.int64)
+
+
 def _build(batch, seq_len, hq, hkv, d, seed=0, page_size=PAGE_SIZE):
     """Q, K, V (bf16 bits), the paged cache filled by append_kv in random page order, its table, offsets."""
     import cupy as cp
@@ -106,9 +112,7 @@ def _build(batch, seq_len, hq, hkv, d, seed=0, page_size=PAGE_SIZE):
     num_pages = batch * pages_per
     cache = cukv.PagedKVCache(num_pages, page_size, hkv, d, dtype=DTYPE)
     table = np.random.default_rng(seed).permutation(num_pages).astype(np.int32).reshape(batch, pages_per)
-    pos = np.arange(seq_len)
-    slots = (table[:, pos // page_size] * page_size + pos % page_size).reshape(-1).astype(np.int64)
-    cukv.append_kv(cache, k, v, cp.asarray(slots))
+    cukv.append_kv(cache, k, v, cp.asarray(_slots(table, seq_len, page_size)))
     lengths = np.full(batch, seq_len, np.int32)
     pt = cukv.PageTable(cp.asarray(table), cp.asarray(lengths), page_size)
     offsets = (np.arange(batch + 1) * seq_len).astype(np.int32)
@@ -184,10 +188,7 @@ def fp8_cache_like(data, granularity):
                                scale_granularity=granularity)
     if granularity == "tensor":
         fcache.set_tensor_scales(5.0 / 448, 5.0 / 448)  # N(0,1) data: 5 sigma saturates
-    bt = pt.block_table.get()
-    seq_len = int(lengths[0])
-    pos = np.arange(seq_len)
-    slots = (bt[:, pos // cache.page_size] * cache.page_size + pos % cache.page_size).reshape(-1).astype(np.int64)
+    slots = _slots(pt.block_table.get(), int(lengths[0]), cache.page_size)
     cukv.append_kv(fcache, k, v, cp.asarray(slots))
     return fcache
 

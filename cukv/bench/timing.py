@@ -13,7 +13,6 @@ class Timer:
         self._flush = cp.empty(flush_bytes // 4, cp.int32)
         self._start, self._end = cp.cuda.Event(), cp.cuda.Event()
         self._spin = compiler.build("spin.cu.j2", "cukv_spin", name="cukv_spin").function("cukv_spin")
-        self.host_ms = 0.0  # median host time of one call in the last median_ms (what the spin covered)
 
     def median_ms(self, fn, reps: int = 30, warmup: int = 5, warmup_ms: float = 50.0) -> float:
         """Median of ``reps`` timed calls; L2 is flushed (outside the timed region) before each. Warm-up runs
@@ -36,8 +35,7 @@ class Timer:
             if n % 8 == 0:
                 self._end.record()
                 self._end.synchronize()
-        self.host_ms = float(np.median(host)) * 1e3
-        spin_ns = np.int64(2e6 * self.host_ms + 50e3)
+        spin_ns = np.int64(2e9 * float(np.median(host)) + 50e3)
         times = []
         for _ in range(reps):
             self._flush.fill(1)
