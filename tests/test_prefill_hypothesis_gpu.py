@@ -1,6 +1,6 @@
 """Prefill on the GPU over hypothesis-drawn tile shapes (BM, BN, BK, stages), not just the defaults: a small
-ragged causal batch, paged (tensor copies where the tile allows them) or contiguous, against the float64 reference. Draws that spill are skipped (the
-CPU config tests own that question)."""
+ragged causal batch, paged (tensor copies where the tile allows them) or contiguous, against the float64
+reference. Draws that spill are skipped (the CPU config tests own that question)."""
 import itertools
 
 import numpy as np
