@@ -255,8 +255,19 @@ class PrefillConfig:
         return self.BM * _round64(self.head_dim) * 2
 
     @property
+    def ks_mma(self) -> bool:
+        """``fp8_scores`` with token scales, TMA, BN a multiple of 32 and heads up to 128: the K scales reach the
+        score columns through one bf16 wgmma per tile (the producer splits each into three bf16 terms) instead of
+        shared loads per thread (templates/prefill.cuh ``kKsMma``)."""
+        return (self.fp8_scores and self.scale_block > 0 and self.tma and self.BN % 32 == 0
+                and self.head_dim <= 128)
+
+    @property
     def kscale_bytes(self) -> int:
-        """``fp8_scores`` with token scales: each ring element's K row scales, read by the consumers."""
+        """``fp8_scores`` with token scales: each ring element's K row scales (``ks_mma``: the fixed 1 KB A operand
+        and BN/2 rows of 16 bytes per element)."""
+        if self.ks_mma:
+            return 64 * 16 + self.stages * (self.BN // 2) * 16
         return self.stages * self.BN * 4 if self.fp8_scores and self.scale_block else 0
 
     @property
@@ -299,7 +310,8 @@ class PrefillConfig:
             smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize, quantized=self.quantized,
             scale_block=self.scale_block, producer_registers=self.producer_registers,
             consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
-            kscale_bytes=self.kscale_bytes, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES, pingpong=self.pingpong)
+            kscale_bytes=self.kscale_bytes, ks_mma=self.ks_mma, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES,
+            pingpong=self.pingpong)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:

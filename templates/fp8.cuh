@@ -87,6 +87,16 @@ __device__ __forceinline__ uint4 scale8(uint4 x, float f) {
   return f == 1.f ? x : convert8<T, T>(x, f);
 }
 
+// A float as three bf16 terms, hi + mid + lo == x exactly (hi and mid truncate; what is left after them has at
+// most 8 significant bits): {hi | mid << 16, lo}, for a tensor-core sum that restores x in float32.
+__device__ __forceinline__ uint2 bf16x3_from_float(float x) {
+  const u32 b = __float_as_uint(x);
+  const float r = x - __uint_as_float(b & 0xffff0000u);
+  const u32 m = __float_as_uint(r) & 0xffff0000u;
+  const float lo = r - __uint_as_float(m);
+  return make_uint2((b >> 16) | m, __float_as_uint(lo) >> 16);
+}
+
 __device__ __forceinline__ uint2 ldg_stream8(const void* p) {
   uint2 r;
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));

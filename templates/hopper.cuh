@@ -135,4 +135,14 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
   return d;
 }
 
+// wgmma shared-memory matrix descriptor without swizzle (layout type 0): core matrices of 8 rows x 16 bytes
+// stored contiguously; K-major operands step lbo bytes between core matrices along K, sbo along M/N.
+__device__ __forceinline__ u64 plain_desc(u32 addr, u32 lbo, u32 sbo) {
+  u64 d = 0;
+  d |= (u64)((addr & 0x3FFFF) >> 4);
+  d |= (u64)((lbo & 0x3FFFF) >> 4) << 16;
+  d |= (u64)((sbo & 0x3FFFF) >> 4) << 32;
+  return d;
+}
+
 }  // namespace cukv

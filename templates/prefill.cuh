@@ -43,7 +43,7 @@ struct alignas(8) PrefillArgs {
 // page; contiguous K/V is one page) per leading lane; maps->k and maps->v describe the cache as 4-d tensors
 // [pages][token][head][dim]. 16-bit caches: bytes, boxes of one 128-byte atom straight into the ring (128-byte
 // swizzle); the tile holding a sequence's end keeps cp.async. FP8: codes into raw slots (K into the ring when
-// FP8_SCORES), and the scales keep their per-lane copies.
+// FP8_SCORES), and the scales keep their per-lane copies (token K scales: a register per lane, see kKsMma).
 // PINGPONG: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers 4 + wg), so the
 // tensor cores finish one warpgroup's scores before the next one's and the softmax phases drift apart instead of
 // running in lock-step (FP8 at d128/d256: 2-4% faster on H100, benchmarks/NOTES.md session 17).
@@ -108,8 +108,19 @@ struct PrefillKernel {
   static constexpr int kQ8Steps = (DEPTH + 31) / 32;  // k32 steps of the e4m3 wgmma
   static constexpr int kQ8Half = BM * kQ8Atoms * kAtomRowBytes;
   static constexpr int kQBytes = FP8_SCORES ? 2 * kQ8Half : BM * kQAtoms * kAtomRowBytes;
-  // FP8 scores with token scales: the K rows' scales beside each ring element, read by the consumers
-  static constexpr int kKScaleBytes = FP8_SCORES && SCALE_BLOCK > 0 ? STAGES * BN * 4 : 0;
+  // FP8 scores with token scales: the K rows' scales beside each ring element. kKsMma (TMA producer, BN a multiple
+  // of 32, heads up to 128: d256's tile has no room for the extra 2 KB): they reach the consumers' score columns through the tensor cores. Per ring element the
+  // producer writes B, BN/2 rows of 16 bytes: row j holds the scales of keys j and j + BN/2 as three bf16 terms each
+  // (hi + mid + lo == the float32 scale exactly). A fixed A (64 rows of 16 bytes, 0.5 in row group 0's first three
+  // columns and row group 1's next three, alternating every 8 rows) makes one m64n(BN/2)k16 wgmma give every thread
+  // the scales of its BN/4 score columns in accumulator order (rows g and g + 8 carry the two halves of the keys;
+  // both descriptors read their one 16-byte column twice, LBO = 0, hence the 0.5). It replaces BN/8 LDS.64 per thread
+  // and tile, whose shared-memory wavefronts queued behind the wgmma operand reads (benchmarks/NOTES.md sessions
+  // 20, 22). Otherwise the consumers load the scales from a float per row.
+  static constexpr bool kKsMma = FP8_SCORES && SCALE_BLOCK > 0 && kTma && BN % 32 == 0 && DEPTH <= 128;
+  static constexpr int kKsOnesBytes = 64 * 16, kKsRowBytes = 16;
+  static constexpr int kKScaleBytes =
+      kKsMma ? kKsOnesBytes + STAGES * (BN / 2) * kKsRowBytes : (FP8_SCORES && SCALE_BLOCK > 0 ? STAGES * BN * 4 : 0);
   static constexpr int kRingBytes = STAGES * Buf::stage_bytes;
   static constexpr int kRowOffBytes = 0;
   // FP8: raw codes and scales of a whole tile (K elements and the V element) land by cp.async in one of two
@@ -191,6 +202,18 @@ struct PrefillKernel {
       mbar_init(sm.q_full, 128);
       if constexpr (kTma && QUANTIZED) {
         for (int s = 0; s < 2; ++s) mbar_init(sm.raw_full + 8 * s, 128);  // every producer lane arrives
+      }
+    }
+    if constexpr (kKsMma) {
+      // the fixed A of the K-scale wgmma (see kKsMma): row r weighs the first or the second three terms by 0.5
+      if (threadIdx.x < 64) {
+        const u32 half2 = 0x3f003f00u, half1 = 0x3f00u;  // bf16 0.5 (a pair, one)
+        const bool second = (threadIdx.x / 8) % 2;
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};" ::"r"(sm.kscale + (u32)(threadIdx.x * 16)),
+                     "r"(second ? 0u : half2), "r"(second ? 0u : half1), "r"(second ? half2 : 0u),
+                     "r"(second ? half1 : 0u)
+                     : "memory");
+        fence_proxy_async();
       }
     }
     __syncthreads();
@@ -304,6 +327,22 @@ struct PrefillKernel {
         if (lane < kWarpRows)
           cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4), ok ? src : a.kv.k_scales, ok ? 4 : 0);
       };
+      float ks_held = 0.f;  // kKsMma: this lane's row's K scale of the tile issued last, for ring element ks_stage
+      int ks_stage = 0;
+      // kKsMma: B of the K-scale wgmma (see kKsMma) for the K element issued last, then its full barrier
+      auto split_k_scales = [&] {
+        if constexpr (kKsMma) {
+          const int r = pw * kWarpRows + lane;
+          if (lane < kWarpRows) {
+            const uint2 t = bf16x3_from_float(ks_held);
+            const u32 dst = sm.kscale + (u32)(kKsOnesBytes + (ks_stage * (BN / 2) + r % (BN / 2)) * kKsRowBytes +
+                                              (r / (BN / 2)) * 8);
+            asm volatile("st.shared.v2.u32 [%0], {%1,%2};" ::"r"(dst), "r"(t.x), "r"(t.y) : "memory");
+            fence_proxy_async();
+          }
+          mbar_arrive(sm.full + 8 * ks_stage);
+        }
+      };
       auto issue_tile = [&](int n, i64 key_lane, int t) {
         const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes);
         const u32 vdst = slot + (u32)((FP8_SCORES ? 0 : kKElems) * kRawElemBytes);
@@ -316,7 +355,11 @@ struct PrefillKernel {
           // the scales first: their offsets die before the boxes' coordinates are formed
           if constexpr (FP8_SCORES) {
             mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
-            if constexpr (SCALE_BLOCK > 0)
+            if constexpr (kKsMma) {
+              // held in a register until split_k_scales, after the next raw wait has hidden the load
+              ks_held = row >= 0 ? __ldg(cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0)) : 0.f;
+              ks_stage = stage;
+            } else if constexpr (SCALE_BLOCK > 0)
               copy_k_scale(stage, row >= 0, cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0));
           } else if constexpr (SCALE_BLOCK > 0) {
             const i64 ks_lane =
@@ -347,7 +390,7 @@ struct PrefillKernel {
             mbar_expect_tx(raw_bar, TMA_ROWS * BK);
             tma_load_4d(vdst + (u32)(r0 * BK), &maps->v, vslice * kVCols, kv_head, tip, page, raw_bar);
           }
-          if constexpr (FP8_SCORES) mbar_arrive_cp_async(sm.full + 8 * stage);
+          if constexpr (FP8_SCORES && !kKsMma) mbar_arrive_cp_async(sm.full + 8 * stage);
           mbar_arrive_cp_async(raw_bar);
         } else {
           i64 k_lane, v_lane, ks_lane, vs_lane;
@@ -373,6 +416,7 @@ struct PrefillKernel {
         const i64 key_lane = key_next;
         if (n_tiles > 1) key_next = lookup(n_first + n_tiles - 2);
         issue_tile(n_first + n_tiles - 1, key_lane, 0);
+        split_k_scales();  // the first tile's: nothing to hide its load behind
       }
       if constexpr (!kTma) cp_async_commit();
       for (int it = 0; it < n_tiles; ++it) {
@@ -391,6 +435,7 @@ struct PrefillKernel {
           cp_async_wait<1>();  // this lane's copies of tile it have landed
           __syncwarp();        // and the scales its row's lane copied
         }
+        if (it + 1 < n_tiles) split_k_scales();
         trace_mark(it, 2);
         const u32 slot = sm.raw + (u32)((it & 1) * kRawTileBytes);
         const int valid = kv_len - n * BN;  // rows of this tile inside the sequence (TMA: the rest must be zeroed)
@@ -539,6 +584,8 @@ struct PrefillKernel {
                                                  int n_first, int n_tiles, int vslice, int warp, int lane) {
     typedef Wgmma<T, BN> MmaS;
     typedef Wgmma8<BN> MmaS8;
+    typedef Wgmma<__nv_bfloat16, kKsMma ? BN / 2 : 16> MmaKs;
+    float kb[MmaKs::kRegs];  // kKsMma: the score columns' K scales
     typedef Wgmma<PT, kVCols> MmaO;
     const int wg = warp / 4, wq = warp % 4;
     const int g = lane / 4, c = lane % 4;
@@ -593,6 +640,12 @@ struct PrefillKernel {
         const int stage = count % STAGES;
         mbar_wait(sm.full + 8 * stage, (count / STAGES) & 1);
         trace_mark(it, 1);
+        if constexpr (kKsMma) {
+          // P V(t - 1) completes first: its P registers hold kb while S is in flight (both beside P and the
+          // output made ptxas serialize the wgmmas, C7512)
+          wgmma_wait<0>();
+          fence_regs(o);
+        }
         if (ring_wait) named_barrier_sync<256>(4 + wg);
         fence_proxy_async();
         wgmma_fence();
@@ -603,6 +656,9 @@ struct PrefillKernel {
           MmaS8::ss(s, sw128_desc(qa, 1, 1024), kd, k > 0);
           MmaS8::ss(s, sw128_desc(qa + (u32)kQ8Half, 1, 1024), kd, 1);
         }
+        if constexpr (kKsMma)
+          MmaKs::ss(kb, plain_desc(sm.kscale, 0, 128),
+                    plain_desc(sm.kscale + (u32)(kKsOnesBytes + stage * (BN / 2) * kKsRowBytes), 0, 128), 0);
         wgmma_commit();
       } else {
         if (ring_wait) named_barrier_sync<256>(4 + wg);
@@ -630,7 +686,18 @@ struct PrefillKernel {
       trace_mark(it, 2);
       fence_regs(s);
       fence_regs(o);
-      if constexpr (FP8_SCORES && SCALE_BLOCK > 0) {
+      if constexpr (kKsMma) {
+        fence_regs(kb);
+        // key columns 8j + 2c (+1): the first half's scales on row g's registers, the second's on row g + 8's
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const int i = j < BN / 16 ? 4 * j : 4 * (j - BN / 16) + 2;
+          s[4 * j] *= kb[i];
+          s[4 * j + 1] *= kb[i + 1];
+          s[4 * j + 2] *= kb[i];
+          s[4 * j + 3] *= kb[i + 1];
+        }
+      } else if constexpr (FP8_SCORES && SCALE_BLOCK > 0) {
         // token K scales multiply the score columns (before the mask: a masked column's scale may be zero)
         const u32 ks = sm.kscale + (u32)(((count % STAGES) * BN + 2 * c) * 4);
 #pragma unroll

@@ -84,7 +84,12 @@ def test_tma_domain():
     ok = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, fp8_scores=True,
                        tma=True)
     assert ok.tma_rows == 16 and "_tma_" in ok.name and ok.tma_k_box_cols == 128 and ok.tma_v_box_cols == 128
-    assert ok.smem_bytes == dataclasses.replace(ok, tma=False).smem_bytes + 16  # two raw-slot barriers
+    # two raw-slot barriers; token K scales by TMA go through the tensor cores (ks_mma): the fixed 1 KB A operand
+    # and 16 bytes per row pair and element, against a float per row and element
+    no_tma = dataclasses.replace(ok, tma=False)
+    assert ok.ks_mma and not no_tma.ks_mma
+    assert (ok.kscale_bytes, no_tma.kscale_bytes) == (1024 + 4 * 32 * 16, 4 * 64 * 4)
+    assert ok.smem_bytes == no_tma.smem_bytes + 16 + 3072 - 1024
     assert (ok.producer_registers, ok.consumer_registers) == (56, 152)
     src = ok.render()
     assert "const __grid_constant__ PrefillMaps maps" in src and "sizeof(PrefillMaps) == 256" in src
