@@ -108,15 +108,15 @@ struct PrefillKernel {
   static constexpr int kQ8Steps = (DEPTH + 31) / 32;  // k32 steps of the e4m3 wgmma
   static constexpr int kQ8Half = BM * kQ8Atoms * kAtomRowBytes;
   static constexpr int kQBytes = FP8_SCORES ? 2 * kQ8Half : BM * kQAtoms * kAtomRowBytes;
-  // FP8 scores with token scales: the K rows' scales beside each ring element. kKsMma (TMA producer, BN a multiple
-  // of 32, heads up to 128: d256's tile has no room for the extra 2 KB): they reach the consumers' score columns through the tensor cores. Per ring element the
-  // producer writes B, BN/2 rows of 16 bytes: row j holds the scales of keys j and j + BN/2 as three bf16 terms each
-  // (hi + mid + lo == the float32 scale exactly). A fixed A (64 rows of 16 bytes, 0.5 in row group 0's first three
-  // columns and row group 1's next three, alternating every 8 rows) makes one m64n(BN/2)k16 wgmma give every thread
-  // the scales of its BN/4 score columns in accumulator order (rows g and g + 8 carry the two halves of the keys;
-  // both descriptors read their one 16-byte column twice, LBO = 0, hence the 0.5). It replaces BN/8 LDS.64 per thread
-  // and tile, whose shared-memory wavefronts queued behind the wgmma operand reads (benchmarks/NOTES.md sessions
-  // 20, 22). Otherwise the consumers load the scales from a float per row.
+  // FP8 scores with token scales: the K rows' scales beside each ring element. kKsMma (TMA producer, BN a multiple of
+  // 32, heads up to 128: d256's tile has no room for the extra 2 KB): they reach the consumers' score columns through
+  // the tensor cores. Per ring element the producer writes B, BN/2 rows of 16 bytes: row j holds the scales of keys j
+  // and j + BN/2 as three bf16 terms each (hi + mid + lo == the float32 scale exactly). A fixed A (64 rows of 16
+  // bytes, 0.5 in row group 0's first three columns and row group 1's next three, alternating every 8 rows) makes one
+  // m64n(BN/2)k16 wgmma give every thread the scales of its BN/4 score columns in accumulator order (rows g and g + 8
+  // carry the two halves of the keys; both descriptors read their one 16-byte column twice, LBO = 0, hence the 0.5).
+  // It replaces BN/8 LDS.64 per thread and tile, whose shared-memory wavefronts queued behind the wgmma operand reads
+  // (benchmarks/NOTES.md sessions 20, 22). Otherwise the consumers load the scales from a float per row.
   static constexpr bool kKsMma = FP8_SCORES && SCALE_BLOCK > 0 && kTma && BN % 32 == 0 && DEPTH <= 128;
   static constexpr int kKsOnesBytes = 64 * 16, kKsRowBytes = 16;
   static constexpr int kKScaleBytes =
