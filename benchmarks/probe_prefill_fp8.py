@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/probe_prefill_fp8.py --shapes 4x4096x32x8x128 --configs 192:64:4:0,192:64:6:1
 
-A candidate is BM:BN:stages[:fp8_scores[:tma]] (1 or 0, default 0: K dequantized by the producer; codes by
-cp.async). The default FP8 config is timed beside its cp.async twin when it uses TMA (--cp-async-twin 0: not).
+A candidate is BM:BN:stages[:fp8_scores[:tma[:pingpong]]] (1 or 0, default 0: K dequantized by the producer;
+codes by cp.async; S issued in any order). The default FP8 config is timed beside its cp.async twin when it uses TMA (--cp-async-twin 0: not).
 """
 import argparse
 import dataclasses
@@ -33,7 +33,7 @@ def variant_configs(base, variants):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4x4096x32x8x128", help="batch x L x hq x hkv x d, comma-separated")
-    ap.add_argument("--configs", default="", help="BM:BN:stages[:fp8_scores[:tma]] per FP8 candidate (empty: the default only)")
+    ap.add_argument("--configs", default="", help="BM:BN:stages[:fp8_scores[:tma[:pingpong]]] per FP8 candidate (empty: the default only)")
     ap.add_argument("--variants", default="", help="dq, dqpp: the FP8 default with K dequantized by the producer "
                     "(fp8_scores=False), without or with pingpong")
     ap.add_argument("--gran", default="token")
@@ -57,7 +57,7 @@ def main():
             try:
                 cfgs.append(PrefillConfig(DTYPE, d, PAGE_SIZE, int(f[0]), int(f[1]), base.BK, int(f[2]),
                                           kv_dtype="fp8_e4m3", scale_block=sb, fp8_scores=len(f) > 3 and f[3] == "1",
-                                          tma=len(f) > 4 and f[4] == "1"))
+                                          tma=len(f) > 4 and f[4] == "1", pingpong=len(f) > 5 and f[5] == "1"))
             except ValueError as e:
                 print(f"{shape}: skipping {':'.join(f)}: {e}")
         for cfg in cfgs:

@@ -15,10 +15,11 @@ from .append import AppendConfig, append_kv
 from .cache import PageAllocator, PagedKVCache, PageTable, SequenceTable
 from .decode import BatchDecode, DecodeConfig, decode
 from .prefill import BatchPrefill, KVBufferConfig, PrefillConfig, prefill
+from .dequant import DequantConfig, dequantize_kv
 from .merge import MergeConfig, merge_states, merge_states_n
 from .errors import CompileError, CompileForbidden, CukvError, NoGPUError
 
 __all__ = [
     "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",
-    "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "MergeConfig", "merge_states", "merge_states_n", "CompileError", "CompileForbidden", "CukvError", "NoGPUError",
+    "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "DequantConfig", "dequantize_kv", "MergeConfig", "merge_states", "merge_states_n", "CompileError", "CompileForbidden", "CukvError", "NoGPUError",
 ]

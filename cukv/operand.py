@@ -65,3 +65,8 @@ PREFILL_ARGS = np.dtype([
     ("sm_scale", "f4"), ("softcap", "f4"), ("window", "i4"), ("chunk", "i4"), ("num_qo_heads", "i4"),
     ("group", "i4"), ("causal", "i4"), ("pad_", "i4"),
 ], align=True)
+
+DEQUANT_ARGS = np.dtype([
+    ("kv", KV_PARAMS),
+    ("k_out", "u8"), ("v_out", "u8"), ("kv_offsets", "u8"), ("num_heads", "i8"),
+], align=True)

@@ -414,6 +414,18 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
     return tile_config(dtype, head_dim, page_size, bm, bn, bk, st)
 
 
+#: ``fp8_prefill`` choices (see BatchPrefill)
+FP8_PREFILL = ("auto", "fused", "dequantize_first")
+#: 'auto' dequantizes first, for token and block scales, from this many query rows per key. H100 (session 23,
+#: benchmarks/probe_prefill_dequant.py), dequant + bf16 against the fused token kernel, in bf16 prefill's units:
+#: 0.99 vs 0.80 at b4 L4096 GQA 4 (8192 rows per key), 1.03 vs 0.82 at b1 L16384 (32768), 0.96 vs 0.85 at d64 b8
+#: L2048 GQA 4 (4096), 0.90 vs 0.84 at d256 b4 L4096 MHA (2048), 0.83 vs 0.82 at b8 L2048 MHA (1024). Per-tensor
+#: scales stay fused: that kernel ran at 0.96-1.01 of bf16, dequant + bf16 at 0.83-1.01.
+DEQUANT_MIN_ROWS_PER_KEY = 2048
+#: 'auto' dequantizes first only if the workspace (16-bit K and V of every planned key) fits this many bytes
+DEQUANT_WORKSPACE_LIMIT = 1 << 30
+
+
 class BatchPrefill:
     """Ragged prefill over a paged KV cache (``page_size``) or contiguous K/V (``page_size=None``).
 
@@ -436,6 +448,17 @@ class BatchPrefill:
         The FP8 cache's granularity (default 'token').
     config : PrefillConfig, optional
         Tile shape; by default the documented per-head-dim default (or an autotuned winner).
+    fp8_prefill : {'auto', 'fused', 'dequantize_first'}
+        FP8 caches only. ``'fused'`` runs the FP8 kernel above. ``'dequantize_first'`` gathers each
+        sequence's keys and values into ragged 16-bit K/V first (:func:`cukv.dequantize_kv`, one pass over
+        the used codes, into a workspace ``plan`` allocates: 4 bytes per key, KV head and dim), then runs the
+        16-bit contiguous prefill on them. The fused kernel converts each K/V tile once for every query tile
+        that visits it, the pass once in all, so the pass wins when many query rows share each key. ``'auto'``
+        (the default) takes it for token and block scales when the planned batch visits at least
+        ``DEQUANT_MIN_ROWS_PER_KEY`` query rows per key (query heads of a KV head included) and the
+        workspace fits ``DEQUANT_WORKSPACE_LIMIT`` bytes; per-tensor scales stay fused (that kernel runs near
+        bf16 speed). ``strategy`` says which one ``plan`` chose. Both read the plan's ``kv_lengths`` keys per
+        sequence; the table's lengths must agree.
 
     Examples
     --------
@@ -453,7 +476,8 @@ class BatchPrefill:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int | None = 16,
-                 dtype="bfloat16", config: PrefillConfig | None = None, kv_dtype=None, scale_granularity=None):
+                 dtype="bfloat16", config: PrefillConfig | None = None, kv_dtype=None, scale_granularity=None,
+                 fp8_prefill: str = "auto"):
         from .arrays import canonical_dtype
         from .fp8 import resolve_kv
 
@@ -478,8 +502,14 @@ class BatchPrefill:
         if (config.dtype, config.head_dim, config.page_size, config.kv_dtype, config.scale_block) != (dt, head_dim, ps, kvd, sb):
             raise ValueError(f"config {config.name} does not match dtype={dt}, head_dim={head_dim}, page_size={ps}, "
                              f"kv_dtype={kvd}, scale block {sb}")
+        check_in("BatchPrefill", "fp8_prefill", fp8_prefill, FP8_PREFILL)
+        if fp8_prefill != "auto" and kvd is None:
+            raise ValueError(f"fp8_prefill={fp8_prefill!r} applies to FP8 caches (kv_dtype='fp8_e4m3'); leave it 'auto'")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size, self.dtype, self.config = int(head_dim), page_size, dt, config
+        self.fp8_prefill = fp8_prefill
+        self.strategy = "fused" if kvd is not None else None
+        self._dequant = None
         self._planned = False
 
     def plan(self, q_offsets, kv_lengths, *, mask: str = "causal", window: int | None = None,
@@ -516,9 +546,49 @@ class BatchPrefill:
         self._num_work = int(arr.shape[0])
         self._q_offsets = cp.asarray(qo.astype(np.int32))
         self._mask, self._window, self._chunk = mask, int(window or 0), int(chunk or 0)
-        self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
+        self._dequant = None
+        if cfg.quantized:
+            self.strategy = self._choose_strategy(work, kl)
+        if self.strategy == "dequantize_first":
+            self._plan_dequant(qo, kl, mask, window, chunk)
+        else:
+            self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
         self._planned = True
         return self
+
+    def _choose_strategy(self, work, kv_lengths) -> str:
+        """'fused' or 'dequantize_first' for an FP8 cache (see the class docstring): query rows per key from
+        the work list's tile costs, the workspace from the planned key count."""
+        if self.fp8_prefill != "auto":
+            return self.fp8_prefill
+        keys = int(kv_lengths.sum())
+        if keys == 0 or self.config.scale_block == 0:
+            return "fused"
+        cfg = self.config
+        pairs = sum(c for c, _, _ in work) * cfg.BM * cfg.BN
+        rows_per_key = pairs * (self.num_qo_heads // self.num_kv_heads) / keys
+        workspace = 2 * keys * self.num_kv_heads * self.head_dim * 2
+        many = rows_per_key >= DEQUANT_MIN_ROWS_PER_KEY
+        return "dequantize_first" if many and workspace <= DEQUANT_WORKSPACE_LIMIT else "fused"
+
+    def _plan_dequant(self, qo, kl, mask, window, chunk) -> None:
+        """The 16-bit contiguous prefill the 'dequantize_first' strategy runs, and its workspace."""
+        import cupy as cp
+
+        from .dequant import DequantConfig
+        from .dtypes import storage_dtype
+
+        cfg = self.config
+        inner = BatchPrefill(self.num_qo_heads, self.num_kv_heads, self.head_dim, None, self.dtype)
+        inner.plan(qo, kl, mask=mask, window=window, chunk=chunk)
+        offs = np.zeros(kl.size + 1, np.int64)
+        np.cumsum(kl, out=offs[1:])
+        shape = (int(offs[-1]), self.num_kv_heads, self.head_dim)
+        st = storage_dtype(self.dtype)
+        self._dequant = dict(cfg=DequantConfig(self.dtype, self.head_dim, cfg.page_size, cfg.scale_block),
+                             inner=inner, k=cp.empty(shape, st), v=cp.empty(shape, st),
+                             offsets=cp.asarray(offs.astype(np.int32)), max_len=int(kl.max(initial=0)))
+        self._dequant["cfg"].compiled.function(self._dequant["cfg"].name)
 
     def run(self, q, kv, out=None, lse=None, *, return_lse: bool = False, sink=None, softcap: float | None = None,
             sm_scale: float | None = None, stream=None):
@@ -534,6 +604,14 @@ class BatchPrefill:
         if not self._planned:
             raise RuntimeError("call plan(q_offsets, kv_lengths) before run()")
         cfg = self.config
+        if self._dequant is not None:
+            from . import dequant
+
+            self._kv_params(kv)  # checks the cache and table against the FP8 config
+            d = self._dequant
+            dequant.launch(d["cfg"], kv[0], kv[1], d["k"], d["v"], d["offsets"], d["max_len"], self.batch_size, stream)
+            return d["inner"].run(q, (d["k"], d["v"], d["offsets"]), out, lse, return_lse=return_lse, sink=sink,
+                                  softcap=softcap, sm_scale=sm_scale, stream=stream)
         qd, qdt = as_device(q, "q")
         dt = element_dtype(qd, qdt or (cfg.dtype if qd.dtype == cp.uint16 else None), "q")
         if dt != cfg.dtype:

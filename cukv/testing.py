@@ -126,18 +126,19 @@ def cache_pages_host(cache):
     return cache_values_host(cache, (slice(None),))
 
 
-def cache_values_host(cache, index, rounded_to: str | None = None, round_k: bool = True):
+def cache_values_host(cache, index, rounded_to: str | None = None, round_k: bool = True, round_v: bool | None = None):
     """float64 K and V at ``cache.k[index]`` (a tuple of device indices over (page, token)), dequantized
     exactly (``e4m3 * scale`` in float64) for an FP8 cache, or, with ``rounded_to`` ('bfloat16'/'float16'),
     as the FP8 prefill stages them: the float32 product rounded to that type, for K unless ``round_k=False``
-    (the FP8-scores path keeps K exact) and for V unless the cache has one scale per tensor (the prefill
-    stages V's exact codes then and multiplies the output by the scale)."""
+    (the FP8-scores path keeps K exact) and for V unless the cache has one scale per tensor (the fused prefill
+    stages V's exact codes then and multiplies the output by the scale; ``round_v=True`` rounds it anyway, as
+    ``fp8_prefill='dequantize_first'`` does)."""
     if not getattr(cache, "quantized", False):
         return from_storage(cache.k[index].get(), cache.dtype), from_storage(cache.v[index].get(), cache.dtype)
     from .fp8 import dequantize
 
     out = []
-    round_v = cache.scale_block != 0
+    round_v = cache.scale_block != 0 if round_v is None else round_v
     for codes, scales, rnd in ((cache.k, cache.k_scales, round_k), (cache.v, cache.v_scales, round_v)):
         sc = scales.get() if cache.scale_block == 0 else scales[index].get()
         vals = dequantize(codes[index].get(), sc, cache.scale_block)
@@ -207,14 +208,14 @@ def random_prefill_case(rng, *, q_lens, cache_lens, num_qo_heads, num_kv_heads, 
     return case
 
 
-def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False, **kw):
+def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False, round_v: bool | None = None, **kw):
     """float64 prefill of a :func:`random_prefill_case`, reading back only the slots the table reaches
     (gathered on the device, like :func:`reference_decode`). ``kw`` are :func:`cukv.reference.prefill_contiguous`'s
     options (``mask``, ``window``, ``chunk``, ``softcap``, ``sink``, ``sm_scale``); a device ``sink`` is copied
     to the host. ``staged='bfloat16'`` (or 'float16') reads an FP8 cache as the prefill kernel stages it
     (``code * scale`` in float32, rounded to that type; V exact with a per-tensor scale, which the kernel applies
     to the output); with ``fp8_scores`` (``PrefillConfig.fp8_scores``) K stays exact and the query is read as the
-    kernel splits it (:func:`cukv.fp8.split_query`)."""
+    kernel splits it (:func:`cukv.fp8.split_query`). ``round_v``: see :func:`cache_values_host`."""
     import cupy as cp
 
     if kw.get("sink") is not None and hasattr(kw["sink"], "get") and not isinstance(kw["sink"], np.ndarray):
@@ -224,7 +225,7 @@ def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False,
     pos = [np.arange(int(n)) for n in lengths]
     rp = np.concatenate([table[b, p // ps] for b, p in enumerate(pos)] + [np.zeros(0, np.int64)]).astype(np.int64)
     ro = np.concatenate([p % ps for p in pos] + [np.zeros(0, np.int64)]).astype(np.int64)
-    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)), staged, round_k=not fp8_scores)
+    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)), staged, round_k=not fp8_scores, round_v=round_v)
     q = case["q_host"]
     if fp8_scores:
         from .fp8 import split_query

@@ -156,3 +156,59 @@ def test_dequantizing_fp8_defaults_keep_their_measured_tile():
     for dtype, sb, want_bn in (("float16", 128, bn), ("bfloat16", 64, bn), ("bfloat16", 32, bn // 2)):
         c = default_config(dtype, 128, 16, "fp8_e4m3", sb)
         assert not c.fp8_scores and (c.BM, c.BN, c.BK, c.stages) == (bm, want_bn, bk, st), (dtype, sb)
+
+
+# fp8_prefill='dequantize_first' (cukv/dequant.py): the gather-and-dequantize pass, every granularity
+@pytest.mark.parametrize("dtype,d,sb,ps", [("bfloat16", d, sb, 16) for d in (64, 128, 256) for sb in (0, d, 32)]
+                         + [("float16", 128, 64, 16), ("bfloat16", 80, 80, 1), ("bfloat16", 512, 128, 48)])
+def test_dequantize_kv_compiles_without_spills_or_stack(dtype, d, sb, ps):
+    from cukv.dequant import DequantConfig
+
+    cfg = DequantConfig(dtype, d, ps, sb)
+    rep = cfg.compiled.functions[cfg.name]
+    assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
+
+
+def test_dequant_config_domain():
+    from cukv.dequant import DequantConfig
+
+    for kw, field in ((dict(head_dim=72), "head_dim"), (dict(scale_block=48), "scale_block"),
+                      (dict(head_dim=64, scale_block=128), "scale_block"), (dict(page_size=0), "page_size"),
+                      (dict(dtype="fp8_e4m3"), "dtype"), (dict(threads=96), "threads")):
+        with pytest.raises(ValueError, match=field):
+            DequantConfig(**kw)
+
+
+def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
+    import numpy as np
+
+    from cukv import BatchPrefill
+    from cukv.prefill import _tile_cost
+
+    pf = BatchPrefill(hq, hkv, d, 16, kv_dtype="fp8_e4m3", scale_granularity=gran, fp8_prefill=fp8_prefill)
+    cfg = pf.config
+    work = [(_tile_cost(q, k, t, cfg, "causal", None, None), s, t)
+            for s, (q, k) in enumerate(zip(q_lens, kv_lens)) for t in range(-(-q // cfg.BM))]
+    return pf._choose_strategy(work, np.asarray(kv_lens))
+
+
+def test_fp8_prefill_strategy_choice():
+    """'auto' follows the measured crossover (DEQUANT_MIN_ROWS_PER_KEY, session 23 on H100)."""
+    import cukv
+    from cukv.prefill import DEQUANT_WORKSPACE_LIMIT
+
+    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4) == "dequantize_first"     # 8192 rows per key
+    assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8) == "dequantize_first"      # 4096
+    assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8) == "fused"               # MHA, 1024
+    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "fused"  # per-tensor stays fused
+    assert _strategy(32, 8, 128, [1] * 64, [4096] * 64) == "fused"                  # decode-like steps
+    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, fp8_prefill="fused") == "fused"
+    assert _strategy(32, 8, 128, [0], [0]) == "fused"
+    # past the workspace limit: 16-bit K and V, 4 bytes x 8 heads x 128 dims = 4 KiB per key
+    keys = DEQUANT_WORKSPACE_LIMIT // 4096 + 4096
+    assert _strategy(32, 8, 128, [4096], [keys]) == "fused"
+    with pytest.raises(ValueError, match="fp8_prefill"):
+        cukv.BatchPrefill(32, 8, 128, 16, fp8_prefill="fused")  # a 16-bit cache
+    with pytest.raises(ValueError, match="fp8_prefill"):
+        cukv.BatchPrefill(32, 8, 128, 16, kv_dtype="fp8_e4m3", fp8_prefill="two_pass")
+

@@ -30,21 +30,26 @@ def _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout="combined
 
 
 def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="token", config=None, layout="combined",
-           prepare=None, unit=1.0, **kw):
+           prepare=None, unit=1.0, fp8_prefill="auto", **kw):
     import cupy as cp
 
     case = _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout)
     if prepare is not None:
         prepare(case)
-    pf = cukv.BatchPrefill(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran, config=config)
+    pf = cukv.BatchPrefill(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran, config=config,
+                           fp8_prefill=fp8_prefill)
     plan_kw = {k: kw.pop(k) for k in ("mask", "window", "chunk") if k in kw}
     pf.plan(case["q_offsets"], case["kv_lens"], **plan_kw)
     nan = np.float16(np.nan) if dtype == "float16" else np.uint16(0x7FC0)
     out = cp.full(case["q"].shape, nan, case["q"].dtype)
     lse = cp.full((case["q"].shape[0], hq), np.nan, cp.float32)
     pf.run(case["q"], (case["cache"], case["table"]), out=out, lse=lse, **kw)
-    fp8_scores = pf.config.fp8_scores
-    ref_o, ref_lse = reference_prefill(case, staged=dtype, fp8_scores=fp8_scores, **plan_kw, **kw)
+    if fp8_prefill != "auto":
+        assert pf.strategy == fp8_prefill
+    # dequantize_first stages K and V in the query dtype, V too with a per-tensor scale
+    fp8_scores = pf.config.fp8_scores and pf.strategy == "fused"
+    round_v = True if pf.strategy == "dequantize_first" else None
+    ref_o, ref_lse = reference_prefill(case, staged=dtype, fp8_scores=fp8_scores, round_v=round_v, **plan_kw, **kw)
     got = from_storage(out.get(), dtype)
     # outputs are compared in units of `unit` (a V scale far from 1 scales them; the LSE does not move); "row": each
     # output row in units of its own largest reference value (rows far apart would hide each other's errors)
@@ -190,3 +195,63 @@ def test_misaligned_query_and_output_are_refused(rng):
         pf.run(q, (case["cache"], case["table"]))
     with pytest.raises(ValueError, match="out starts at device address .* not 4-byte aligned"):
         pf.run(case["q"], (case["cache"], case["table"]), out=q)
+
+
+# fp8_prefill='dequantize_first': dequantize_kv into ragged 16-bit K/V, then the contiguous 16-bit prefill. Its
+# values are the cache's read back in the query dtype: the tight check is the staged reference at its tolerance.
+@pytest.mark.parametrize("gran,dtype", [("token", "bfloat16"), ("tensor", "bfloat16"), (32, "bfloat16"),
+                                        (128, "bfloat16"), ("token", "float16"), (64, "float16")])
+def test_dequant_strategy_granularities(rng, gran, dtype):
+    _check(rng, [300, 17, 1], [100, 0, 700], 16, 4, 128, 16, dtype, gran, fp8_prefill="dequantize_first")
+
+
+@pytest.mark.parametrize("d,ps,gran", [(64, 16, "token"), (256, 16, 128), (80, 1, "token"), (128, 48, 64)])
+def test_dequant_strategy_head_dims_and_pages(rng, d, ps, gran):
+    _check(rng, [200, 65], [50, 300], 8, 2, d, ps, "bfloat16", gran, fp8_prefill="dequantize_first")
+
+
+def test_dequant_strategy_masks_sink_softcap_lse(rng):
+    import cupy as cp
+
+    sink = cp.asarray(rng.standard_normal(8).astype(np.float32))
+    _check(rng, [250, 90], [0, 500], 8, 2, 128, 16, "bfloat16", "token", window=100, sink=sink, softcap=30.0,
+           fp8_prefill="dequantize_first")
+    _check(rng, [250], [64], 8, 2, 128, 16, "bfloat16", 32, mask="none", chunk=128,
+           fp8_prefill="dequantize_first")
+
+
+def test_auto_dequantizes_when_many_rows_share_a_key(rng):
+    # one 1024-token prompt, 8 query heads per KV head: about 4096 query rows per key, past DEQUANT_MIN_ROWS_PER_KEY
+    _check(rng, [1024], [0], 16, 2, 128, 16, "bfloat16", "token")
+    pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 1024]), np.array([1024]))
+    assert pf.strategy == "dequantize_first"
+    pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    assert pf.plan(np.array([0, 1024]), np.array([1024])).strategy == "fused"
+
+
+@pytest.mark.parametrize("gran", ["token", "tensor", 32])
+def test_dequantize_kv_is_the_cache_read_back(rng, gran):
+    """Bit for bit PagedKVCache.dequantize() gathered through the table; unused (NaN) slots are never read."""
+    import cupy as cp
+
+    case = _case(rng, [40, 3], [100, 0], 8, 2, 128, 16, "bfloat16", gran)
+    cache, table, kl = case["cache"], case["table"], np.asarray(case["kv_lens"])
+    k, v, offs = cukv.dequantize_kv(cache, table, kl)
+    assert offs.get().tolist() == [0, int(kl[0]), int(kl.sum())]
+    full_k, full_v = (a.get() for a in cache.dequantize())
+    bt = table.block_table.get()
+    for b in range(kl.size):
+        pos = np.arange(kl[b])
+        rows = slice(int(offs[b].get()), int(offs[b + 1].get()))
+        for got, full in ((k, full_k), (v, full_v)):
+            want = full[bt[b, pos // 16], pos % 16]
+            np.testing.assert_array_equal(got[rows].get(), want)
+            assert not np.isnan(from_storage(got[rows].get(), "bfloat16")).any()
+    with pytest.raises(ValueError, match="kv_lengths"):
+        cukv.dequantize_kv(cache, table, [10 ** 6, 0])
+    with pytest.raises(TypeError, match="FP8"):
+        cukv.dequantize_kv(cukv.PagedKVCache(4, 16, 2, 128), table, kl)
+    out = (cp.empty_like(k), cp.empty((1, 2, 128), cp.uint16))
+    with pytest.raises(ValueError, match="out\\[1\\]"):
+        cukv.dequantize_kv(cache, table, kl, out=out)
+

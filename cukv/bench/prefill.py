@@ -194,21 +194,29 @@ def fp8_cache_like(data, granularity):
 
 
 def _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, granularity):
-    """The same K/V quantized by append_kv into an FP8 cache (same page table), timed like cukv paged."""
+    """The same K/V quantized by append_kv into an FP8 cache (same page table), timed like cukv paged: both
+    ``fp8_prefill`` strategies, and ``fp8_ms`` is the one 'auto' (the default) takes."""
     import cupy as cp
 
     import cukv
 
     q, k, v, cache, pt, offsets, lengths = data
     fcache = fp8_cache_like(data, granularity)
-    pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                           scale_granularity=granularity)
-    pf.plan(offsets, lengths, mask="causal")
     out = cp.empty_like(q)
-    pf.run(q, (fcache, pt), out=out)
-    cp.cuda.Device().synchronize()
-    row["fp8_ms"] = timer.median_ms(lambda: pf.run(q, (fcache, pt), out=out), reps=reps, warmup=warmup)
-    row["fp8_config"] = pf.config.name
+    chosen = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                               scale_granularity=granularity).plan(offsets, lengths, mask="causal").strategy
+    for strategy in ("fused", "dequantize_first"):
+        pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                               scale_granularity=granularity, fp8_prefill=strategy)
+        pf.plan(offsets, lengths, mask="causal")
+        o = out if strategy == chosen else cp.empty_like(q)
+        pf.run(q, (fcache, pt), out=o)
+        cp.cuda.Device().synchronize()
+        row[f"fp8_{strategy}_ms"] = timer.median_ms(lambda: pf.run(q, (fcache, pt), out=o), reps=reps, warmup=warmup)
+        if strategy == "fused":
+            row["fp8_config"] = pf.config.name
+    row["fp8_strategy"] = chosen
+    row["fp8_ms"] = row[f"fp8_{chosen}_ms"]
     return out
 
 
@@ -332,13 +340,15 @@ def format_table(result) -> str:
             lines.append(f"geomean({name} time / cukv paged time) = {s[f'geomean_ratio_{p}']:.3f}")
     if any("fp8_ms" in r for r in result["rows"]):
         lines += ["", f"FP8 e4m3 cache (scales {s.get('scale_granularity')!r}, same tokens, quantized by append_kv) vs the "
-                  "bf16 cache, cukv paged", "| shape | bf16 ms | fp8 ms | bf16/fp8 (>= 1: FP8 no slower) | max |fp8-bf16| | config |",
-                  "|---|---|---|---|---|---|"]
+                  "bf16 cache, cukv paged; fp8 ms is the strategy fp8_prefill='auto' takes",
+                  "| shape | bf16 ms | fp8 ms | bf16/fp8 (>= 1: FP8 no slower) | strategy | fused ms | "
+                  "dequantize_first ms | max |fp8-bf16| | fused config |", "|---|---|---|---|---|---|---|---|---|"]
         for r in result["rows"]:
             if "fp8_ms" in r:
                 lines.append(f"| {shape_label(r)} | {_num(r.get('paged_ms'), '.3f')} | {_num(r.get('fp8_ms'), '.3f')} | "
-                             f"{_num(r.get('fp8_vs_bf16'), '.2f')} | {_num(r.get('maxdiff_fp8_bf16'), '.3f')} | "
-                             f"{r.get('fp8_config', r.get('fp8_error', ''))} |")
+                             f"{_num(r.get('fp8_vs_bf16'), '.2f')} | {r.get('fp8_strategy', '')} | "
+                             f"{_num(r.get('fp8_fused_ms'), '.3f')} | {_num(r.get('fp8_dequantize_first_ms'), '.3f')} | "
+                             f"{_num(r.get('maxdiff_fp8_bf16'), '.3f')} | {r.get('fp8_config', r.get('fp8_error', ''))} |")
     if s.get("peers_missing"):
         lines.append(f"peers: {s['peers_missing']}")
         notes = [n for n in notes if s["peers_missing"] not in n]

@@ -1,0 +1,136 @@
+"""dequantize_kv: an FP8 paged cache's keys and values, gathered per sequence into ragged 16-bit K/V.
+
+``BatchPrefill(fp8_prefill='dequantize_first')`` runs it before the 16-bit contiguous prefill: one pass that
+reads each used code once, where the fused FP8 kernel converts every K/V tile once per query tile that
+visits it (see ``BatchPrefill``). It is also a way to hand an FP8 cache to any 16-bit kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+
+import numpy as np
+
+from . import compiler
+from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range
+from .operand import DEQUANT_ARGS, as_kernel_arg, kv_params, ptr
+
+
+@dataclasses.dataclass(frozen=True)
+class DequantConfig:
+    """Template parameters of the gather-and-dequantize kernel (``templates/dequant_kv.cuh``)."""
+
+    #: output type
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    page_size: int = 16
+    #: dims per scale (the head dim for per-token scales), 0 for one scale per tensor
+    scale_block: int = 128
+    threads: int = 256
+
+    def __post_init__(self):
+        check_in("DequantConfig", "dtype", self.dtype, tuple(CTYPES))
+        check_range("DequantConfig", "head_dim", self.head_dim, 16, 1024)
+        if self.head_dim % 16:
+            raise ValueError(f"DequantConfig.head_dim={self.head_dim} is not valid: must be a multiple of 16 "
+                             "(FP8 rows)")
+        check_kv_quant("DequantConfig", "fp8_e4m3", self.scale_block, self.head_dim)
+        check_range("DequantConfig", "page_size", self.page_size, 1, 4096)
+        check_in("DequantConfig", "threads", self.threads, (128, 256, 512))
+
+    @property
+    def name(self) -> str:
+        return f"cukv_dequant_{SHORT[self.dtype]}_e4m3s{self.scale_block}_d{self.head_dim}_p{self.page_size}"
+
+    def grid(self, max_len: int, num_heads: int, batch: int) -> tuple:
+        """(tokens of the longest sequence x heads x 8-code vectors over threads, sequences, K and V)."""
+        work = max(1, max_len) * num_heads * (self.head_dim // 8)
+        return ((work + self.threads - 1) // self.threads, batch, 2)
+
+    def render(self) -> str:
+        return compiler.render("dequant_kv.cu.j2", name=self.name, ctype=CTYPES[self.dtype], page_size=self.page_size,
+                               head_dim=self.head_dim, scale_block=self.scale_block, threads=self.threads,
+                               args_bytes=DEQUANT_ARGS.itemsize)
+
+    @cached_property
+    def compiled(self) -> compiler.CompiledModule:
+        return compiler.compile_source(self.name, self.render())
+
+
+def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *, stream=None):
+    """Gather sequence ``b``'s first ``kv_lengths[b]`` keys and values of an FP8 ``cache`` through ``table`` into
+    ragged ``k, v [sum(kv_lengths), H, D]`` of ``dtype`` (bf16 as uint16 bits), ``e4m3(code) * scale`` in float32
+    rounded once, exactly :meth:`PagedKVCache.dequantize`'s values. Returns ``(k, v, kv_offsets)`` with int32
+    device ``kv_offsets[B + 1]``: the ``(k, v, kv_offsets)`` a contiguous ``BatchPrefill`` takes.
+
+    ``kv_lengths`` is a host int array (it sizes the output). Slots past a sequence's length are never read, so
+    NaN-poisoned unused slots cannot leak; a page id outside the cache reads as zeros. ``out`` = ``(k, v)``
+    reuses arrays of the right shape and dtype (what ``BatchPrefill`` does, so CUDA graphs keep their addresses).
+
+    Examples
+    --------
+    >>> import cupy as cp, numpy as np, cukv                                        # doctest: +SKIP
+    >>> cache = cukv.PagedKVCache(num_pages=8, page_size=16, num_kv_heads=2, head_dim=128, dtype="fp8_e4m3")
+    >>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=4)
+    >>> slots = cp.asarray(seqs.extend([20, 5]))                    # 20 + 5 tokens -> 3 pages
+    >>> x = cp.asarray(cukv.dtypes.to_storage(np.random.randn(25, 2, 128), "bfloat16"))
+    >>> cukv.append_kv(cache, x, x, slots)                          # quantizes per (token, head)
+    >>> k, v, offs = cukv.dequantize_kv(cache, seqs.page_table(), [20, 5])
+    >>> k.shape, offs.get().tolist()
+    ((25, 2, 128), [0, 20, 25])
+    """
+    import cupy as cp
+
+    from .arrays import canonical_dtype
+    from .cache import PagedKVCache, PageTable
+    from .dtypes import storage_dtype
+    from .prefill import _host_ints
+
+    if not isinstance(cache, PagedKVCache) or not getattr(cache, "quantized", False):
+        raise TypeError(f"dequantize_kv reads an FP8 PagedKVCache; got {cache!r}")
+    if not isinstance(table, PageTable):
+        raise TypeError(f"table must be a PageTable; got {type(table).__name__}")
+    dt = canonical_dtype(dtype)
+    cfg = DequantConfig(dt, cache.head_dim, cache.page_size, cache.scale_block)
+    kl = _host_ints(kv_lengths, "kv_lengths")
+    if kl.ndim != 1 or kl.size < 1 or np.any(kl < 0):
+        raise ValueError(f"kv_lengths must be a non-empty 1-D array of non-negative ints; got {kl.tolist()[:8]}")
+    if kl.size > table.batch_size:
+        raise ValueError(f"kv_lengths has {kl.size} sequences; table covers {table.batch_size}")
+    need = -(-kl // cache.page_size)
+    if np.any(need > table.block_table.shape[1]):
+        i = int(np.argmax(need > table.block_table.shape[1]))
+        raise ValueError(f"kv_lengths[{i}]={kl[i]} needs {need[i]} pages; the table has {table.block_table.shape[1]} "
+                         "columns")
+    if table.page_size != cache.page_size:
+        raise ValueError(f"table.page_size={table.page_size}; the cache uses {cache.page_size}")
+    offs = np.zeros(kl.size + 1, np.int64)
+    np.cumsum(kl, out=offs[1:])
+    if offs[-1] >= 2**31:
+        raise ValueError(f"kv_lengths sum to {offs[-1]}; at most 2**31 - 1 rows")
+    shape = (int(offs[-1]), cache.num_kv_heads, cache.head_dim)
+    st = storage_dtype(dt)
+    if out is None:
+        k, v = cp.empty(shape, st), cp.empty(shape, st)
+    else:
+        k, v = out
+        for n, a in (("out[0]", k), ("out[1]", v)):
+            if not isinstance(a, cp.ndarray) or a.shape != shape or a.dtype != st or not a.flags.c_contiguous:
+                raise ValueError(f"{n} must be a contiguous {np.dtype(st)} array of shape {shape}")
+    offs_d = cp.asarray(offs.astype(np.int32))
+    launch(cfg, cache, table, k, v, offs_d, int(kl.max()), kl.size, stream)
+    return k, v, offs_d
+
+
+def launch(cfg: DequantConfig, cache, table, k, v, kv_offsets, max_len: int, batch: int, stream=None) -> None:
+    """The kernel over checked arguments: ``kv_offsets[batch + 1]`` int32 on the device, ``k``/``v`` its rows."""
+    import cupy as cp
+
+    rec = np.zeros((), DEQUANT_ARGS)
+    rec["kv"] = kv_params(cache, table)
+    rec["k_out"], rec["v_out"], rec["kv_offsets"] = ptr(k), ptr(v), ptr(kv_offsets)
+    rec["num_heads"] = cache.num_kv_heads
+    if k.shape[0]:
+        fn = cfg.compiled.function(cfg.name)
+        with (stream or cp.cuda.get_current_stream()):
+            fn(cfg.grid(max_len, cache.num_kv_heads, batch), (cfg.threads,), (as_kernel_arg(rec),))
