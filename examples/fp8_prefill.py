@@ -47,7 +47,7 @@ if not GPU:
 
 import cupy as cp  # noqa: E402  (a GPU is here)
 
-cache = cukv.PagedKVCache(64, PAGE, HKV, D, dtype="fp8_e4m3", scale_granularity="token", fill="nan")
+cache = cukv.PagedKVCache(128, PAGE, HKV, D, dtype="fp8_e4m3", scale_granularity="token", fill="nan")
 seqs = cukv.SequenceTable(cache, max_batch=len(Q_LENS), max_pages_per_seq=64)
 cukv.append_kv(cache, cp.asarray(k_s), cp.asarray(v_s), cp.asarray(seqs.extend(Q_LENS)))
 table = seqs.page_table()
