@@ -419,9 +419,12 @@ FP8_PREFILL = ("auto", "fused", "dequantize_first")
 #: 'auto' dequantizes first, for token and block scales, from this many query rows per key. H100 (session 23,
 #: benchmarks/probe_prefill_dequant.py), dequant + bf16 against the fused token kernel, in bf16 prefill's units:
 #: 0.99 vs 0.80 at b4 L4096 GQA 4 (8192 rows per key), 1.03 vs 0.82 at b1 L16384 (32768), 0.96 vs 0.85 at d64 b8
-#: L2048 GQA 4 (4096), 0.90 vs 0.84 at d256 b4 L4096 MHA (2048), 0.83 vs 0.82 at b8 L2048 MHA (1024). Per-tensor
-#: scales stay fused: that kernel ran at 0.96-1.01 of bf16, dequant + bf16 at 0.83-1.01.
+#: L2048 GQA 4 (4096), 0.90 vs 0.84 at d256 b4 L4096 MHA (2048), 0.83 vs 0.82 at b8 L2048 MHA (1024).
 DEQUANT_MIN_ROWS_PER_KEY = 2048
+#: The same for per-tensor scales, whose fused kernel runs near bf16 speed. Two bench calls (session 23): 1.040 and
+#: 1.052 ms against fused 1.076 and 1.072 at b4 L4096 GQA 4 (8192 rows per key), 3.530 and 3.575 against 3.704 and
+#: 3.747 at b1 L16384 (32768); at 4096 rows (d64) a tie, below it fused wins by 10-20%.
+DEQUANT_MIN_ROWS_PER_KEY_TENSOR = 8192
 #: 'auto' dequantizes first only if the workspace (16-bit K and V of every planned key) fits this many bytes
 DEQUANT_WORKSPACE_LIMIT = 1 << 30
 
@@ -454,10 +457,10 @@ class BatchPrefill:
         the used codes, into a workspace ``plan`` allocates: 4 bytes per key, KV head and dim), then runs the
         16-bit contiguous prefill on them. The fused kernel converts each K/V tile once for every query tile
         that visits it, the pass once in all, so the pass wins when many query rows share each key. ``'auto'``
-        (the default) takes it for token and block scales when the planned batch visits at least
-        ``DEQUANT_MIN_ROWS_PER_KEY`` query rows per key (query heads of a KV head included) and the
-        workspace fits ``DEQUANT_WORKSPACE_LIMIT`` bytes; per-tensor scales stay fused (that kernel runs near
-        bf16 speed). ``strategy`` says which one ``plan`` chose. Both read the plan's ``kv_lengths`` keys per
+        (the default) takes it when the planned batch visits at least ``DEQUANT_MIN_ROWS_PER_KEY`` query rows
+        per key (query heads of a KV head included; ``DEQUANT_MIN_ROWS_PER_KEY_TENSOR`` for per-tensor scales,
+        whose fused kernel runs near bf16 speed) and the workspace fits ``DEQUANT_WORKSPACE_LIMIT`` bytes.
+        ``strategy`` says which one ``plan`` chose. Both read the plan's ``kv_lengths`` keys per
         sequence; the table's lengths must agree.
 
     Examples
@@ -562,13 +565,13 @@ class BatchPrefill:
         if self.fp8_prefill != "auto":
             return self.fp8_prefill
         keys = int(kv_lengths.sum())
-        if keys == 0 or self.config.scale_block == 0:
+        if keys == 0:
             return "fused"
         cfg = self.config
         pairs = sum(c for c, _, _ in work) * cfg.BM * cfg.BN
         rows_per_key = pairs * (self.num_qo_heads // self.num_kv_heads) / keys
         workspace = 2 * keys * self.num_kv_heads * self.head_dim * 2
-        many = rows_per_key >= DEQUANT_MIN_ROWS_PER_KEY
+        many = rows_per_key >= (DEQUANT_MIN_ROWS_PER_KEY_TENSOR if cfg.scale_block == 0 else DEQUANT_MIN_ROWS_PER_KEY)
         return "dequantize_first" if many and workspace <= DEQUANT_WORKSPACE_LIMIT else "fused"
 
     def _plan_dequant(self, qo, kl, mask, window, chunk) -> None:

@@ -193,14 +193,16 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
 
 
 def test_fp8_prefill_strategy_choice():
-    """'auto' follows the measured crossover (DEQUANT_MIN_ROWS_PER_KEY, session 23 on H100)."""
+    """'auto' follows the measured crossovers (DEQUANT_MIN_ROWS_PER_KEY[_TENSOR], session 23 on H100)."""
     import cukv
     from cukv.prefill import DEQUANT_WORKSPACE_LIMIT
 
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4) == "dequantize_first"     # 8192 rows per key
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8) == "dequantize_first"      # 4096
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8) == "fused"               # MHA, 1024
-    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "fused"  # per-tensor stays fused
+    # per-tensor scales: from 8192 rows per key
+    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "dequantize_first"
+    assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "fused"
     assert _strategy(32, 8, 128, [1] * 64, [4096] * 64) == "fused"                  # decode-like steps
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, fp8_prefill="fused") == "fused"
     assert _strategy(32, 8, 128, [0], [0]) == "fused"
