@@ -104,11 +104,7 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
                          "columns")
     if table.page_size != cache.page_size:
         raise ValueError(f"table.page_size={table.page_size}; the cache uses {cache.page_size}")
-    offs = np.zeros(kl.size + 1, np.int64)
-    np.cumsum(kl, out=offs[1:])
-    if offs[-1] >= 2**31:
-        raise ValueError(f"kv_lengths sum to {offs[-1]}; at most 2**31 - 1 rows")
-    shape = (int(offs[-1]), cache.num_kv_heads, cache.head_dim)
+    offs, shape = ragged_layout(kl, cache.num_kv_heads, cache.head_dim)
     st = storage_dtype(dt)
     if out is None:
         k, v = cp.empty(shape, st), cp.empty(shape, st)
@@ -118,18 +114,29 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
             if not isinstance(a, cp.ndarray) or a.shape != shape or a.dtype != st or not a.flags.c_contiguous:
                 raise ValueError(f"{n} must be a contiguous {np.dtype(st)} array of shape {shape}")
     offs_d = cp.asarray(offs.astype(np.int32))
-    launch(cfg, cache, table, k, v, offs_d, int(kl.max()), kl.size, stream)
+    launch(cfg, kv_params(cache, table), k, v, offs_d, int(kl.max()), kl.size, stream)
     return k, v, offs_d
 
 
-def launch(cfg: DequantConfig, cache, table, k, v, kv_offsets, max_len: int, batch: int, stream=None) -> None:
-    """The kernel over checked arguments: ``kv_offsets[batch + 1]`` int32 on the device, ``k``/``v`` its rows."""
+def ragged_layout(kv_lengths: np.ndarray, num_heads: int, head_dim: int) -> tuple:
+    """Host ``kv_offsets[B + 1]`` (int64) and the ``[total, num_heads, head_dim]`` shape of ragged K/V holding
+    ``kv_lengths[b]`` keys per sequence."""
+    offs = np.zeros(kv_lengths.size + 1, np.int64)
+    np.cumsum(kv_lengths, out=offs[1:])
+    if offs[-1] >= 2**31:
+        raise ValueError(f"kv_lengths sum to {offs[-1]}; at most 2**31 - 1 rows")
+    return offs, (int(offs[-1]), int(num_heads), int(head_dim))
+
+
+def launch(cfg: DequantConfig, kv_rec, k, v, kv_offsets, max_len: int, batch: int, stream=None) -> None:
+    """The kernel over checked arguments: ``kv_rec`` the cache's and table's KV_PARAMS record
+    (:func:`cukv.operand.kv_params`), ``kv_offsets[batch + 1]`` int32 on the device, ``k``/``v`` its rows."""
     import cupy as cp
 
     rec = np.zeros((), DEQUANT_ARGS)
-    rec["kv"] = kv_params(cache, table)
+    rec["kv"] = kv_rec
     rec["k_out"], rec["v_out"], rec["kv_offsets"] = ptr(k), ptr(v), ptr(kv_offsets)
-    rec["num_heads"] = cache.num_kv_heads
+    rec["num_heads"] = k.shape[1]
     if k.shape[0]:
         fn = cfg.compiled.function(cfg.name)
         with (stream or cp.cuda.get_current_stream()):

@@ -578,15 +578,13 @@ class BatchPrefill:
         """The 16-bit contiguous prefill the 'dequantize_first' strategy runs, and its workspace."""
         import cupy as cp
 
-        from .dequant import DequantConfig
+        from .dequant import DequantConfig, ragged_layout
         from .dtypes import storage_dtype
 
         cfg = self.config
         inner = BatchPrefill(self.num_qo_heads, self.num_kv_heads, self.head_dim, None, self.dtype)
         inner.plan(qo, kl, mask=mask, window=window, chunk=chunk)
-        offs = np.zeros(kl.size + 1, np.int64)
-        np.cumsum(kl, out=offs[1:])
-        shape = (int(offs[-1]), self.num_kv_heads, self.head_dim)
+        offs, shape = ragged_layout(kl, self.num_kv_heads, self.head_dim)
         st = storage_dtype(self.dtype)
         self._dequant = dict(cfg=DequantConfig(self.dtype, self.head_dim, cfg.page_size, cfg.scale_block),
                              inner=inner, k=cp.empty(shape, st), v=cp.empty(shape, st),
@@ -610,9 +608,9 @@ class BatchPrefill:
         if self._dequant is not None:
             from . import dequant
 
-            self._kv_params(kv)  # checks the cache and table against the FP8 config
+            kv_rec, _ = self._kv_params(kv)  # checks the cache and table against the FP8 config
             d = self._dequant
-            dequant.launch(d["cfg"], kv[0], kv[1], d["k"], d["v"], d["offsets"], d["max_len"], self.batch_size, stream)
+            dequant.launch(d["cfg"], kv_rec, d["k"], d["v"], d["offsets"], d["max_len"], self.batch_size, stream)
             return d["inner"].run(q, (d["k"], d["v"], d["offsets"]), out, lse, return_lse=return_lse, sink=sink,
                                   softcap=softcap, sm_scale=sm_scale, stream=stream)
         qd, qdt = as_device(q, "q")
