@@ -140,4 +140,4 @@ def launch(cfg: DequantConfig, kv_rec, k, v, kv_offsets, max_len: int, batch: in
     if k.shape[0]:
         fn = cfg.compiled.function(cfg.name)
         with (stream or cp.cuda.get_current_stream()):
-            fn(cfg.grid(max_len, cache.num_kv_heads, batch), (cfg.threads,), (as_kernel_arg(rec),))
+            fn(cfg.grid(max_len, k.shape[1], batch), (cfg.threads,), (as_kernel_arg(rec),))
