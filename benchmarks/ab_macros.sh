@@ -3,7 +3,8 @@
 # rewrite `#define NAME ...` in templates/*.cuh ("@DIR": copy DIR's templates, and its cukv/ if it has one, over
 # ours instead), compile the probe's kernels in parallel, then run
 # benchmarks/probe_prefill_fp8.py (bf16 default beside the FP8 default) on the bench shapes. The tree is
-# restored after each variant. Logs under ${OUT:-out}.
+# restored after each variant. Logs under ${OUT:-out}. PROBE=script runs that probe instead (with --shapes "$SHAPES"
+# and $PROBE_ARGS), e.g. the convert-once branch's benchmarks/probe_prefill_once.py.
 #   OUT=$OUT bash benchmarks/ab_macros.sh "" "CUKV_OVERLAP=0" "CUKV_PINGPONG=1"
 set -u
 out=${OUT:-out}; mkdir -p "$out"
@@ -45,7 +46,8 @@ with ProcessPoolExecutor(16) as ex:
     list(ex.map(build, cfgs))
 print("compiled", len(cfgs))
 PY
-  python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} --variants "${VARIANTS:-}" ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"
+  if [ -n "${PROBE:-}" ]; then python3 "$PROBE" --shapes "$shapes" ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"; else
+  python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} --variants "${VARIANTS:-}" ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"; fi
   rm -rf templates cukv && cp -r "$out/.templates.orig" templates && cp -r "$out/.cukv.orig" cukv
 done
 rm -rf "$out/.templates.orig" "$out/.cukv.orig"
