@@ -109,6 +109,8 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
     if out is None:
         k, v = cp.empty(shape, st), cp.empty(shape, st)
     else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(f"out must be a (k, v) pair of arrays of shape {shape}; got {type(out).__name__}")
         k, v = out
         for n, a in (("out[0]", k), ("out[1]", v)):
             if not isinstance(a, cp.ndarray) or a.shape != shape or a.dtype != st or not a.flags.c_contiguous:

@@ -254,4 +254,6 @@ def test_dequantize_kv_is_the_cache_read_back(rng, gran):
     out = (cp.empty_like(k), cp.empty((1, 2, 128), cp.uint16))
     with pytest.raises(ValueError, match="out\\[1\\]"):
         cukv.dequantize_kv(cache, table, kl, out=out)
+    with pytest.raises(TypeError, match="out must be a \\(k, v\\) pair"):
+        cukv.dequantize_kv(cache, table, kl, out=k)
 
