@@ -46,8 +46,12 @@ with ProcessPoolExecutor(16) as ex:
     list(ex.map(build, cfgs))
 print("compiled", len(cfgs))
 PY
-  if [ -n "${PROBE:-}" ]; then python3 "$PROBE" --shapes "$shapes" ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"; else
-  python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} --variants "${VARIANTS:-}" ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"; fi
+  if [ -n "${PROBE:-}" ]; then
+    python3 "$PROBE" --shapes "$shapes" ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"
+  else
+    python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} --variants "${VARIANTS:-}" \
+      ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"
+  fi
   rm -rf templates cukv && cp -r "$out/.templates.orig" templates && cp -r "$out/.cukv.orig" cukv
 done
 rm -rf "$out/.templates.orig" "$out/.cukv.orig"
