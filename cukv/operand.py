@@ -66,6 +66,9 @@ PREFILL_ARGS = np.dtype([
     ("group", "i4"), ("causal", "i4"), ("pad_", "i4"),
 ], align=True)
 
+#: templates/prefill.cuh OnceArgs: the FP8 cache a convert-once prefill fills its workspace from, and the flags
+ONCE_ARGS = np.dtype([("fp8", KV_PARAMS), ("flags", "u8"), ("num_kv_heads", "i8")], align=True)
+
 DEQUANT_ARGS = np.dtype([
     ("kv", KV_PARAMS),
     ("k_out", "u8"), ("v_out", "u8"), ("kv_offsets", "u8"), ("num_heads", "i8"),

@@ -15,7 +15,7 @@ import numpy as np
 from . import compiler
 from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
 from .config import CTYPES, SHORT, check_bool, check_in, check_kv_quant, check_range, check_rule
-from .operand import KV_PARAMS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
+from .operand import KV_PARAMS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 from .tma import MAP_BYTES
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
@@ -139,6 +139,12 @@ class PrefillConfig:
     #: run staggered instead of in lock-step. Needs BM >= 128. Default where ``FP8_PINGPONG`` lists it (FP8
     #: ``fp8_scores`` tiles at d128, and d256 with token scales: 2-4% faster on H100; benchmarks/NOTES.md session 17).
     pingpong: bool = False
+    #: FP8 caches (``fp8_prefill='convert_once'``): the 16-bit kernel over a workspace the blocks fill as they go. Each
+    #: producer warp converts the quarter tiles it visits first from the FP8 cache (``page_size`` tokens a page) into
+    #: its ring, stores them to the workspace and flags them; later visits load them by tensor copies, so each tile is
+    #: converted about once per call (templates/prefill.cuh ``OnceArgs``). Needs ``tma`` (the workspace's copies), not
+    #: ``fp8_scores``, head dims up to 256.
+    convert_once: bool = False
 
     def __post_init__(self):
         c = "PrefillConfig"
@@ -151,7 +157,17 @@ class PrefillConfig:
             why = fp8_scores_unsupported(self.dtype, self.kv_dtype, self.scale_block, self.head_dim)
             check_rule(c, "fp8_scores", True, why is None, f"needs {why}")
         check_bool(c, "tma", self.tma)
-        if self.tma:
+        check_bool(c, "convert_once", self.convert_once)
+        if self.convert_once:
+            check_rule(c, "convert_once", True, self.quantized, "needs an FP8 cache (kv_dtype='fp8_e4m3')")
+            check_rule(c, "convert_once", True, not self.fp8_scores, "runs 16-bit scores (fp8_scores=False)")
+            check_rule(c, "convert_once", True, self.tma, "loads its workspace by tensor copies (tma=True)")
+            check_rule(c, "convert_once", True, self.head_dim <= 256 and self.BK >= self.head_dim,
+                       f"needs the whole head in one ring element (head_dim <= 256, BK >= head_dim; got "
+                       f"{self.head_dim}, {self.BK})")
+            check_rule(c, "convert_once", True, self.BM >= 128,
+                       f"needs a producer warpgroup beside two or three consumer warpgroups (BM >= 128, not {self.BM})")
+        elif self.tma:
             g = tma_box_rows(self.page_size, self.BN)
             check_rule(c, "tma", True, tma_applies(self.page_size, self.BN),
                        f"needs gcd(page_size={self.page_size}, BN/4={self.BN // 4}) = {g} to be a multiple of 8 "
@@ -209,6 +225,8 @@ class PrefillConfig:
         or issues tensor copies there, except a TMA producer with ``fp8_scores`` up to d128, which fits in 72."""
         if self.BM == 64:
             return 0
+        if self.convert_once:
+            return 104  # a raw tile's addresses and a batch of its chunks
         if not self.quantized or (self.tma and self.BM == 192):
             return 56
         if self.BM == 192:
@@ -220,18 +238,20 @@ class PrefillConfig:
     @property
     def tma_rows(self) -> int:
         """Tokens per tensor copy (0: cp.async): the most rows that stay inside a page and a producer warp's rows."""
+        if self.convert_once:
+            return self.BN // 4  # the workspace is contiguous: one box per producer warp
         return tma_box_rows(self.page_size, self.BN) if self.tma else 0
 
     @property
     def tma_k_ring(self) -> bool:
         """K boxes go straight into the 128-byte swizzled ring (16-bit caches, and FP8 with ``fp8_scores``); else
         into a raw slot, row-major, for the producer's conversion."""
-        return self.fp8_scores or not self.quantized
+        return self.fp8_scores or not self.quantized or self.convert_once
 
     @property
     def tma_v_ring(self) -> bool:
         """V boxes go straight into the ring (16-bit caches; FP8 V is always converted from a raw slot)."""
-        return not self.quantized
+        return not self.quantized or self.convert_once
 
     @property
     def tma_k_box_cols(self) -> int:
@@ -274,7 +294,7 @@ class PrefillConfig:
     def smem_bytes(self) -> int:
         ring = self.stages * self.kv_buffer.stage_bytes
         # full/empty per element, Q; FP8 TMA: one per raw slot
-        barriers = 2 * self.stages + 1 + (2 if self.tma and self.quantized else 0)
+        barriers = 2 * self.stages + 1 + (2 if self.tma and self.quantized and not self.convert_once else 0)
         return 1024 + self.q_bytes + ring + self.raw_bytes + self.kscale_bytes + barriers * 8
 
     @property
@@ -287,6 +307,8 @@ class PrefillConfig:
         kb = self.kv_buffer
         scales_per_row = -(-kb.BK // self.scale_block) if self.scale_block else 0
         per_elem = self.BN * kb.BK + self.BN * scales_per_row * 4
+        if self.convert_once:
+            return 2 * per_elem  # one raw tile, K and V, for the tiles a block converts
         return 2 * ((0 if self.fp8_scores else kb.num_k_tiles) + 1) * per_elem
 
     @property
@@ -296,7 +318,7 @@ class PrefillConfig:
     @property
     def name(self) -> str:
         q = ((f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "") if self.quantized else "")
-             + ("_tma" if self.tma else ""))
+             + ("_tma" if self.tma else "") + ("_once" if self.convert_once else ""))
         return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
                 f"_k{self.BK}_s{self.stages}" + ("_pp" if self.pingpong else ""))
 
@@ -304,14 +326,17 @@ class PrefillConfig:
         kb = self.kv_buffer
         return compiler.render(
             "prefill.cu.j2", name=self.name, ctype=CTYPES[self.dtype], head_dim=self.head_dim, BM=self.BM, BN=self.BN,
-            BK=self.BK, stages=self.stages, page_size=self.page_size, num_repeats=kb.num_repeats,
+            BK=self.BK, stages=self.stages, page_size=0 if self.convert_once else self.page_size,
+            num_repeats=kb.num_repeats,
             smem_stage_size=kb.smem_stage_size, num_k_tiles=kb.num_k_tiles, num_k_mmas2=kb.num_k_mmas2,
             full_kv=kb.full_kv, num_threads=self.num_threads, num_v_slices=self.num_v_slices,
-            smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize, quantized=self.quantized,
+            smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize,
+            quantized=self.quantized and not self.convert_once,
             scale_block=self.scale_block, producer_registers=self.producer_registers,
             consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
             kscale_bytes=self.kscale_bytes, ks_mma=self.ks_mma, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES,
-            pingpong=self.pingpong)
+            pingpong=self.pingpong, once_page=self.page_size if self.convert_once else 0,
+            once_args_bytes=ONCE_ARGS.itemsize)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -374,6 +399,16 @@ def tma_applies(page_size: int, BN: int) -> bool:
     return tma_box_rows(page_size, BN) % 8 == 0
 
 
+def once_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int) -> PrefillConfig:
+    """The convert-once kernel (``PrefillConfig.convert_once``) of an FP8 cache: the 16-bit default tile of the
+    head dim (its consumers are the 16-bit kernel's)."""
+    if head_dim not in DEFAULTS or head_dim > 256:
+        raise ValueError(f"fp8_prefill='convert_once' supports head dims up to 256, not {head_dim}")
+    bm, bn, bk, st = DEFAULTS[head_dim]
+    return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
+                         tma=True, convert_once=True)
+
+
 def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
     """The 16-bit config of this tile with the producer the defaults use: tensor copies (``tma``) wherever the
     pages allow them (3-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md session 18)."""
@@ -415,7 +450,7 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
 
 
 #: ``fp8_prefill`` choices (see BatchPrefill)
-FP8_PREFILL = ("auto", "fused", "dequantize_first")
+FP8_PREFILL = ("auto", "fused", "dequantize_first", "convert_once")
 #: 'auto' dequantizes first, for token and block scales, from this many query rows per key. H100 (session 23,
 #: benchmarks/probe_prefill_dequant.py), dequant + bf16 against the fused token kernel, in bf16 prefill's units:
 #: 0.99 vs 0.80 at b4 L4096 GQA 4 (8192 rows per key), 1.03 vs 0.82 at b1 L16384 (32768), 0.96 vs 0.85 at d64 b8
@@ -537,23 +572,18 @@ class BatchPrefill:
             if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{n}={v!r} must be a positive integer (or None)")
         cfg = self.config
-        q_lens = np.diff(qo)
-        work = []
-        for s in range(b):
-            for t in range(-(-int(q_lens[s]) // cfg.BM)):
-                work.append((_tile_cost(int(q_lens[s]), int(kl[s]), t, cfg, mask, window, chunk), s, t))
-        work.sort(key=lambda w: -w[0])  # longest first: the tail of the grid is short blocks
-        arr = np.array([(s, t) for _, s, t in work], np.int32).reshape(-1, 2)
+        work = _work_list(np.diff(qo), kl, cfg, mask, window, chunk)
         self.batch_size, self.total_q = b, int(qo[-1])
-        self._work = cp.asarray(arr) if arr.size else cp.zeros((1, 2), cp.int32)
-        self._num_work = int(arr.shape[0])
+        self._work, self._num_work = _work_array(work)
         self._q_offsets = cp.asarray(qo.astype(np.int32))
         self._mask, self._window, self._chunk = mask, int(window or 0), int(chunk or 0)
-        self._dequant = None
+        self._dequant = self._once = None
         if cfg.quantized:
             self.strategy = self._choose_strategy(work, kl)
         if self.strategy == "dequantize_first":
             self._plan_dequant(qo, kl, mask, window, chunk)
+        elif self.strategy == "convert_once":
+            self._plan_once(qo, kl, mask, window, chunk)
         else:
             self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
         self._planned = True
@@ -562,6 +592,8 @@ class BatchPrefill:
     def _choose_strategy(self, work, kv_lengths) -> str:
         """'fused' or 'dequantize_first' for an FP8 cache (see the class docstring): query rows per key from
         the work list's tile costs, the workspace from the planned key count."""
+        if self.config.convert_once:
+            return "convert_once"
         if self.fp8_prefill != "auto":
             return self.fp8_prefill
         keys = int(kv_lengths.sum())
@@ -573,6 +605,29 @@ class BatchPrefill:
         workspace = 2 * keys * self.num_kv_heads * self.head_dim * 2
         many = rows_per_key >= (DEQUANT_MIN_ROWS_PER_KEY_TENSOR if cfg.scale_block == 0 else DEQUANT_MIN_ROWS_PER_KEY)
         return "dequantize_first" if many and workspace <= DEQUANT_WORKSPACE_LIMIT else "fused"
+
+    def _plan_once(self, qo, kl, mask, window, chunk) -> None:
+        """The convert-once kernel (``PrefillConfig.convert_once``), its work list, workspace and flags: each
+        sequence's rows start at a multiple of BN, so a tile's rows past the sequence (stored as zeros) stay its own."""
+        import cupy as cp
+
+        from .dtypes import storage_dtype
+
+        cfg = self.config if self.config.convert_once else once_config(self.dtype, self.head_dim, self.config.page_size,
+                                                                       self.config.kv_dtype, self.config.scale_block)
+        work, num_work = _work_array(_work_list(np.diff(qo), kl, cfg, mask, window, chunk))
+        padded = -(-kl // cfg.BN) * cfg.BN
+        offs = np.zeros(kl.size + 1, np.int64)
+        np.cumsum(padded, out=offs[1:])
+        if offs[-1] >= 2**31:
+            raise ValueError(f"kv_lengths sum to {offs[-1]} workspace rows; at most 2**31 - 1")
+        rows = max(int(offs[-1]), cfg.BN)
+        st = storage_dtype(self.dtype)
+        shape = (rows, self.num_kv_heads, self.head_dim)
+        self._once = dict(cfg=cfg, work=work, num_work=num_work, k=cp.empty(shape, st),
+                          v=cp.empty(shape, st), offsets=cp.asarray(offs.astype(np.int32)),
+                          flags=cp.zeros(32 + rows // cfg.BN * self.num_kv_heads * 4, cp.int32))  # 32: ONCE_STATS
+        self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
 
     def _plan_dequant(self, qo, kl, mask, window, chunk) -> None:
         """The 16-bit contiguous prefill the 'dequantize_first' strategy runs, and its workspace."""
@@ -636,12 +691,37 @@ class BatchPrefill:
         rec["softcap"] = float(softcap or 0.0)
         rec["window"], rec["chunk"], rec["causal"] = self._window, self._chunk, int(self._mask == "causal")
         rec["num_qo_heads"], rec["group"] = self.num_qo_heads, self.num_qo_heads // self.num_kv_heads
-        args = (as_kernel_arg(rec),) + ((self._tma_maps(*kv_arrays),) if cfg.tma else ())
-        if self._num_work:
-            with (stream or cp.cuda.get_current_stream()):  # work items along x: see prefill.cuh run()
-                self._fn((self._num_work, self.num_qo_heads, cfg.num_v_slices), (cfg.num_threads,), args,
+        num_work = self._num_work
+        if self._once is not None:
+            args, cfg, num_work = self._once_args(rec, kv_arrays)
+        else:
+            args = (as_kernel_arg(rec),) + ((self._tma_maps(*kv_arrays),) if cfg.tma else ())
+        if num_work:
+            with (stream or cp.cuda.get_current_stream()) as st:  # work items along x: see prefill.cuh run()
+                if self._once is not None:
+                    f = self._once["flags"]
+                    cp.cuda.runtime.memsetAsync(f.data.ptr, 0, f.nbytes, st.ptr)
+                self._fn((num_work, self.num_qo_heads, cfg.num_v_slices), (cfg.num_threads,), args,
                          shared_mem=cfg.smem_bytes)
         return (out, lse) if return_lse else out
+
+    def _once_args(self, rec, kv_arrays):
+        """convert_once: ``rec`` (checked, with the FP8 cache's params) rewired to the workspace, the workspace's
+        tensor maps and the OnceArgs record; the config and work count to launch."""
+        from . import tma
+
+        d = self._once
+        cfg, ws_k, ws_v = d["cfg"], d["k"], d["v"]
+        once = np.zeros((), ONCE_ARGS)
+        once["fp8"], once["flags"], once["num_kv_heads"] = rec["kv"], ptr(d["flags"]) + 128, self.num_kv_heads
+        ws = np.zeros((), KV_PARAMS)
+        ws["k"], ws["v"], ws["block_table"] = ptr(ws_k), ptr(ws_v), ptr(d["offsets"])
+        ws["k_stride"] = ws["v_stride"] = (0, self.num_kv_heads * self.head_dim, self.head_dim, 1)
+        ws["num_pages"], ws["batch_size"] = ws_k.shape[0], self.batch_size
+        rec["kv"], rec["work"] = ws, ptr(d["work"])
+        maps = [tma.encode_pages("workspace." + n, tma.OnePage(a.view(np.uint8)), 128, cfg.tma_rows, tma.SWIZZLE_128B)
+                for n, a in (("k", ws_k), ("v", ws_v))]
+        return (as_kernel_arg(rec), tma.as_maps_arg(*maps), as_kernel_arg(once)), cfg, d["num_work"]
 
     def _tma_maps(self, k, v):
         """The K and V tensor maps of a ``tma`` config (cukv/tma.py) over the arrays the kernel reads: boxes of
@@ -708,6 +788,25 @@ class BatchPrefill:
         rec["batch_size"] = self.batch_size
         self._keep = od  # kernels read it during run
         return rec, (kd, vd)
+
+
+def _work_list(q_lens, kv_lengths, cfg, mask, window, chunk) -> list:
+    """(cost, sequence, query tile) per block of ``cfg``'s BM query rows, longest first: the tail of the grid is
+    short blocks."""
+    work = []
+    for s in range(q_lens.size):
+        for t in range(-(-int(q_lens[s]) // cfg.BM)):
+            work.append((_tile_cost(int(q_lens[s]), int(kv_lengths[s]), t, cfg, mask, window, chunk), s, t))
+    work.sort(key=lambda w: -w[0])
+    return work
+
+
+def _work_array(work):
+    """The kernel's ``work[num_work, 2]`` (device int32) and its length."""
+    import cupy as cp
+
+    arr = np.array([(s, t) for _, s, t in work], np.int32).reshape(-1, 2)
+    return (cp.asarray(arr) if arr.size else cp.zeros((1, 2), cp.int32)), int(arr.shape[0])
 
 
 def _tile_cost(q_len, kv_len, t, cfg, mask, window, chunk) -> int:

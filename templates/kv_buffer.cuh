@@ -231,6 +231,33 @@ struct KVBuffer {
     }
   }
 
+  // convert_raw_fp8's values to global memory instead of the ring: row r of the warp's rows of the raw element at
+  // src goes to dst + r * row_stride (elements), dims below ncols (the prefill's convert-once workspace).
+  template <int SB>
+  __device__ __forceinline__ void convert_raw_fp8_to_global(u32 src, T* dst, i64 row_stride, float tensor_scale,
+                                                            int ncols, int pw, int lane) const {
+#pragma unroll 2  // off the consumers' path: registers matter more than latency here
+    for (int t = 0; t < kChunkPasses; ++t) {
+      const int c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+      if ((kWarpChunks % 32 == 0 || c < kWarpChunks) && col < ncols) {
+        uint4 raw;
+        float sc = tensor_scale;
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                     : "r"(src + (u32)((pw * kWarpChunks + c) * 16))
+                     : "memory");
+        if constexpr (SB > 0)
+          asm volatile("ld.shared.f32 %0, [%1];"
+                       : "=f"(sc)
+                       : "r"(src + (u32)(raw_code_bytes + ((pw * kWarpRows + r) * scales_per_row<SB>() + col / SB) * 4))
+                       : "memory");
+        T* p = dst + r * row_stride + col;
+        *reinterpret_cast<uint4*>(p) = dequant8<T>(make_uint2(raw.x, raw.y), sc);
+        *reinterpret_cast<uint4*>(p + 8) = dequant8<T>(make_uint2(raw.z, raw.w), sc);
+      }
+    }
+  }
+
   // K role: descriptor of atom `atom`, k16 step `k` (within the atom) of element `stage`.
   __device__ __forceinline__ u64 k_desc(int stage, int atom, int k) const {
     return sw128_desc(element(stage) + (u32)(atom * BN * kAtomRowBytes + k * 32), 1, 1024);

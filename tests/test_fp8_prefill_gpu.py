@@ -48,7 +48,7 @@ def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="t
         assert pf.strategy == fp8_prefill
     # dequantize_first stages K and V in the query dtype, V too with a per-tensor scale
     fp8_scores = pf.config.fp8_scores and pf.strategy == "fused"
-    round_v = True if pf.strategy == "dequantize_first" else None
+    round_v = True if pf.strategy in ("dequantize_first", "convert_once") else None
     ref_o, ref_lse = reference_prefill(case, staged=dtype, fp8_scores=fp8_scores, round_v=round_v, **plan_kw, **kw)
     got = from_storage(out.get(), dtype)
     # outputs are compared in units of `unit` (a V scale far from 1 scales them; the LSE does not move); "row": each
@@ -197,27 +197,49 @@ def test_misaligned_query_and_output_are_refused(rng):
         pf.run(case["q"], (case["cache"], case["table"]), out=q)
 
 
-# fp8_prefill='dequantize_first': dequantize_kv into ragged 16-bit K/V, then the contiguous 16-bit prefill. Its
-# values are the cache's read back in the query dtype: the tight check is the staged reference at its tolerance.
+# fp8_prefill='dequantize_first': dequantize_kv into ragged 16-bit K/V, then the contiguous 16-bit prefill;
+# 'convert_once': the 16-bit kernel over a workspace its blocks fill from the FP8 cache as they go. Both read the
+# cache's values back in the query dtype: the tight check is the staged reference at its tolerance.
+STRATEGIES = ["dequantize_first", "convert_once"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("gran,dtype", [("token", "bfloat16"), ("tensor", "bfloat16"), (32, "bfloat16"),
                                         (128, "bfloat16"), ("token", "float16"), (64, "float16")])
-def test_dequant_strategy_granularities(rng, gran, dtype):
-    _check(rng, [300, 17, 1], [100, 0, 700], 16, 4, 128, 16, dtype, gran, fp8_prefill="dequantize_first")
+def test_dequant_strategy_granularities(rng, gran, dtype, strategy):
+    _check(rng, [300, 17, 1], [100, 0, 700], 16, 4, 128, 16, dtype, gran, fp8_prefill=strategy)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("d,ps,gran", [(64, 16, "token"), (256, 16, 128), (80, 1, "token"), (128, 48, 64)])
-def test_dequant_strategy_head_dims_and_pages(rng, d, ps, gran):
-    _check(rng, [200, 65], [50, 300], 8, 2, d, ps, "bfloat16", gran, fp8_prefill="dequantize_first")
+def test_dequant_strategy_head_dims_and_pages(rng, d, ps, gran, strategy):
+    _check(rng, [200, 65], [50, 300], 8, 2, d, ps, "bfloat16", gran, fp8_prefill=strategy)
 
 
-def test_dequant_strategy_masks_sink_softcap_lse(rng):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dequant_strategy_masks_sink_softcap_lse(rng, strategy):
     import cupy as cp
 
     sink = cp.asarray(rng.standard_normal(8).astype(np.float32))
     _check(rng, [250, 90], [0, 500], 8, 2, 128, 16, "bfloat16", "token", window=100, sink=sink, softcap=30.0,
-           fp8_prefill="dequantize_first")
-    _check(rng, [250], [64], 8, 2, 128, 16, "bfloat16", 32, mask="none", chunk=128,
-           fp8_prefill="dequantize_first")
+           fp8_prefill=strategy)
+    _check(rng, [250], [64], 8, 2, 128, 16, "bfloat16", 32, mask="none", chunk=128, fp8_prefill=strategy)
+
+
+def test_convert_once_rereads_the_cache_every_run(rng):
+    # the flags are cleared before every launch: a second run over other FP8 contents must not load the first
+    # run's workspace rows
+    import cupy as cp
+
+    a = _case(rng, [700, 130], [0, 300], 8, 2, 128, 16, "bfloat16", "token")
+    b = _case(rng, [700, 130], [0, 300], 8, 2, 128, 16, "bfloat16", "token")
+    pf = cukv.BatchPrefill(8, 2, 128, 16, kv_dtype="fp8_e4m3", fp8_prefill="convert_once")
+    pf.plan(a["q_offsets"], a["kv_lens"])
+    for case in (a, b, a):
+        out = pf.run(case["q"], (case["cache"], case["table"]))
+        ref, _ = reference_prefill(case, staged="bfloat16", round_v=True)
+        assert_close(from_storage(out.get(), "bfloat16"), ref, "bfloat16", name="out vs dequantized reference")
+    cp.cuda.Device().synchronize()
 
 
 def test_auto_dequantizes_when_many_rows_share_a_key(rng):

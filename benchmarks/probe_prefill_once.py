@@ -1,0 +1,50 @@
+"""fp8_prefill='convert_once' beside the bf16 default and the other FP8 strategies, interleaved rounds (medians),
+on the bench shapes (batch x L x hq x hkv x d, causal prompts).
+
+    PYTHONPATH=. python3 benchmarks/probe_prefill_once.py --shapes 8x2048x32x32x128 --gran token
+"""
+import argparse
+
+import cupy as cp
+
+import cukv
+from cukv.bench.decode import interleaved_medians
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+from cukv.bench.timing import Timer
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4x4096x32x8x128,1x16384x32x8x128,8x2048x32x32x128,4x4096x16x16x256,"
+                    "8x2048x32x8x64")
+    ap.add_argument("--gran", default="token")
+    ap.add_argument("--strategies", default="convert_once", help="comma-separated fp8_prefill values")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stats", action="store_true", help="print the visit counts of a CUKV_ONCE_STATS=1 build")
+    args = ap.parse_args()
+    timer = Timer()
+    for shape in args.shapes.split(","):
+        batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
+        data = _build(batch, seq_len, hq, hkv, d)
+        q, k, v, cache, pt, offsets, lengths = data
+        fcache = fp8_cache_like(data, args.gran)
+        out = cp.empty_like(q)
+        bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
+        fns = {"bf16": lambda bf=bf: bf.run(q, (cache, pt), out=out)}
+        for s in args.strategies.split(","):
+            pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                                   scale_granularity=args.gran, fp8_prefill=s).plan(offsets, lengths, mask="causal")
+            pf.run(q, (fcache, pt), out=out)  # compiles; and fills a convert-once workspace (CUKV_ONCE_UB reads it)
+            fns[s] = lambda pf=pf: pf.run(q, (fcache, pt), out=out)
+            if args.stats and s == "convert_once":
+                st = pf._once["flags"][:6].get()
+                print(f"{shape} quarters: own {st[0]}; visits: ready {st[1]}, ready after polls {st[2]}, claimed "
+                      f"{st[5]}, converted without storing {st[3]}; polls {st[4]}", flush=True)
+        cp.cuda.Device().synchronize()
+        med = interleaved_medians(timer, fns, reps=20, rounds=args.rounds)
+        base = med["bf16"]
+        print(f"{shape} {args.gran}: " + "  ".join(f"{n} {m:.3f} ({base / m:.2f})" for n, m in med.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
