@@ -258,6 +258,24 @@ struct KVBuffer {
     }
   }
 
+  // timing only (CUKV_ONCE_DIAG=3): the raw codes, unconverted, where convert_raw_fp8_to_global puts its values
+  __device__ __forceinline__ void raw_to_global(u32 src, T* dst, i64 row_stride, int ncols, int pw, int lane) const {
+#pragma unroll 2
+    for (int t = 0; t < kChunkPasses; ++t) {
+      const int c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
+      if ((kWarpChunks % 32 == 0 || c < kWarpChunks) && col < ncols) {
+        uint4 raw;
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                     : "r"(src + (u32)((pw * kWarpChunks + c) * 16))
+                     : "memory");
+        T* p = dst + r * row_stride + col;
+        *reinterpret_cast<uint4*>(p) = raw;
+        *reinterpret_cast<uint4*>(p + 8) = raw;
+      }
+    }
+  }
+
   // K role: descriptor of atom `atom`, k16 step `k` (within the atom) of element `stage`.
   __device__ __forceinline__ u64 k_desc(int stage, int atom, int k) const {
     return sw128_desc(element(stage) + (u32)(atom * BN * kAtomRowBytes + k * 32), 1, 1024);

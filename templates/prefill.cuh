@@ -287,6 +287,11 @@ struct PrefillKernel {
 // timing aid: 1 counts each warp's visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats):
 // [0] own quarters converted, [1] ready at the first look, [2] ready after polls, [3] converted without storing,
 // [4] polls, [5] claimed on the visit (converted into the ring and stored)
+// timing only: 1 skips the ahead conversion's arithmetic and stores, 2 skips its __threadfence, 3 stores the raw
+// codes without converting them, 4 skips its cp.async copies (and waits)
+#ifndef CUKV_ONCE_DIAG
+#define CUKV_ONCE_DIAG 0
+#endif
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
 #endif
@@ -373,6 +378,13 @@ struct PrefillKernel {
         cp_async_wait<0>();
         __syncwarp();  // and the scales the rows' lanes copied
         const i64 row0 = ws0 + ahead * BN + pw * kWarpRows;
+        if (CUKV_ONCE_DIAG == 3) {
+          buf.raw_to_global(sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, ahead_kv, 0),
+                            a.kv.k_stride[1], DEPTH, pw, lane);
+          buf.raw_to_global(sm.raw + (u32)kRawElemBytes,
+                            static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, ahead_kv, 0),
+                            a.kv.v_stride[1], DEPTH, pw, lane);
+        } else if (CUKV_ONCE_DIAG != 1) {
         buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
             sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, ahead_kv, 0),
             a.kv.k_stride[1], k_scale, DEPTH, pw, lane);
@@ -380,11 +392,12 @@ struct PrefillKernel {
             sm.raw + (u32)kRawElemBytes,
             static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, ahead_kv, 0),
             a.kv.v_stride[1], v_scale, DEPTH, pw, lane);
+        }
         phase = 2;
         return;
       }
       if (phase == 2) {
-        __threadfence();  // this lane's workspace rows are visible
+        if (CUKV_ONCE_DIAG != 2) __threadfence();  // this lane's workspace rows are visible
         __syncwarp();     // every lane's
         if (lane == 0) {
           st_release_gpu(flag_of(ahead, ahead_kv), 2);
@@ -397,7 +410,7 @@ struct PrefillKernel {
         int won = 0;
         if (CUKV_ONCE_UB != 1 && lane == 0) won = atomicCAS(flag_of(ahead, ahead_kv), 0, 1) == 0;
         if (__shfl_sync(0xffffffffu, won, 0)) {
-          copy_quarter(ahead, ahead_kv);
+          if (CUKV_ONCE_DIAG != 4) copy_quarter(ahead, ahead_kv);
           phase = 1;
           break;  // `ahead` stays on the held quarter
         }
