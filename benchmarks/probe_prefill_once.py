@@ -37,9 +37,8 @@ def main():
             pf.run(q, (fcache, pt), out=out)  # compiles; and fills a convert-once workspace (CUKV_ONCE_UB reads it)
             fns[s] = lambda pf=pf: pf.run(q, (fcache, pt), out=out)
             if args.stats and s == "convert_once":
-                st = pf._once["flags"][:6].get()
-                print(f"{shape} quarters: own {st[0]}; visits: ready {st[1]}, ready after polls {st[2]}, claimed "
-                      f"{st[5]}, converted without storing {st[3]}; polls {st[4]}", flush=True)
+                st = pf._once["flags"][:8].get()
+                print(f"{shape} stats {list(st)}", flush=True)
         cp.cuda.Device().synchronize()
         med = interleaved_medians(timer, fns, reps=20, rounds=args.rounds)
         base = med["bf16"]

@@ -225,8 +225,8 @@ class PrefillConfig:
         or issues tensor copies there, except a TMA producer with ``fp8_scores`` up to d128, which fits in 72."""
         if self.BM == 64:
             return 0
-        if self.convert_once:
-            return 104  # a raw tile's addresses and a batch of its chunks
+        if self.convert_once:  # warps 1-3 convert two 8-code pieces at a time (multiples of 8 for setmaxnreg)
+            return 80 if self.BM == 192 else 72
         if not self.quantized or (self.tma and self.BM == 192):
             return 56
         if self.BM == 192:

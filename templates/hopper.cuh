@@ -17,6 +17,9 @@ __device__ __forceinline__ void mbar_init(u32 bar, int count) {
 __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive_n(u32 bar, int n) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(n) : "memory");
+}
 // Arrives once every cp.async this thread issued so far has landed (the count was set up front).
 __device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
@@ -55,6 +58,12 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 // orders global accesses of the generic proxy with the async proxy's (tensor copies) on either side
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 // --- flags shared between blocks --------------------------------------------------------------------
 __device__ __forceinline__ int ld_acquire_gpu(const int* p) {

@@ -101,7 +101,7 @@ struct PrefillKernel {
   // The convert-once producer holds a row batch of codes and scales like the FP8 ones: 88 (72 and 88 cost the 16-bit
   // consumers nothing, benchmarks/NOTES.md session 24).
   static constexpr int kProducerRegs = kConsumerWGs == 1                          ? 0
-                                       : kOnce                                    ? 104
+                                       : kOnce                                    ? (!CUKV_ONCE_SPLIT ? 104 : kConsumerWGs == 3 ? 80 : 72)
                                        : !QUANTIZED || (kTma && kConsumerWGs == 3) ? 56
                                        : kConsumerWGs == 3                        ? 80
                                        : FP8_SCORES && kTma && DEPTH <= 128       ? 72
@@ -248,7 +248,10 @@ struct PrefillKernel {
     buf.ring = sm.ring;
     if (warp < 4) {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
-      if constexpr (kOnce)
+      if constexpr (kOnce && CUKV_ONCE_SPLIT)
+        produce_split(a, maps, *once, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, warp,
+                      lane);
+      else if constexpr (kOnce)
         produce_once(a, maps, *once, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, warp,
                      lane);
       else
@@ -287,11 +290,6 @@ struct PrefillKernel {
 // timing aid: 1 counts each warp's visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats):
 // [0] own quarters converted, [1] ready at the first look, [2] ready after polls, [3] converted without storing,
 // [4] polls, [5] claimed on the visit (converted into the ring and stored)
-// timing only: 1 skips the ahead conversion's arithmetic and stores, 2 skips its __threadfence, 3 stores the raw
-// codes without converting them, 4 skips its cp.async copies (and waits)
-#ifndef CUKV_ONCE_DIAG
-#define CUKV_ONCE_DIAG 0
-#endif
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
 #endif
@@ -306,6 +304,165 @@ struct PrefillKernel {
 #define CUKV_ONCE_FENCE 1
 #endif
   static constexpr int kOncePolls = CUKV_ONCE_POLLS;
+
+
+  // kOnce's split producer (benchmarks/NOTES.md session 26). Warp 0 only feeds the ring: per visited tile it waits
+  // until the tile's four quarters are ready in the workspace and loads them by TMA, so nothing it does waits on a
+  // conversion's copies or stores (session 25's producer converted between its ring loads, and each step's latency
+  // reached the consumers). Warps 1-3 convert, one quarter at a time through their own quarter of the raw tile:
+  // first any free quarter of the tiles this block visits (claimed by CAS: the first KV head, keys no block converts
+  // ahead), then this block's query rows' key tiles for the KV head of query head h + 1, whose blocks the grid
+  // launches next. A claimed quarter is released once its rows are in the workspace; its claimer never waits on
+  // anything but its own copies and stores, so warp 0's unbounded wait always ends.
+  static __device__ __forceinline__ void produce_split(const PrefillArgs& a, const PrefillMaps* maps, const OnceArgs& o,
+                                                       const Smem& sm, const Buf& buf, const Cache& ws, int b, int kv_head,
+                                                       int head, int q_begin, int q0, int rows, int kv_len, int n_first,
+                                                       int n_tiles, int pw, int lane) {
+    const int ws0 = (int)ws.row_key(b, 0);  // the sequence's first workspace row, a multiple of BN
+    int* const flags = o.flags + ((i64)(ws0 / BN) * o.num_kv_heads) * 4;  // (tile n, kv head k, quarter q)
+    auto flag_of = [&](int n, int k, int q) { return flags + ((i64)n * o.num_kv_heads + k) * 4 + q; };
+    const int n_last = n_first + n_tiles - 1;
+    if (pw == 0 && lane == 0) asm volatile("st.volatile.shared.u32 [%0], 0;" :: "r"(sm.raw) : "memory");
+    asm volatile("bar.sync 15, 128;" ::: "memory");  // the producer warpgroup (15: no other user): the count is 0 before converters look
+    load_query(a, sm, head, q_begin, q0, rows, pw, lane);
+    constexpr int kWarpRows = BN / Buf::kProducerWarps;
+    if (pw == 0) {
+      int count = 0;
+      for (int it = 0; it < n_tiles; ++it) {
+        const int n = n_last - it;
+        if (CUKV_ONCE_UB != 1) {
+          // lanes 0-3 each acquire one quarter's flag; __syncwarp orders those acquires before lane 0's copies
+          int ready = lane >= 4, polls = 0;
+          const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
+          while (!__all_sync(0xffffffffu, ready)) {
+            if (!ready) ready = ld_acquire_gpu(flag_of(n, kv_head, lane)) == 2;
+            if (!__all_sync(0xffffffffu, ready)) { __nanosleep(128); ++polls; }
+          }
+          if (CUKV_ONCE_STATS && lane == 0) {
+            atomicAdd(o.flags - 32 + (polls ? 3 : 2), 1);
+            atomicAdd(o.flags - 32 + 4, polls);
+            if (polls) atomicAdd(o.flags - 32 + 5, (int)((globaltimer_ns() - t0) >> 6));
+          }
+        }
+        if (lane == 0) fence_proxy_async_global();  // the acquired rows -> this thread's tensor copies
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int stage = count % STAGES;
+          mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+          if (lane == 0) {
+            const u32 bar = sm.full + 8 * stage;
+            mbar_expect_tx(bar, kQAtoms * BN * kAtomRowBytes);
+#pragma unroll
+            for (int q = 0; q < Buf::kProducerWarps; ++q)
+#pragma unroll
+              for (int atom = 0; atom < kQAtoms; ++atom)
+                tma_load_4d(buf.element(stage) + (u32)((atom * BN + q * kWarpRows) * kAtomRowBytes),
+                            e ? &maps->v : &maps->k, atom * kAtomRowBytes, kv_head, ws0 + n * BN + q * kWarpRows, 0, bar);
+          }
+          mbar_arrive_n(sm.full + 8 * stage, Buf::kProducerWarps);  // the full barrier counts 128 producer arrivals
+          ++count;
+        }
+        // tiles issued so far, for the converters (the first word of warp 0's raw quarter, which it never uses)
+        if (lane == 0) asm volatile("st.volatile.shared.u32 [%0], %1;" :: "r"(sm.raw), "r"(it + 1) : "memory");
+      }
+      asm volatile("cp.async.wait_all;" ::: "memory");  // the query's copies have landed
+      return;
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    if (CUKV_ONCE_UB == 1) return;
+    const Fp8Cache f(o.fp8);
+    const float k_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(true, 0, 0, 0) : 0.f;
+    const float v_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(false, 0, 0, 0) : 0.f;
+    // quarter q of tile n of KV head k (rows past the sequence as zeros) through raw slot pw into the workspace
+    auto convert_quarter = [&](int n, int k, int q) {
+      const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
+      const int tok_lane = n * BN + q * kWarpRows + lane;
+      const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? f.row_idx(b, tok_lane) : (i64)-1;
+      auto copy = [&](auto is_k) {
+        constexpr bool IS_K = decltype(is_k)::value;
+        i64 lane_off = -1, lane_scale = 0;
+        if (row >= 0) {
+          lane_off = Fp8Cache::offset(IS_K ? o.fp8.k_stride : o.fp8.v_stride, row, k, 0);
+          if constexpr (SCALE_BLOCK > 0)
+            lane_scale = f.template scale_ptr<SCALE_BLOCK>(IS_K, row, k, 0) - (IS_K ? o.fp8.k_scales : o.fp8.v_scales);
+        }
+        buf.template copy_raw_fp8<SCALE_BLOCK>(
+            sm.raw + (u32)(IS_K ? 0 : kRawElemBytes), static_cast<const unsigned char*>(IS_K ? o.fp8.k : o.fp8.v),
+            IS_K ? o.fp8.k_scales : o.fp8.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, lane_off, r); },
+            lane_off, lane_scale, 0, DEPTH, pw, lane);
+      };
+      if (CUKV_ONCE_DIAG != 4 && CUKV_ONCE_DIAG != 5) {
+        copy(Bool<true>());
+        copy(Bool<false>());
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncwarp();  // and the scales the rows' lanes copied
+      const i64 row0 = ws0 + n * BN + q * kWarpRows;
+      if (CUKV_ONCE_DIAG != 1 && CUKV_ONCE_DIAG != 5) {
+      buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
+          sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, k, 0),
+          a.kv.k_stride[1], k_scale, DEPTH, pw, lane);
+      buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
+          sm.raw + (u32)kRawElemBytes, static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, k, 0),
+          a.kv.v_stride[1], v_scale, DEPTH, pw, lane);
+      }
+      if (CUKV_ONCE_DIAG != 2 && CUKV_ONCE_DIAG != 5) __threadfence();  // this lane's workspace rows are visible
+      __syncwarp();     // every lane's, and every lane has read its raw chunks before the next copy
+      if (lane == 0) st_release_gpu(flag_of(n, k, q), 2);
+      if (CUKV_ONCE_STATS && lane == 0) {
+        atomicAdd(o.flags - 32 + (k == kv_head ? 1 : 0), 1);
+        atomicAdd(o.flags - 32 + 6, (int)((globaltimer_ns() - t0) >> 6));
+      }
+    };
+    // claims quarter q of tile n of KV head k if it is free (relaxed look first: most are taken or ready)
+    auto claim = [&](int n, int k, int q) {
+      int won = 0;
+      if (lane == 0 && ld_relaxed_gpu(flag_of(n, k, q)) == 0) won = atomicCAS(flag_of(n, k, q), 0, 1) == 0;
+      return __shfl_sync(0xffffffffu, won, 0) != 0;
+    };
+    constexpr int kConverters = Buf::kProducerWarps - 1;
+    // the visited tiles' free quarters, in the order warp 0 needs them: 32 flags looked at in one round trip,
+    // quarter i of the walk goes to warp 1 + i % 3
+    auto own = [&] {
+      for (int base = 0; base < 4 * n_tiles; base += 32) {
+        const int i = base + lane;
+        const bool mine = i < 4 * n_tiles && i % kConverters == pw - 1;
+        unsigned free = __ballot_sync(0xffffffffu, mine && ld_relaxed_gpu(flag_of(n_last - i / 4, kv_head, i % 4)) == 0);
+        for (; free; free &= free - 1) {
+          const int j = base + __ffs(free) - 1;
+          if (claim(n_last - j / 4, kv_head, j % 4)) convert_quarter(n_last - j / 4, kv_head, j % 4);
+        }
+      }
+    };
+    // Converting ahead, greedily: free quarters of this sequence's tiles for the next KV head, top tile first (the
+    // heaviest query tiles, which visit the top tiles first, launch first), while warp 0 still has at least
+    // CUKV_ONCE_MINLEFT tiles to issue: a quarter takes a converter about as long as a few tiles take the consumers,
+    // and a block whose consumers are done waits for its converters (fixed shares stretched the light blocks).
+    auto ahead = [&] {
+      const int k = kv_head + 1;
+      if (k >= o.num_kv_heads) return;
+      const int nt = (kv_len + BN - 1) / BN;
+      auto left = [&] {
+        int fed;
+        asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(fed) : "r"(sm.raw) : "memory");
+        return n_tiles - fed;
+      };
+      for (int base = 0; base < 4 * nt; base += 32) {
+        if (left() < CUKV_ONCE_MINLEFT) return;
+        const int i = base + lane;
+        const bool mine = i < 4 * nt && i % kConverters == pw - 1;
+        unsigned free = __ballot_sync(0xffffffffu, mine && ld_relaxed_gpu(flag_of(nt - 1 - i / 4, k, i % 4)) == 0);
+        for (; free; free &= free - 1) {
+          if (left() < CUKV_ONCE_MINLEFT) return;
+          const int j = base + __ffs(free) - 1;
+          if (claim(nt - 1 - j / 4, k, j % 4)) convert_quarter(nt - 1 - j / 4, k, j % 4);
+        }
+      }
+    };
+    own();
+    ahead();
+  }
 
   // kOnce's producer (see OnceArgs). Converting ahead: the block of (query head h, query tile) converts, in the
   // background, its query rows' key tiles (the diagonal of a causal prompt) for the KV head of query head h + 1, whose
@@ -378,7 +535,7 @@ struct PrefillKernel {
         cp_async_wait<0>();
         __syncwarp();  // and the scales the rows' lanes copied
         const i64 row0 = ws0 + ahead * BN + pw * kWarpRows;
-        if (CUKV_ONCE_DIAG == 3) {
+        if (CUKV_ONCE_DIAG == 3 && !CUKV_ONCE_COAL) {
           buf.raw_to_global(sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, ahead_kv, 0),
                             a.kv.k_stride[1], DEPTH, pw, lane);
           buf.raw_to_global(sm.raw + (u32)kRawElemBytes,
