@@ -327,24 +327,34 @@ struct PrefillKernel {
     load_query(a, sm, head, q_begin, q0, rows, pw, lane);
     constexpr int kWarpRows = BN / Buf::kProducerWarps;
     if (pw == 0) {
-      int count = 0;
+      int count = 0, ready_to = 0;  // tiles [it, ready_to) of the walk are known ready
       for (int it = 0; it < n_tiles; ++it) {
         const int n = n_last - it;
-        if (CUKV_ONCE_UB != 1) {
-          // lanes 0-3 each acquire one quarter's flag; __syncwarp orders those acquires before lane 0's copies
-          int ready = lane >= 4, polls = 0;
+        if (CUKV_ONCE_UB != 1 && it >= ready_to) {
+          // lane l acquires quarter l % 4 of the walk's tile it + l / 4: one round trip covers the next 8 tiles (a
+          // flag per tile cost a round trip and a proxy fence on the ring's path each). The ballot orders those
+          // acquires before lane 0's copies, as __syncwarp would.
+          const int t = it + lane / 4;
+          int ready = t >= n_tiles, polls = 0;
           const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
-          while (!__all_sync(0xffffffffu, ready)) {
-            if (!ready) ready = ld_acquire_gpu(flag_of(n, kv_head, lane)) == 2;
-            if (!__all_sync(0xffffffffu, ready)) { __nanosleep(128); ++polls; }
+          for (;;) {
+            if (!ready) ready = ld_acquire_gpu(flag_of(n_last - t, kv_head, lane % 4)) == 2;
+            const unsigned late = __ballot_sync(0xffffffffu, !ready);
+            const int upto = late ? (__ffs(late) - 1) / 4 : 8;  // whole tiles ready from it on
+            if (upto > 0) {
+              ready_to = min(n_tiles, it + upto);
+              break;
+            }
+            __nanosleep(128);
+            ++polls;
           }
           if (CUKV_ONCE_STATS && lane == 0) {
             atomicAdd(o.flags - 32 + (polls ? 3 : 2), 1);
             atomicAdd(o.flags - 32 + 4, polls);
             if (polls) atomicAdd(o.flags - 32 + 5, (int)((globaltimer_ns() - t0) >> 6));
           }
+          if (lane == 0) fence_proxy_async_global();  // the acquired rows -> this thread's tensor copies
         }
-        if (lane == 0) fence_proxy_async_global();  // the acquired rows -> this thread's tensor copies
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int stage = count % STAGES;
