@@ -139,11 +139,11 @@ class PrefillConfig:
     #: run staggered instead of in lock-step. Needs BM >= 128. Default where ``FP8_PINGPONG`` lists it (FP8
     #: ``fp8_scores`` tiles at d128, and d256 with token scales: 2-4% faster on H100; benchmarks/NOTES.md session 17).
     pingpong: bool = False
-    #: FP8 caches (``fp8_prefill='convert_once'``): the 16-bit kernel over a workspace the blocks fill as they go. Each
-    #: producer warp converts the quarter tiles it visits first from the FP8 cache (``page_size`` tokens a page) into
-    #: its ring, stores them to the workspace and flags them; later visits load them by tensor copies, so each tile is
-    #: converted about once per call (templates/prefill.cuh ``OnceArgs``). Needs ``tma`` (the workspace's copies), not
-    #: ``fp8_scores``, head dims up to 256.
+    #: FP8 caches (``fp8_prefill='convert_once'``): the 16-bit kernel over a workspace the blocks fill as they go.
+    #: Three producer warps convert quarter tiles from the FP8 cache (``page_size`` tokens a page) into the workspace
+    #: and flag them; the fourth loads flagged tiles into the ring by tensor copies, so each tile is converted once per
+    #: call (templates/prefill.cuh ``OnceArgs``). Needs ``tma`` (the workspace's copies), not ``fp8_scores``, head
+    #: dims up to 256.
     convert_once: bool = False
 
     def __post_init__(self):
@@ -462,6 +462,18 @@ DEQUANT_MIN_ROWS_PER_KEY = 2048
 DEQUANT_MIN_ROWS_PER_KEY_TENSOR = 8192
 #: 'auto' dequantizes first only if the workspace (16-bit K and V of every planned key) fits this many bytes
 DEQUANT_WORKSPACE_LIMIT = 1 << 30
+#: 'auto' converts once (token scales, these head dims) from ONCE_MIN_ROWS_PER_KEY query rows per key up to, not
+#: including, ONCE_MAX_ROWS_PER_KEY, where dequantizing first is as fast. H100, one call (session 27,
+#: benchmarks/probe_prefill_once.py), bf16/FP8 for fused / dequantize_first / convert_once, rows per key in brackets:
+#: MHA d128 b32 L512 (320) 0.92 / 0.72 / 0.66, b16 L1024 (576) 0.87 / 0.77 / 0.74, b8 L2048 (1088) 0.82 / 0.83 /
+#: 0.90, b4 L4096 (2112) 0.80 / 0.89 / 0.93, b2 L8192 (4160) 0.79 / 0.90 / 0.92; MHA d256 b16 L1024 (576) 0.87 / 0.75
+#: / 0.72, b4 L4096 (2112) 0.84 / 0.90 / 0.92; GQA 2 d128 b8 L2048 (2176) 0.82 / 0.91 / 0.94; GQA 4 d128 b16 L1024
+#: (2304) 0.87 / 0.94 / 0.95. At GQA 4 b4 L4096 (8448) and b1 L16384 (33024) dequantizing first led (0.98 / 1.01
+#: against 0.97 / 0.98, session 26). At d64 (three consumer warpgroups) converting once lost everywhere (0.76-0.82
+#: against 0.87-0.92), and block scales are unmeasured.
+ONCE_MIN_ROWS_PER_KEY = 1024
+ONCE_MAX_ROWS_PER_KEY = 8192
+ONCE_HEAD_DIMS = (128, 256)
 
 
 class BatchPrefill:
@@ -486,17 +498,22 @@ class BatchPrefill:
         The FP8 cache's granularity (default 'token').
     config : PrefillConfig, optional
         Tile shape; by default the documented per-head-dim default (or an autotuned winner).
-    fp8_prefill : {'auto', 'fused', 'dequantize_first'}
+    fp8_prefill : {'auto', 'fused', 'dequantize_first', 'convert_once'}
         FP8 caches only. ``'fused'`` runs the FP8 kernel above. ``'dequantize_first'`` gathers each
         sequence's keys and values into ragged 16-bit K/V first (:func:`cukv.dequantize_kv`, one pass over
         the used codes, into a workspace ``plan`` allocates: 4 bytes per key, KV head and dim), then runs the
-        16-bit contiguous prefill on them. The fused kernel converts each K/V tile once for every query tile
-        that visits it, the pass once in all, so the pass wins when many query rows share each key. ``'auto'``
-        (the default) takes it when the planned batch visits at least ``DEQUANT_MIN_ROWS_PER_KEY`` query rows
-        per key (query heads of a KV head included; ``DEQUANT_MIN_ROWS_PER_KEY_TENSOR`` for per-tensor scales,
-        whose fused kernel runs near bf16 speed) and the workspace fits ``DEQUANT_WORKSPACE_LIMIT`` bytes.
-        ``strategy`` says which one ``plan`` chose. Both read the plan's ``kv_lengths`` keys per
-        sequence; the table's lengths must agree.
+        16-bit contiguous prefill on them. ``'convert_once'`` (head dims up to 256) runs the 16-bit kernel over
+        the same kind of workspace, which its own blocks fill while they run: three producer warps per block
+        convert quarter tiles (the next KV head's ahead of time) and flag them, the fourth loads flagged tiles
+        (``PrefillConfig.convert_once``); it needs no separate pass, and the workspace is only ever read after its
+        flag says it is ready. The fused kernel converts each K/V tile once for every query tile that visits it,
+        the other two once in all, so they win when many query rows share each key. ``'auto'`` (the default)
+        takes ``'convert_once'`` for token scales at head dims ``ONCE_HEAD_DIMS`` from ``ONCE_MIN_ROWS_PER_KEY``
+        query rows per key (query heads of a KV head included) below ``ONCE_MAX_ROWS_PER_KEY``, else
+        ``'dequantize_first'`` from ``DEQUANT_MIN_ROWS_PER_KEY`` rows per key (``DEQUANT_MIN_ROWS_PER_KEY_TENSOR``
+        for per-tensor scales, whose fused kernel runs near bf16 speed), else ``'fused'``; the workspaces must
+        fit ``DEQUANT_WORKSPACE_LIMIT`` bytes. ``strategy`` says which one ``plan`` chose. All read the plan's
+        ``kv_lengths`` keys per sequence; the table's lengths must agree.
 
     Examples
     --------
@@ -590,8 +607,8 @@ class BatchPrefill:
         return self
 
     def _choose_strategy(self, work, kv_lengths) -> str:
-        """'fused' or 'dequantize_first' for an FP8 cache (see the class docstring): query rows per key from
-        the work list's tile costs, the workspace from the planned key count."""
+        """'fused', 'dequantize_first' or 'convert_once' for an FP8 cache (see the class docstring): query rows per
+        key from the work list's tile costs, the workspace from the planned key count."""
         if self.config.convert_once:
             return "convert_once"
         if self.fp8_prefill != "auto":
@@ -603,8 +620,13 @@ class BatchPrefill:
         pairs = sum(c for c, _, _ in work) * cfg.BM * cfg.BN
         rows_per_key = pairs * (self.num_qo_heads // self.num_kv_heads) / keys
         workspace = 2 * keys * self.num_kv_heads * self.head_dim * 2
+        if workspace > DEQUANT_WORKSPACE_LIMIT:
+            return "fused"
+        if (cfg.scale_block == self.head_dim and self.head_dim in ONCE_HEAD_DIMS
+                and ONCE_MIN_ROWS_PER_KEY <= rows_per_key < ONCE_MAX_ROWS_PER_KEY):
+            return "convert_once"
         many = rows_per_key >= (DEQUANT_MIN_ROWS_PER_KEY_TENSOR if cfg.scale_block == 0 else DEQUANT_MIN_ROWS_PER_KEY)
-        return "dequantize_first" if many and workspace <= DEQUANT_WORKSPACE_LIMIT else "fused"
+        return "dequantize_first" if many else "fused"
 
     def _plan_once(self, qo, kl, mask, window, chunk) -> None:
         """The convert-once kernel (``PrefillConfig.convert_once``), its work list, workspace and flags: each

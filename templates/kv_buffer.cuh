@@ -232,88 +232,42 @@ struct KVBuffer {
   }
 
   // convert_raw_fp8's values to global memory instead of the ring: row r of the warp's rows of the raw element at
-  // src goes to dst + r * row_stride (elements), dims below ncols (the prefill's convert-once workspace).
-// 1: each lane converts 8 codes and writes one 16-byte piece, a warp store covering whole rows (full 32-byte
-// sectors); 0: 16 codes and two 16-byte stores a lane, each warp store writing half of each sector it touches
-// timing only: 1 skips the ahead conversion's arithmetic and stores, 2 skips its __threadfence, 3 stores the raw
-// codes without converting them, 4 skips its cp.async copies (and waits), 5 (split producer) all three
+  // src goes to dst + r * row_stride (elements), dims below ncols (the prefill's convert-once workspace). Each lane
+  // converts 8 codes and writes one 16-byte piece, so a warp store covers whole rows (full 32-byte sectors).
+// timing only (benchmarks/NOTES.md session 26): 1 skips the conversion's arithmetic and stores, 2 its __threadfence,
+// 3 stores the raw codes without converting them, 4 skips its cp.async copies (and waits), 5 all of 1, 2 and 4
 #ifndef CUKV_ONCE_DIAG
 #define CUKV_ONCE_DIAG 0
 #endif
-// 1: the split producer (produce_split): warp 0 feeds the ring, warps 1-3 convert; 0: session 25's produce_once
-#ifndef CUKV_ONCE_SPLIT
-#define CUKV_ONCE_SPLIT 1
-#endif
+// passes in flight per converter warp (2: 72 registers; 4 at 88 measured no faster)
 #ifndef CUKV_ONCE_UNROLL
 #define CUKV_ONCE_UNROLL 2
 #endif
+// converting ahead stops when the block's ring feeder has fewer tiles left than this (0 and 1 measured slower: a
+// quarter in flight then outlives the block's consumers)
 #ifndef CUKV_ONCE_MINLEFT
 #define CUKV_ONCE_MINLEFT 2
-#endif
-#ifndef CUKV_ONCE_COAL
-#define CUKV_ONCE_COAL 1
 #endif
   template <int SB>
   __device__ __forceinline__ void convert_raw_fp8_to_global(u32 src, T* dst, i64 row_stride, float tensor_scale,
                                                             int ncols, int pw, int lane) const {
-    if constexpr (CUKV_ONCE_COAL != 0) {
-      constexpr int kHalves = 2 * kWarpChunks, kPasses = (kHalves + 31) / 32;
+    constexpr int kHalves = 2 * kWarpChunks, kPasses = (kHalves + 31) / 32;
 #pragma unroll CUKV_ONCE_UNROLL
-      for (int t = 0; t < kPasses; ++t) {
-        const int h = lane + 32 * t, r = h / (2 * kChunksPerRow), col = (h % (2 * kChunksPerRow)) * 8;
-        if ((kHalves % 32 == 0 || h < kHalves) && col < ncols) {
-          uint2 raw;
-          float sc = tensor_scale;
-          asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(raw.x), "=r"(raw.y)
-                       : "r"(src + (u32)((pw * kWarpChunks) * 16 + h * 8)) : "memory");
-          if constexpr (SB > 0)
-            asm volatile("ld.shared.f32 %0, [%1];"
-                         : "=f"(sc)
-                         : "r"(src + (u32)(raw_code_bytes + ((pw * kWarpRows + r) * scales_per_row<SB>() + col / SB) * 4))
-                         : "memory");
-          uint4 v = dequant8<T>(raw, sc);
-          if (CUKV_ONCE_DIAG == 3) v = make_uint4(raw.x, raw.y, raw.x, raw.y);
-          *reinterpret_cast<uint4*>(dst + r * row_stride + col) = v;
-        }
-      }
-      return;
-    }
-#pragma unroll 2  // off the consumers' path: registers matter more than latency here
-    for (int t = 0; t < kChunkPasses; ++t) {
-      const int c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
-      if ((kWarpChunks % 32 == 0 || c < kWarpChunks) && col < ncols) {
-        uint4 raw;
+    for (int t = 0; t < kPasses; ++t) {
+      const int h = lane + 32 * t, r = h / (2 * kChunksPerRow), col = (h % (2 * kChunksPerRow)) * 8;
+      if ((kHalves % 32 == 0 || h < kHalves) && col < ncols) {
+        uint2 raw;
         float sc = tensor_scale;
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                     : "r"(src + (u32)((pw * kWarpChunks + c) * 16))
-                     : "memory");
+        asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(raw.x), "=r"(raw.y)
+                     : "r"(src + (u32)((pw * kWarpChunks) * 16 + h * 8)) : "memory");
         if constexpr (SB > 0)
           asm volatile("ld.shared.f32 %0, [%1];"
                        : "=f"(sc)
                        : "r"(src + (u32)(raw_code_bytes + ((pw * kWarpRows + r) * scales_per_row<SB>() + col / SB) * 4))
                        : "memory");
-        T* p = dst + r * row_stride + col;
-        *reinterpret_cast<uint4*>(p) = dequant8<T>(make_uint2(raw.x, raw.y), sc);
-        *reinterpret_cast<uint4*>(p + 8) = dequant8<T>(make_uint2(raw.z, raw.w), sc);
-      }
-    }
-  }
-
-  // timing only (CUKV_ONCE_DIAG=3): the raw codes, unconverted, where convert_raw_fp8_to_global puts its values
-  __device__ __forceinline__ void raw_to_global(u32 src, T* dst, i64 row_stride, int ncols, int pw, int lane) const {
-#pragma unroll 2
-    for (int t = 0; t < kChunkPasses; ++t) {
-      const int c = lane + 32 * t, r = c / kChunksPerRow, col = (c % kChunksPerRow) * 16;
-      if ((kWarpChunks % 32 == 0 || c < kWarpChunks) && col < ncols) {
-        uint4 raw;
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                     : "r"(src + (u32)((pw * kWarpChunks + c) * 16))
-                     : "memory");
-        T* p = dst + r * row_stride + col;
-        *reinterpret_cast<uint4*>(p) = raw;
-        *reinterpret_cast<uint4*>(p + 8) = raw;
+        uint4 v = dequant8<T>(raw, sc);
+        if (CUKV_ONCE_DIAG == 3) v = make_uint4(raw.x, raw.y, raw.x, raw.y);
+        *reinterpret_cast<uint4*>(dst + r * row_stride + col) = v;
       }
     }
   }

@@ -53,14 +53,11 @@ struct alignas(64) PrefillMaps {
 
 // ONCE_PAGE > 0 (convert once): the block reads 16-bit K/V from a workspace (a.kv: contiguous rows, each sequence's
 // first row a multiple of BN, maps->k / maps->v its tensor maps), which the blocks fill themselves from an FP8
-// cache of ONCE_PAGE tokens per page (fp8). Each producer warp owns BN / 4 rows of a tile, and each (workspace
-// tile, KV head, warp) has a flag: 0 free, 1 claimed, 2 ready (zeroed before the launch). The first warp to visit
-// a free quarter claims it, converts its FP8 rows into its ring elements as the fused kernel would (rows past the
-// sequence as zeros), stores them to the workspace by TMA and releases the flag; later visits load the 16-bit rows
-// by TMA. A visit that finds a quarter claimed waits a bounded time for it, then converts it itself without
-// storing, so no block ever depends on another being resident. In a causal prompt the block of query tile j
-// visits key tile j first, so each tile is converted about once per call instead of once per visiting query tile
-// (benchmarks/NOTES.md session 25).
+// cache of ONCE_PAGE tokens per page (fp8). Each (workspace tile, KV head, quarter of BN / 4 rows) has a flag: 0 free,
+// 1 claimed, 2 ready (zeroed before the launch). The producer warpgroup splits: warp 0 feeds the ring by TMA from the
+// workspace once a tile's four flags read ready, and warps 1-3 claim free quarters, convert them from the FP8 cache
+// (rows past the sequence as zeros) into the workspace and release them (produce_once). Each quarter is converted
+// once per call instead of once per visiting query tile (benchmarks/NOTES.md sessions 25-27).
 struct alignas(8) OnceArgs {
   KVCacheParams fp8;  // the FP8 cache and its page table (lengths: the keys per sequence)
   int* flags;         // [workspace tiles, kv heads, 4]
@@ -98,10 +95,10 @@ struct PrefillKernel {
   // issues tensor copies there. Beside three, a TMA producer (no copy addresses) fits in 56 like the 16-bit one,
   // so the consumers keep their 152 (at 144 the token K-scale multiply spilled). A TMA producer with e4m3 scores
   // fits in 72 up to d128 (d256 spilled): its consumers' 8 more registers measured 1-2% faster (session 20).
-  // The convert-once producer holds a row batch of codes and scales like the FP8 ones: 88 (72 and 88 cost the 16-bit
-  // consumers nothing, benchmarks/NOTES.md session 24).
+  // The convert-once producer's converters hold two 8-code pieces and their scales: 72 beside two (80 beside three,
+  // so that the consumers' share stays a multiple of 8); 72 and 88 cost the 16-bit consumers nothing (session 24).
   static constexpr int kProducerRegs = kConsumerWGs == 1                          ? 0
-                                       : kOnce                                    ? (!CUKV_ONCE_SPLIT ? 104 : kConsumerWGs == 3 ? 80 : 72)
+                                       : kOnce                                    ? (kConsumerWGs == 3 ? 80 : 72)
                                        : !QUANTIZED || (kTma && kConsumerWGs == 3) ? 56
                                        : kConsumerWGs == 3                        ? 80
                                        : FP8_SCORES && kTma && DEPTH <= 128       ? 72
@@ -248,12 +245,9 @@ struct PrefillKernel {
     buf.ring = sm.ring;
     if (warp < 4) {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
-      if constexpr (kOnce && CUKV_ONCE_SPLIT)
-        produce_split(a, maps, *once, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, warp,
-                      lane);
-      else if constexpr (kOnce)
+      if constexpr (kOnce)
         produce_once(a, maps, *once, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, warp,
-                     lane);
+                      lane);
       else
         produce(a, maps, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, vslice, warp,
                 lane);
@@ -278,43 +272,28 @@ struct PrefillKernel {
     mbar_arrive_cp_async(sm.q_full);
   }
 
-  // A claimed quarter's owner stores it within about one conversion after its ring element frees up; a visitor
-  // polls this many times (a sleep and an L2 round trip each, about 1 us) before converting the quarter itself.
-#ifndef CUKV_ONCE_POLLS
-#define CUKV_ONCE_POLLS 24
-#endif
-// timing only (benchmarks/NOTES.md session 25): 1 loads every tile from the workspace as a previous run left it
+// timing only (benchmarks/NOTES.md sessions 25-26): 1 loads every tile from the workspace as a previous run left it
+// (warp 0 reads no flags, the converters return at once)
 #ifndef CUKV_ONCE_UB
 #define CUKV_ONCE_UB 0
 #endif
-// timing aid: 1 counts each warp's visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats):
-// [0] own quarters converted, [1] ready at the first look, [2] ready after polls, [3] converted without storing,
-// [4] polls, [5] claimed on the visit (converted into the ring and stored)
+// timing aid: 1 counts visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats): [0] quarters
+// converted ahead (the next KV head), [1] quarters converted for the block's own KV head, [2] warp 0's flag reads
+// that found their tiles ready, [3] those that had to wait, [4] its polls, [5] its wait time in 64 ns units, [6] the
+// converters' time in 64 ns units
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
 #endif
-// the first tile after which converting ahead takes its steps (2: the first two tiles go out at once)
-#ifndef CUKV_ONCE_STEP_FROM
-#define CUKV_ONCE_STEP_FROM 1
-#endif
-#ifndef CUKV_ONCE_RELAXED
-#define CUKV_ONCE_RELAXED 0
-#endif
-#ifndef CUKV_ONCE_FENCE
-#define CUKV_ONCE_FENCE 1
-#endif
-  static constexpr int kOncePolls = CUKV_ONCE_POLLS;
 
-
-  // kOnce's split producer (benchmarks/NOTES.md session 26). Warp 0 only feeds the ring: per visited tile it waits
+  // kOnce's producer (benchmarks/NOTES.md session 26). Warp 0 only feeds the ring: per visited tile it waits
   // until the tile's four quarters are ready in the workspace and loads them by TMA, so nothing it does waits on a
-  // conversion's copies or stores (session 25's producer converted between its ring loads, and each step's latency
-  // reached the consumers). Warps 1-3 convert, one quarter at a time through their own quarter of the raw tile:
-  // first any free quarter of the tiles this block visits (claimed by CAS: the first KV head, keys no block converts
-  // ahead), then this block's query rows' key tiles for the KV head of query head h + 1, whose blocks the grid
-  // launches next. A claimed quarter is released once its rows are in the workspace; its claimer never waits on
-  // anything but its own copies and stores, so warp 0's unbounded wait always ends.
-  static __device__ __forceinline__ void produce_split(const PrefillArgs& a, const PrefillMaps* maps, const OnceArgs& o,
+  // conversion's copies or stores (a producer that converted between its ring loads passed each step's latency on to
+  // the consumers). Warps 1-3 convert, one quarter at a time through their own quarter of the raw tile: first any free
+  // quarter of the tiles this block visits (the first KV head, or keys nobody converted ahead), then greedily the
+  // free quarters of the sequence's next KV head, whose blocks the grid launches next (heads along y). A claimed
+  // quarter is released once its rows are in the workspace; its claimer never waits on anything but its own copies
+  // and stores, and a block's converters claim any free quarter it visits, so warp 0's unbounded wait always ends.
+  static __device__ __forceinline__ void produce_once(const PrefillArgs& a, const PrefillMaps* maps, const OnceArgs& o,
                                                        const Smem& sm, const Buf& buf, const Cache& ws, int b, int kv_head,
                                                        int head, int q_begin, int q0, int rows, int kv_len, int n_first,
                                                        int n_tiles, int pw, int lane) {
@@ -472,199 +451,6 @@ struct PrefillKernel {
     };
     own();
     ahead();
-  }
-
-  // kOnce's producer (see OnceArgs). Converting ahead: the block of (query head h, query tile) converts, in the
-  // background, its query rows' key tiles (the diagonal of a causal prompt) for the KV head of query head h + 1, whose
-  // blocks the grid launches next (heads along y), about one block lifetime later; by then every tile they visit is
-  // ready. Each of its warps claims its quarter of those tiles once the first tile is issued, copies the codes by
-  // cp.async, and converts them into the workspace by generic stores after two tiles are issued (the ring is full
-  // then), or before leaving. Per visited tile, a warp's quarter comes from the workspace by TMA once its flag says
-  // ready; otherwise (the first KV head, keys no block converts ahead, a late owner) the warp converts it into the ring
-  // itself, and stores it to the workspace if it was still free.
-  static __device__ __forceinline__ void produce_once(const PrefillArgs& a, const PrefillMaps* maps, const OnceArgs& o,
-                                                      const Smem& sm, const Buf& buf, const Cache& ws, int b, int kv_head,
-                                                      int head, int q_begin, int q0, int rows, int kv_len, int n_first,
-                                                      int n_tiles, int pw, int lane) {
-    // the first tile's flag, read before anything else: each L2 round trip before the first tile's copy lengthens a
-    // block's start, which no other block hides (one block per SM)
-    const int ws0 = (int)ws.row_key(b, 0);  // the sequence's first workspace row, a multiple of BN
-    int* const flags = o.flags + ((i64)(ws0 / BN) * o.num_kv_heads) * 4 + pw;  // (tile n, kv head k): + (n * heads + k) * 4
-    auto flag_of = [&](int n, int k) { return flags + ((i64)n * o.num_kv_heads + k) * 4; };
-    const int n_last = n_first + n_tiles - 1;
-    int first_look = 0;
-    if (CUKV_ONCE_UB != 1 && lane == 0 && n_tiles > 0) first_look = ld_acquire_gpu(flag_of(n_last, kv_head));
-    load_query(a, sm, head, q_begin, q0, rows, pw, lane);
-    const Fp8Cache f(o.fp8);
-    const float k_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(true, 0, 0, 0) : 0.f;
-    const float v_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(false, 0, 0, 0) : 0.f;
-    constexpr int kWarpRows = BN / Buf::kProducerWarps;
-    constexpr int kLocal = 0, kOwn = 1, kLoad = 2;
-    auto stat = [&](int i, int x) {
-      if (CUKV_ONCE_STATS) atomicAdd(o.flags - 32 + i, x);
-    };
-    // the warp's quarter of tile n of KV head k (codes and scales) into the raw tile by cp.async, one commit group
-    auto copy_quarter = [&](int n, int k) {
-      const int tok_lane = n * BN + pw * kWarpRows + lane;
-      const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? f.row_idx(b, tok_lane) : (i64)-1;
-      __syncwarp();  // the warp's lanes have read their part of the raw tile before it is refilled
-      auto copy = [&](auto is_k) {
-        constexpr bool IS_K = decltype(is_k)::value;
-        i64 lane_off = -1, lane_scale = 0;
-        if (row >= 0) {
-          lane_off = Fp8Cache::offset(IS_K ? o.fp8.k_stride : o.fp8.v_stride, row, k, 0);
-          if constexpr (SCALE_BLOCK > 0)
-            lane_scale = f.template scale_ptr<SCALE_BLOCK>(IS_K, row, k, 0) - (IS_K ? o.fp8.k_scales : o.fp8.v_scales);
-        }
-        buf.template copy_raw_fp8<SCALE_BLOCK>(
-            sm.raw + (u32)(IS_K ? 0 : kRawElemBytes), static_cast<const unsigned char*>(IS_K ? o.fp8.k : o.fp8.v),
-            IS_K ? o.fp8.k_scales : o.fp8.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, lane_off, r); },
-            lane_off, lane_scale, 0, DEPTH, pw, lane);
-      };
-      copy(Bool<true>());
-      copy(Bool<false>());
-      cp_async_commit();
-    };
-    // Converting ahead: tiles [ahead, ahead_hi] of KV head ahead_kv (none when ahead > ahead_hi); `ahead` moves on to
-    // the next quarter to claim.
-    const int ahead_kv = (head + 1) / a.group;
-    int ahead = 1, ahead_hi = 0;
-    if (CUKV_ONCE_UB != 3 && head + 1 < a.num_qo_heads && ahead_kv != kv_head && rows > 0) {
-      const int shift = kv_len - (a.q_offsets[b + 1] - a.q_offsets[b]);
-      ahead = max(0, shift + q0) / BN;
-      ahead_hi = min(shift + q0 + rows, kv_len) - 1;
-      ahead_hi = ahead_hi >= 0 ? ahead_hi / BN : -1;
-    }
-    // One step per tile, after the tile's copies are issued (when the producer would wait for the next tile's ring
-    // slots): claim the next free quarter and start its copies; convert it into the workspace; fence and release it.
-    // Each step's latency then hides behind the consumers, where doing all three at once stalled them (a serial
-    // chain of about 4 us per block: 0.82 of bf16 at MHA d128 against 0.99 without the conversions).
-    int phase = 0;  // 0: nothing held; 1: codes in flight in the raw tile; 2: stored, not yet released
-    auto step_ahead = [&] {
-      if (phase == 1) {
-        cp_async_wait<0>();
-        __syncwarp();  // and the scales the rows' lanes copied
-        const i64 row0 = ws0 + ahead * BN + pw * kWarpRows;
-        if (CUKV_ONCE_DIAG == 3 && !CUKV_ONCE_COAL) {
-          buf.raw_to_global(sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, ahead_kv, 0),
-                            a.kv.k_stride[1], DEPTH, pw, lane);
-          buf.raw_to_global(sm.raw + (u32)kRawElemBytes,
-                            static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, ahead_kv, 0),
-                            a.kv.v_stride[1], DEPTH, pw, lane);
-        } else if (CUKV_ONCE_DIAG != 1) {
-        buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
-            sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, ahead_kv, 0),
-            a.kv.k_stride[1], k_scale, DEPTH, pw, lane);
-        buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
-            sm.raw + (u32)kRawElemBytes,
-            static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, ahead_kv, 0),
-            a.kv.v_stride[1], v_scale, DEPTH, pw, lane);
-        }
-        phase = 2;
-        return;
-      }
-      if (phase == 2) {
-        if (CUKV_ONCE_DIAG != 2) __threadfence();  // this lane's workspace rows are visible
-        __syncwarp();     // every lane's
-        if (lane == 0) {
-          st_release_gpu(flag_of(ahead, ahead_kv), 2);
-          stat(0, 1);
-        }
-        phase = 0;
-        ++ahead;
-      }
-      for (; ahead <= ahead_hi; ++ahead) {  // claim the next free quarter
-        int won = 0;
-        if (CUKV_ONCE_UB != 1 && lane == 0) won = atomicCAS(flag_of(ahead, ahead_kv), 0, 1) == 0;
-        if (__shfl_sync(0xffffffffu, won, 0)) {
-          if (CUKV_ONCE_DIAG != 4) copy_quarter(ahead, ahead_kv);
-          phase = 1;
-          break;  // `ahead` stays on the held quarter
-        }
-      }
-    };
-    int count = 0;
-    for (int it = 0; it < n_tiles; ++it) {
-      const int n = n_last - it;
-      if (it >= CUKV_ONCE_STEP_FROM) step_ahead();  // after the previous tile's copies
-      int* const flag = flag_of(n, kv_head);
-      const int row0 = ws0 + n * BN + pw * kWarpRows;  // the quarter's first workspace row
-      int how = CUKV_ONCE_UB == 1 ? kLoad : kLocal;
-      if (CUKV_ONCE_UB != 1 && lane == 0) {
-        int st = it == 0 ? first_look : CUKV_ONCE_RELAXED ? ld_relaxed_gpu(flag) : ld_acquire_gpu(flag);
-        if (CUKV_ONCE_UB == 3) st = 2;
-        int polls = 0;
-        const bool first = st == 2;
-        if (st == 0 && atomicCAS(flag, 0, 1) == 0) {
-          how = kOwn;
-        } else {
-          for (; st != 2 && polls < kOncePolls; ++polls) {
-            __nanosleep(256);
-            st = ld_acquire_gpu(flag);
-          }
-          if (st == 2) {
-            how = kLoad;
-            if (CUKV_ONCE_FENCE) fence_proxy_async_global();  // the acquired rows -> this thread's tensor copies
-          }
-        }
-        stat(how == kOwn ? 5 : how == kLoad ? (first ? 1 : 2) : 3, 1);
-        stat(4, polls);
-      }
-      how = __shfl_sync(0xffffffffu, how, 0);
-      if (how == kLoad) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int stage = count % STAGES;
-          mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
-          if (lane == 0) {
-            const u32 bar = sm.full + 8 * stage;
-            mbar_expect_tx(bar, kQAtoms * kWarpRows * kAtomRowBytes);
-#pragma unroll
-            for (int atom = 0; atom < kQAtoms; ++atom)
-              tma_load_4d(buf.element(stage) + (u32)((atom * BN + pw * kWarpRows) * kAtomRowBytes), e ? &maps->v : &maps->k,
-                          atom * kAtomRowBytes, kv_head, row0, 0, bar);
-          }
-          mbar_arrive(sm.full + 8 * stage);
-          ++count;
-        }
-        continue;
-      }
-      // convert into the ring (the raw tile must be free: held codes go to the workspace first)
-      if (phase == 1) step_ahead();
-      copy_quarter(n, kv_head);
-      cp_async_wait<0>();
-      __syncwarp();  // and the scales the rows' lanes copied
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int stage = count % STAGES;
-        buf.template convert_raw_fp8<SCALE_BLOCK>(stage, sm.raw + (u32)(e * kRawElemBytes), e ? v_scale : k_scale, pw,
-                                                  lane, [&] { mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1); });
-        fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads and the workspace stores
-        mbar_arrive(sm.full + 8 * stage);
-        ++count;
-      }
-      if (how == kOwn) {
-        __syncwarp();  // every lane's rows are in shared memory (each fenced its own stores)
-        if (lane == 0) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const u32 src = buf.element((count - 2 + e) % STAGES) + (u32)(pw * kWarpRows * kAtomRowBytes);
-#pragma unroll
-            for (int atom = 0; atom < kQAtoms; ++atom)
-              tma_store_4d(e ? &maps->v : &maps->k, atom * kAtomRowBytes, kv_head, row0, 0,
-                           src + (u32)(atom * BN * kAtomRowBytes));
-          }
-          bulk_commit();
-          bulk_wait_all();  // written (and read from the ring, which the producer refills later)
-          fence_proxy_async_global();
-          st_release_gpu(flag, 2);
-        }
-      }
-    }
-    // what is left of the range before leaving (every claim must be released)
-    do step_ahead();
-    while (phase != 0);
-    asm volatile("cp.async.wait_all;" ::: "memory");  // the query's copies have landed
   }
 
   static __device__ __forceinline__ void produce(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,

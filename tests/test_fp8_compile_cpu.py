@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from cukv.decode import DecodeConfig
-from cukv.prefill import DEFAULTS, DEQUANT_TILES, HEAD_DIMS, PrefillConfig, default_config
+from cukv.prefill import DEFAULTS, DEQUANT_TILES, HEAD_DIMS, ONCE_HEAD_DIMS, PrefillConfig, default_config
 
 DECODE = [("bfloat16", 128, 4, sb) for sb in (0, 32, 64, 128)] + [
     ("float16", 128, 4, 128), ("bfloat16", 64, 8, 64), ("bfloat16", 96, 4, 32), ("bfloat16", 256, 4, 256),
@@ -134,7 +134,7 @@ def test_tma_page_tensor_checks():
 def test_pingpong_domain():
     ok = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, pingpong=True)
     assert ok.name.endswith("_pp") and ok.smem_bytes == dataclasses.replace(ok, pingpong=False).smem_bytes
-    assert ", true> K;" in ok.render() and ", false> K;" in dataclasses.replace(ok, pingpong=False).render()
+    assert ", true, 0> K;" in ok.render() and ", false, 0> K;" in dataclasses.replace(ok, pingpong=False).render()
     with pytest.raises(ValueError, match=r"pingpong.*BM >= 128, not 64"):
         PrefillConfig("bfloat16", 128, 16, 64, 64, 128, 4, pingpong=True)
     with pytest.raises(ValueError, match="pingpong=1 is not valid"):
@@ -169,6 +169,21 @@ def test_dequantize_kv_compiles_without_spills_or_stack(dtype, d, sb, ps):
     assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
 
 
+# fp8_prefill='convert_once' (PrefillConfig.convert_once): what 'auto' takes (token scales at ONCE_HEAD_DIMS, both query
+# dtypes) and what the GPU tests run explicitly (other granularities, head dims and pages)
+@pytest.mark.parametrize("dtype,d,sb,ps", [(dt, d, d, 16) for dt in ("bfloat16", "float16") for d in ONCE_HEAD_DIMS]
+                         + [("bfloat16", 128, sb, 16) for sb in (0, 32, 64)]
+                         + [("bfloat16", 64, 64, 16), ("bfloat16", 80, 80, 1), ("bfloat16", 256, 128, 16),
+                            ("bfloat16", 128, 64, 48)])
+def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
+    from cukv.prefill import once_config
+
+    cfg = once_config(dtype, d, ps, "fp8_e4m3", sb)
+    rep = cfg.compiled.functions[cfg.name]
+    assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
+    assert cfg.producer_registers == (80 if cfg.BM == 192 else 72) and cfg.smem_bytes <= 227 * 1024
+
+
 def test_dequant_config_domain():
     from cukv.dequant import DequantConfig
 
@@ -193,13 +208,21 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
 
 
 def test_fp8_prefill_strategy_choice():
-    """'auto' follows the measured crossovers (DEQUANT_MIN_ROWS_PER_KEY[_TENSOR], session 23 on H100)."""
+    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY, session 27; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
+    session 23; on H100)."""
     import cukv
     from cukv.prefill import DEQUANT_WORKSPACE_LIMIT
 
-    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4) == "dequantize_first"     # 8192 rows per key
-    assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8) == "dequantize_first"      # 4096
-    assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8) == "fused"               # MHA, 1024
+    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4) == "dequantize_first"     # 8448 rows per key
+    assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8) == "dequantize_first"      # 4096, d64
+    assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8) == "convert_once"        # MHA, 1088
+    assert _strategy(32, 32, 128, [8192] * 2, [8192] * 2) == "convert_once"        # MHA, 4160
+    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4) == "convert_once"        # MHA d256, 2112
+    assert _strategy(32, 16, 128, [2048] * 8, [2048] * 8) == "convert_once"        # GQA 2, 2176
+    assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16) == "fused"             # MHA, 576
+    assert _strategy(32, 32, 64, [4096] * 4, [4096] * 4) == "dequantize_first"     # d64 never converts once
+    assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran=32) == "fused"      # block scales: unmeasured
+    assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "fused"
     # per-tensor scales: from 8192 rows per key
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "dequantize_first"
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "fused"

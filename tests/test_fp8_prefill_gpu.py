@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cukv
-from cukv.dtypes import from_storage
+from cukv.dtypes import from_storage, to_storage
 from cukv.testing import assert_close, assert_within_staging, random_prefill_case, reference_prefill
 
 pytestmark = pytest.mark.gpu
@@ -242,13 +242,59 @@ def test_convert_once_rereads_the_cache_every_run(rng):
     cp.cuda.Device().synchronize()
 
 
-def test_auto_dequantizes_when_many_rows_share_a_key(rng):
-    # one 1024-token prompt, 8 query heads per KV head: about 4096 query rows per key, past DEQUANT_MIN_ROWS_PER_KEY
+def test_auto_strategy_by_rows_per_key(rng):
+    # one 1024-token prompt, 8 query heads per KV head: about 4600 query rows per key, token scales at d128: inside
+    # [ONCE_MIN_ROWS_PER_KEY, ONCE_MAX_ROWS_PER_KEY)
     _check(rng, [1024], [0], 16, 2, 128, 16, "bfloat16", "token")
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 1024]), np.array([1024]))
+    assert pf.strategy == "convert_once"
+    # 4096 tokens: about 16900 rows per key, past ONCE_MAX_ROWS_PER_KEY
+    pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 4096]), np.array([4096]))
     assert pf.strategy == "dequantize_first"
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor")
     assert pf.plan(np.array([0, 1024]), np.array([1024])).strategy == "fused"
+
+
+def test_convert_once_mha_many_heads(rng):
+    # one KV head per query head: the blocks of head h convert head h + 1's tiles ahead of its blocks, across two
+    # sequences with a cached prefix and a ragged tail
+    _check(rng, [1100, 300], [0, 260], 8, 8, 128, 16, "bfloat16", "token", fp8_prefill="convert_once")
+    _check(rng, [700], [90], 4, 4, 256, 16, "bfloat16", "token", fp8_prefill="convert_once")
+
+
+@pytest.mark.parametrize("strategy", ["fused"] + STRATEGIES)
+def test_fp8_prefill_graph_capture_and_replay(rng, strategy):
+    """Every strategy's launches (the pass or the flags' clear, then the kernel) replay from a CUDA graph over new
+    cache contents, bit for bit as a direct run."""
+    import cupy as cp
+
+    case = _case(rng, [500, 77], [0, 150], 8, 2, 128, 16, "bfloat16", "token")
+    pf = cukv.BatchPrefill(8, 2, 128, 16, kv_dtype="fp8_e4m3", fp8_prefill=strategy)
+    pf.plan(case["q_offsets"], case["kv_lens"])
+    out = cp.empty(case["q"].shape, case["q"].dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
+        stream.begin_capture()
+        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
+        graph = stream.end_capture()
+    for _ in range(2):
+        # new contents in the captured arrays: every used slot appended again (codes and scales), new queries
+        kv = [cp.asarray(to_storage(rng.standard_normal(case["k"].shape).astype(np.float32), "bfloat16"))
+              for _ in range(2)]
+        cukv.append_kv(case["cache"], kv[0], kv[1], cp.asarray(case["slots"]))
+        q = to_storage(rng.standard_normal(case["q"].shape).astype(np.float32), "bfloat16")
+        case["q"][...] = cp.asarray(q)
+        case["q_host"] = from_storage(q, "bfloat16")
+        out.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+        direct = pf.run(case["q"], (case["cache"], case["table"]))
+        cp.cuda.Device().synchronize()
+        assert np.array_equal(out.get(), direct.get()), "a replay must match a direct run bit for bit"
+        ref, _ = reference_prefill(case, staged="bfloat16", round_v=True if strategy != "fused" else None,
+                                   fp8_scores=pf.config.fp8_scores and strategy == "fused")
+        assert_close(from_storage(out.get(), "bfloat16"), ref, "bfloat16", name=f"{strategy} replay vs reference")
 
 
 @pytest.mark.parametrize("gran", ["token", "tensor", 32])
