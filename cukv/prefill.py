@@ -633,6 +633,7 @@ class BatchPrefill:
         sequence's rows start at a multiple of BN, so a tile's rows past the sequence (stored as zeros) stay its own."""
         import cupy as cp
 
+        from . import tma
         from .dtypes import storage_dtype
 
         cfg = self.config if self.config.convert_once else once_config(self.dtype, self.head_dim, self.config.page_size,
@@ -646,8 +647,16 @@ class BatchPrefill:
         rows = max(int(offs[-1]), cfg.BN)
         st = storage_dtype(self.dtype)
         shape = (rows, self.num_kv_heads, self.head_dim)
-        self._once = dict(cfg=cfg, work=work, num_work=num_work, k=cp.empty(shape, st),
-                          v=cp.empty(shape, st), offsets=cp.asarray(offs.astype(np.int32)),
+        ws_k, ws_v, ws_offs = cp.empty(shape, st), cp.empty(shape, st), cp.asarray(offs.astype(np.int32))
+        # the kernel's view of the workspace (rows from ws_offs, one page of every row) and its tensor maps, fixed
+        # for the plan: run() only fills in the cache it converts from
+        ws = np.zeros((), KV_PARAMS)
+        ws["k"], ws["v"], ws["block_table"] = ptr(ws_k), ptr(ws_v), ptr(ws_offs)
+        ws["k_stride"] = ws["v_stride"] = (0, self.num_kv_heads * self.head_dim, self.head_dim, 1)
+        ws["num_pages"], ws["batch_size"] = rows, self.batch_size
+        maps = tma.as_maps_arg(*[tma.encode_pages("workspace." + n, tma.OnePage(a.view(np.uint8)), 128, cfg.tma_rows,
+                                                  tma.SWIZZLE_128B) for n, a in (("k", ws_k), ("v", ws_v))])
+        self._once = dict(cfg=cfg, work=work, num_work=num_work, k=ws_k, v=ws_v, offsets=ws_offs, kv=ws, maps=maps,
                           flags=cp.zeros(32 + rows // cfg.BN * self.num_kv_heads * 4, cp.int32))  # 32: ONCE_STATS
         self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
 
@@ -715,7 +724,7 @@ class BatchPrefill:
         rec["num_qo_heads"], rec["group"] = self.num_qo_heads, self.num_qo_heads // self.num_kv_heads
         num_work = self._num_work
         if self._once is not None:
-            args, cfg, num_work = self._once_args(rec, kv_arrays)
+            args, cfg, num_work = self._once_args(rec)
         else:
             args = (as_kernel_arg(rec),) + ((self._tma_maps(*kv_arrays),) if cfg.tma else ())
         if num_work:
@@ -727,23 +736,14 @@ class BatchPrefill:
                          shared_mem=cfg.smem_bytes)
         return (out, lse) if return_lse else out
 
-    def _once_args(self, rec, kv_arrays):
-        """convert_once: ``rec`` (checked, with the FP8 cache's params) rewired to the workspace, the workspace's
-        tensor maps and the OnceArgs record; the config and work count to launch."""
-        from . import tma
-
+    def _once_args(self, rec):
+        """convert_once: ``rec`` (checked, with the FP8 cache's params) rewired to the planned workspace, its tensor
+        maps and the OnceArgs record; the config and work count to launch."""
         d = self._once
-        cfg, ws_k, ws_v = d["cfg"], d["k"], d["v"]
         once = np.zeros((), ONCE_ARGS)
         once["fp8"], once["flags"], once["num_kv_heads"] = rec["kv"], ptr(d["flags"]) + 128, self.num_kv_heads
-        ws = np.zeros((), KV_PARAMS)
-        ws["k"], ws["v"], ws["block_table"] = ptr(ws_k), ptr(ws_v), ptr(d["offsets"])
-        ws["k_stride"] = ws["v_stride"] = (0, self.num_kv_heads * self.head_dim, self.head_dim, 1)
-        ws["num_pages"], ws["batch_size"] = ws_k.shape[0], self.batch_size
-        rec["kv"], rec["work"] = ws, ptr(d["work"])
-        maps = [tma.encode_pages("workspace." + n, tma.OnePage(a.view(np.uint8)), 128, cfg.tma_rows, tma.SWIZZLE_128B)
-                for n, a in (("k", ws_k), ("v", ws_v))]
-        return (as_kernel_arg(rec), tma.as_maps_arg(*maps), as_kernel_arg(once)), cfg, d["num_work"]
+        rec["kv"], rec["work"] = d["kv"], ptr(d["work"])
+        return (as_kernel_arg(rec), d["maps"], as_kernel_arg(once)), d["cfg"], d["num_work"]
 
     def _tma_maps(self, k, v):
         """The K and V tensor maps of a ``tma`` config (cukv/tma.py) over the arrays the kernel reads: boxes of

@@ -389,12 +389,13 @@ struct PrefillKernel {
       __syncwarp();  // and the scales the rows' lanes copied
       const i64 row0 = ws0 + n * BN + q * kWarpRows;
       if (CUKV_ONCE_DIAG != 1 && CUKV_ONCE_DIAG != 5) {
-      buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
-          sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, k, 0),
-          a.kv.k_stride[1], k_scale, DEPTH, pw, lane);
-      buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
-          sm.raw + (u32)kRawElemBytes, static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, k, 0),
-          a.kv.v_stride[1], v_scale, DEPTH, pw, lane);
+        buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
+            sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, k, 0),
+            a.kv.k_stride[1], k_scale, DEPTH, pw, lane);
+        buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
+            sm.raw + (u32)kRawElemBytes,
+            static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, k, 0), a.kv.v_stride[1],
+            v_scale, DEPTH, pw, lane);
       }
       if (CUKV_ONCE_DIAG != 2 && CUKV_ONCE_DIAG != 5) __threadfence();  // this lane's workspace rows are visible
       __syncwarp();     // every lane's, and every lane has read its raw chunks before the next copy
@@ -411,46 +412,34 @@ struct PrefillKernel {
       return __shfl_sync(0xffffffffu, won, 0) != 0;
     };
     constexpr int kConverters = Buf::kProducerWarps - 1;
-    // the visited tiles' free quarters, in the order warp 0 needs them: 32 flags looked at in one round trip,
-    // quarter i of the walk goes to warp 1 + i % 3
-    auto own = [&] {
-      for (int base = 0; base < 4 * n_tiles; base += 32) {
-        const int i = base + lane;
-        const bool mine = i < 4 * n_tiles && i % kConverters == pw - 1;
-        unsigned free = __ballot_sync(0xffffffffu, mine && ld_relaxed_gpu(flag_of(n_last - i / 4, kv_head, i % 4)) == 0);
-        for (; free; free &= free - 1) {
-          const int j = base + __ffs(free) - 1;
-          if (claim(n_last - j / 4, kv_head, j % 4)) convert_quarter(n_last - j / 4, kv_head, j % 4);
-        }
-      }
-    };
-    // Converting ahead, greedily: free quarters of this sequence's tiles for the next KV head, top tile first (the
-    // heaviest query tiles, which visit the top tiles first, launch first), while warp 0 still has at least
-    // CUKV_ONCE_MINLEFT tiles to issue: a quarter takes a converter about as long as a few tiles take the consumers,
-    // and a block whose consumers are done waits for its converters (fixed shares stretched the light blocks).
-    auto ahead = [&] {
-      const int k = kv_head + 1;
-      if (k >= o.num_kv_heads) return;
-      const int nt = (kv_len + BN - 1) / BN;
-      auto left = [&] {
-        int fed;
+    // The free quarters of KV head k's tiles top, top - 1, ... (tiles of them), in that order: 32 flags looked at in
+    // one round trip, quarter i of the walk goes to warp 1 + i % 3. With `ahead`, it stops once warp 0 has fewer than
+    // CUKV_ONCE_MINLEFT tiles left to issue: a quarter takes a converter about as long as a few tiles take the
+    // consumers, and a block whose consumers are done waits for its converters.
+    auto convert_free = [&](int k, int top, int tiles, bool ahead) {
+      auto stop = [&] {
+        if (!ahead) return false;
+        int fed;  // tiles warp 0 has issued
         asm volatile("ld.volatile.shared.u32 %0, [%1];" : "=r"(fed) : "r"(sm.raw) : "memory");
-        return n_tiles - fed;
+        return n_tiles - fed < CUKV_ONCE_MINLEFT;
       };
-      for (int base = 0; base < 4 * nt; base += 32) {
-        if (left() < CUKV_ONCE_MINLEFT) return;
+      for (int base = 0; base < 4 * tiles; base += 32) {
+        if (stop()) return;
         const int i = base + lane;
-        const bool mine = i < 4 * nt && i % kConverters == pw - 1;
-        unsigned free = __ballot_sync(0xffffffffu, mine && ld_relaxed_gpu(flag_of(nt - 1 - i / 4, k, i % 4)) == 0);
+        const bool mine = i < 4 * tiles && i % kConverters == pw - 1;
+        unsigned free = __ballot_sync(0xffffffffu, mine && ld_relaxed_gpu(flag_of(top - i / 4, k, i % 4)) == 0);
         for (; free; free &= free - 1) {
-          if (left() < CUKV_ONCE_MINLEFT) return;
+          if (stop()) return;
           const int j = base + __ffs(free) - 1;
-          if (claim(nt - 1 - j / 4, k, j % 4)) convert_quarter(nt - 1 - j / 4, k, j % 4);
+          if (claim(top - j / 4, k, j % 4)) convert_quarter(top - j / 4, k, j % 4);
         }
       }
     };
-    own();
-    ahead();
+    // First the visited tiles, in the order warp 0 needs them; then, greedily, the sequence's tiles for the next KV
+    // head, top tile first (the heaviest query tiles, which visit the top tiles first, launch first).
+    convert_free(kv_head, n_last, n_tiles, false);
+    const int seq_tiles = (kv_len + BN - 1) / BN;
+    if (kv_head + 1 < o.num_kv_heads) convert_free(kv_head + 1, seq_tiles - 1, seq_tiles, true);
   }
 
   static __device__ __forceinline__ void produce(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
