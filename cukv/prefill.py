@@ -560,6 +560,9 @@ class BatchPrefill:
         check_in("BatchPrefill", "fp8_prefill", fp8_prefill, FP8_PREFILL)
         if fp8_prefill != "auto" and kvd is None:
             raise ValueError(f"fp8_prefill={fp8_prefill!r} applies to FP8 caches (kv_dtype='fp8_e4m3'); leave it 'auto'")
+        if fp8_prefill == "convert_once" and int(head_dim) > 256:
+            raise ValueError(f"fp8_prefill='convert_once' supports head_dim up to 256, not {head_dim}; use 'auto', "
+                             "'fused' or 'dequantize_first'")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size, self.dtype, self.config = int(head_dim), page_size, dt, config
         self.fp8_prefill = fp8_prefill

@@ -236,4 +236,6 @@ def test_fp8_prefill_strategy_choice():
         cukv.BatchPrefill(32, 8, 128, 16, fp8_prefill="fused")  # a 16-bit cache
     with pytest.raises(ValueError, match="fp8_prefill"):
         cukv.BatchPrefill(32, 8, 128, 16, kv_dtype="fp8_e4m3", fp8_prefill="two_pass")
+    with pytest.raises(ValueError, match="convert_once.*head_dim up to 256, not 512"):
+        cukv.BatchPrefill(32, 8, 512, 16, kv_dtype="fp8_e4m3", fp8_prefill="convert_once")
 
