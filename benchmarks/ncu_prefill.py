@@ -5,6 +5,7 @@ into an FP8 cache (per-token scales), two warm-up rounds, then the round to prof
         python3 benchmarks/ncu_prefill.py 2x4096x128
 """
 import argparse
+import sys
 
 import cupy as cp
 
@@ -23,8 +24,13 @@ q, k, v, cache, pt, offsets, lengths = _build(batch, seq_len, hq, hkv, d)
 fcache = fp8_cache_like((q, k, v, cache, pt, offsets, lengths), args.gran)
 out = cp.empty_like(q)
 bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
+# "convert_once:np": the launch-per-item grid; ":gN": a persistent grid of N blocks (benchmarks/probe_prefill_once.py)
+P = sys.modules["cukv.prefill"]
+P.ONCE_PERSISTENT = not args.strategy.endswith(":np")
+P.ONCE_GRID = int(args.strategy.split(":g")[1]) if ":g" in args.strategy else None
 f8 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                       scale_granularity=args.gran, fp8_prefill=args.strategy).plan(offsets, lengths, mask="causal")
+                       scale_granularity=args.gran, fp8_prefill=args.strategy.split(":")[0]).plan(offsets, lengths,
+                                                                                                  mask="causal")
 print("configs:", bf.config.name, f8.config.name, flush=True)
 for _ in range(3):  # rounds 1-2 warm up, round 3 is the one to profile
     bf.run(q, (cache, pt), out=out)

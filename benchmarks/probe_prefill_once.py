@@ -7,6 +7,8 @@ import argparse
 
 import cupy as cp
 
+import sys
+
 import cukv
 from cukv.bench.decode import interleaved_medians
 from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
@@ -32,12 +34,26 @@ def main():
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
         fns = {"bf16": lambda bf=bf: bf.run(q, (cache, pt), out=out)}
         for s in args.strategies.split(","):
+            # "convert_once:np": on the launch-per-item grid instead of the persistent one; ":gN": a persistent grid
+            # of N blocks
+            P = sys.modules["cukv.prefill"]
+            P.ONCE_PERSISTENT = not s.endswith(":np")
+            P.ONCE_GRID = int(s.split(":g")[1]) if ":g" in s else None
             pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                                   scale_granularity=args.gran, fp8_prefill=s).plan(offsets, lengths, mask="causal")
+                                   scale_granularity=args.gran, fp8_prefill=s.split(":")[0]).plan(offsets, lengths,
+                                                                                                 mask="causal")
+            sys.modules["cukv.prefill"].ONCE_PERSISTENT = True
             pf.run(q, (fcache, pt), out=out)  # compiles; and fills a convert-once workspace (CUKV_ONCE_UB reads it)
-            fns[s] = lambda pf=pf: pf.run(q, (fcache, pt), out=out)
-            if args.stats and s == "convert_once":
-                st = pf._once["flags"][:8].get()
+            grid = P.ONCE_GRID
+            P.ONCE_GRID = None
+
+            def fn(pf=pf, grid=grid):
+                P.ONCE_GRID = grid
+                pf.run(q, (fcache, pt), out=out)
+                P.ONCE_GRID = None
+            fns[s] = fn
+            if args.stats and s.startswith("convert_once"):
+                st = pf._once["flags"][:32].get()
                 print(f"{shape} stats {list(st)}", flush=True)
         cp.cuda.Device().synchronize()
         med = interleaved_medians(timer, fns, reps=20, rounds=args.rounds)

@@ -67,7 +67,8 @@ PREFILL_ARGS = np.dtype([
 ], align=True)
 
 #: templates/prefill.cuh OnceArgs: the FP8 cache a convert-once prefill fills its workspace from, and the flags
-ONCE_ARGS = np.dtype([("fp8", KV_PARAMS), ("flags", "u8"), ("num_kv_heads", "i8")], align=True)
+ONCE_ARGS = np.dtype([("fp8", KV_PARAMS), ("flags", "u8"), ("tile_seq", "u8"), ("num_kv_heads", "i8"),
+                      ("num_work", "i4"), ("ws_tiles", "i4")], align=True)
 
 DEQUANT_ARGS = np.dtype([
     ("kv", KV_PARAMS),

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import compiler
 from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
+from .device import sm_count
 from .config import CTYPES, SHORT, check_bool, check_in, check_kv_quant, check_range, check_rule
 from .operand import KV_PARAMS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 from .tma import MAP_BYTES
@@ -145,6 +146,10 @@ class PrefillConfig:
     #: call (templates/prefill.cuh ``OnceArgs``). Needs ``tma`` (the workspace's copies), not ``fp8_scores``, head
     #: dims up to 256.
     convert_once: bool = False
+    #: ``convert_once`` only: one block per SM walks the work items in the grid's order, staging the next item's query
+    #: and tiles while the consumers finish the last; the converters take quarters from a queue in the order the items
+    #: need them and never hold an SM whose consumers are done (templates/prefill.cuh ``PERSISTENT``).
+    persistent: bool = False
 
     def __post_init__(self):
         c = "PrefillConfig"
@@ -172,6 +177,9 @@ class PrefillConfig:
             check_rule(c, "tma", True, tma_applies(self.page_size, self.BN),
                        f"needs gcd(page_size={self.page_size}, BN/4={self.BN // 4}) = {g} to be a multiple of 8 "
                        "(a box is whole 8-row swizzle groups of one page)")
+        check_bool(c, "persistent", self.persistent)
+        if self.persistent:
+            check_rule(c, "persistent", True, self.convert_once, "is convert_once's grid (convert_once=True)")
         check_bool(c, "pingpong", self.pingpong)
         if self.pingpong:
             check_rule(c, "pingpong", True, self.BM >= 128,
@@ -294,7 +302,9 @@ class PrefillConfig:
     def smem_bytes(self) -> int:
         ring = self.stages * self.kv_buffer.stage_bytes
         # full/empty per element, Q; FP8 TMA: one per raw slot
-        barriers = 2 * self.stages + 1 + (2 if self.tma and self.quantized and not self.convert_once else 0)
+        # persistent: q_empty and the staged item (10 ints)
+        barriers = (2 * self.stages + 1 + (2 if self.tma and self.quantized and not self.convert_once else 0)
+                    + (6 if self.persistent else 0))
         return 1024 + self.q_bytes + ring + self.raw_bytes + self.kscale_bytes + barriers * 8
 
     @property
@@ -318,7 +328,7 @@ class PrefillConfig:
     @property
     def name(self) -> str:
         q = ((f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "") if self.quantized else "")
-             + ("_tma" if self.tma else "") + ("_once" if self.convert_once else ""))
+             + ("_tma" if self.tma else "") + ("_once" if self.convert_once else "") + ("_pers" if self.persistent else ""))
         return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
                 f"_k{self.BK}_s{self.stages}" + ("_pp" if self.pingpong else ""))
 
@@ -336,7 +346,7 @@ class PrefillConfig:
             consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
             kscale_bytes=self.kscale_bytes, ks_mma=self.ks_mma, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES,
             pingpong=self.pingpong, once_page=self.page_size if self.convert_once else 0,
-            once_args_bytes=ONCE_ARGS.itemsize)
+            once_args_bytes=ONCE_ARGS.itemsize, persistent=self.persistent)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -399,14 +409,33 @@ def tma_applies(page_size: int, BN: int) -> bool:
     return tma_box_rows(page_size, BN) % 8 == 0
 
 
-def once_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int) -> PrefillConfig:
+#: convert_once runs on a persistent grid (``PrefillConfig.persistent``) up to this head dim. H100 (session 28,
+#: benchmarks/probe_prefill_once.py, token scales, bf16/FP8): persistent against launch-per-item 1.03 / 0.87 at MHA d128
+#: b8 L2048, 1.07 / 0.97 at GQA 4 b4 L4096, 1.07 / 0.97 at d64 GQA 4 b8 L2048; at MHA d256 0.89 / 0.89 (b4 L4096)
+#: and 0.88 / 0.88 (b2 L8192), where the persistent floor (no conversion) lost 5-13% for a reason not found: its
+#: consumers wait for tiles the launch-per-item kernel has ready (benchmarks/NOTES.md session 28).
+ONCE_PERSISTENT_MAX_HEAD_DIM = 128
+#: probes force the grid: None follows ONCE_PERSISTENT_MAX_HEAD_DIM; ONCE_GRID caps the persistent grid's blocks
+#: (the tests walk many items per block with a small grid)
+ONCE_PERSISTENT: bool | None = None
+ONCE_GRID: int | None = None
+
+
+def once_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int,
+                persistent: bool | None = None) -> PrefillConfig:
     """The convert-once kernel (``PrefillConfig.convert_once``) of an FP8 cache: the 16-bit default tile of the
-    head dim (its consumers are the 16-bit kernel's)."""
+    head dim (its consumers are the 16-bit kernel's), on a persistent grid up to ``ONCE_PERSISTENT_MAX_HEAD_DIM``
+    unless ``persistent`` (or ``ONCE_PERSISTENT``) says otherwise."""
     if head_dim not in DEFAULTS or head_dim > 256:
         raise ValueError(f"fp8_prefill='convert_once' supports head dims up to 256, not {head_dim}")
     bm, bn, bk, st = DEFAULTS[head_dim]
     return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
-                         tma=True, convert_once=True)
+                         tma=True, convert_once=True,
+                         persistent=_once_persistent(head_dim) if persistent is None else persistent)
+
+
+def _once_persistent(head_dim: int) -> bool:
+    return head_dim <= ONCE_PERSISTENT_MAX_HEAD_DIM if ONCE_PERSISTENT is None else ONCE_PERSISTENT
 
 
 def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
@@ -463,17 +492,20 @@ DEQUANT_MIN_ROWS_PER_KEY_TENSOR = 8192
 #: 'auto' dequantizes first only if the workspace (16-bit K and V of every planned key) fits this many bytes
 DEQUANT_WORKSPACE_LIMIT = 1 << 30
 #: 'auto' converts once (token scales, these head dims) from ONCE_MIN_ROWS_PER_KEY query rows per key up to, not
-#: including, ONCE_MAX_ROWS_PER_KEY, where dequantizing first is as fast. H100, one call (session 27,
+#: including, ONCE_MAX_ROWS_PER_KEY, where dequantizing first is as fast. Session 28 (persistent grid up to d128), one
+#: call, convert_once / dequantize_first: GQA 4 d128 b4 L4096 (8448) 1.07 / 0.97, b1 L16384 (33024) 0.98 / 1.02, MHA
+#: d128 b8 L2048 (1088) 1.03 / 0.82, MHA d256 b4 L4096 (2112) 0.89 / 0.88, d64 GQA 4 b8 L2048 (4096) 1.07 / 0.97.
+#: Before it (launch per item everywhere), H100, one call (session 27,
 #: benchmarks/probe_prefill_once.py), bf16/FP8 for fused / dequantize_first / convert_once, rows per key in brackets:
 #: MHA d128 b32 L512 (320) 0.92 / 0.72 / 0.66, b16 L1024 (576) 0.87 / 0.77 / 0.74, b8 L2048 (1088) 0.82 / 0.83 /
 #: 0.90, b4 L4096 (2112) 0.80 / 0.89 / 0.93, b2 L8192 (4160) 0.79 / 0.90 / 0.92; MHA d256 b16 L1024 (576) 0.87 / 0.75
 #: / 0.72, b4 L4096 (2112) 0.84 / 0.90 / 0.92; GQA 2 d128 b8 L2048 (2176) 0.82 / 0.91 / 0.94; GQA 4 d128 b16 L1024
 #: (2304) 0.87 / 0.94 / 0.95. At GQA 4 b4 L4096 (8448) and b1 L16384 (33024) dequantizing first led (0.98 / 1.01
 #: against 0.97 / 0.98, session 26). At d64 (three consumer warpgroups) converting once lost everywhere (0.76-0.82
-#: against 0.87-0.92), and block scales are unmeasured.
+#: against 0.87-0.92) before the persistent grid. Block scales are unmeasured.
 ONCE_MIN_ROWS_PER_KEY = 1024
-ONCE_MAX_ROWS_PER_KEY = 8192
-ONCE_HEAD_DIMS = (128, 256)
+ONCE_MAX_ROWS_PER_KEY = 16384
+ONCE_HEAD_DIMS = (64, 128, 256)
 
 
 class BatchPrefill:
@@ -659,8 +691,12 @@ class BatchPrefill:
         ws["num_pages"], ws["batch_size"] = rows, self.batch_size
         maps = tma.as_maps_arg(*[tma.encode_pages("workspace." + n, tma.OnePage(a.view(np.uint8)), 128, cfg.tma_rows,
                                                   tma.SWIZZLE_128B) for n, a in (("k", ws_k), ("v", ws_v))])
+        ws_tiles = int(offs[-1]) // cfg.BN
+        tile_seq = np.repeat(np.arange(kl.size, dtype=np.int32), padded // cfg.BN)  # the sequence of each tile
         self._once = dict(cfg=cfg, work=work, num_work=num_work, k=ws_k, v=ws_v, offsets=ws_offs, kv=ws, maps=maps,
-                          flags=cp.zeros(32 + rows // cfg.BN * self.num_kv_heads * 4, cp.int32))  # 32: ONCE_STATS
+                          ws_tiles=ws_tiles, tile_seq=cp.asarray(np.append(tile_seq, 0).astype(np.int32)),
+                          # 32 ints first: ONCE_STATS, and the persistent grid's two counters
+                          flags=cp.zeros(32 + rows // cfg.BN * self.num_kv_heads * 4, cp.int32))
         self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
 
     def _plan_dequant(self, qo, kl, mask, window, chunk) -> None:
@@ -727,7 +763,7 @@ class BatchPrefill:
         rec["num_qo_heads"], rec["group"] = self.num_qo_heads, self.num_qo_heads // self.num_kv_heads
         num_work = self._num_work
         if self._once is not None:
-            args, cfg, num_work = self._once_args(rec)
+            args, cfg, num_work = self._once_args(rec, qd)
         else:
             args = (as_kernel_arg(rec),) + ((self._tma_maps(*kv_arrays),) if cfg.tma else ())
         if num_work:
@@ -735,18 +771,28 @@ class BatchPrefill:
                 if self._once is not None:
                     f = self._once["flags"]
                     cp.cuda.runtime.memsetAsync(f.data.ptr, 0, f.nbytes, st.ptr)
-                self._fn((num_work, self.num_qo_heads, cfg.num_v_slices), (cfg.num_threads,), args,
-                         shared_mem=cfg.smem_bytes)
+                grid = (num_work, self.num_qo_heads, cfg.num_v_slices)
+                if cfg.persistent:  # one block per SM walks the items (templates/prefill.cuh PERSISTENT)
+                    grid = (min(ONCE_GRID or sm_count(), num_work * self.num_qo_heads), 1, 1)
+                self._fn(grid, (cfg.num_threads,), args, shared_mem=cfg.smem_bytes)
         return (out, lse) if return_lse else out
 
-    def _once_args(self, rec):
+    def _once_args(self, rec, q):
         """convert_once: ``rec`` (checked, with the FP8 cache's params) rewired to the planned workspace, its tensor
-        maps and the OnceArgs record; the config and work count to launch."""
+        maps and the OnceArgs record (the persistent grid: and ``q``'s tensor map, boxes of BM rows of one head); the
+        config and work count to launch."""
+        from . import tma
+
         d = self._once
         once = np.zeros((), ONCE_ARGS)
         once["fp8"], once["flags"], once["num_kv_heads"] = rec["kv"], ptr(d["flags"]) + 128, self.num_kv_heads
+        once["tile_seq"], once["num_work"], once["ws_tiles"] = ptr(d["tile_seq"]), d["num_work"], d["ws_tiles"]
         rec["kv"], rec["work"] = d["kv"], ptr(d["work"])
-        return (as_kernel_arg(rec), d["maps"], as_kernel_arg(once)), d["cfg"], d["num_work"]
+        args = (as_kernel_arg(rec), d["maps"], as_kernel_arg(once))
+        if d["cfg"].persistent:
+            args += (tma.as_maps_arg(tma.encode_pages("q", tma.OnePage(q.view(np.uint8)), 128, d["cfg"].BM,
+                                                      tma.SWIZZLE_128B)),)
+        return args, d["cfg"], d["num_work"]
 
     def _tma_maps(self, k, v):
         """The K and V tensor maps of a ``tma`` config (cukv/tma.py) over the arrays the kernel reads: boxes of

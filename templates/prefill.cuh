@@ -59,13 +59,17 @@ struct alignas(64) PrefillMaps {
 // (rows past the sequence as zeros) into the workspace and release them (produce_once). Each quarter is converted
 // once per call instead of once per visiting query tile (benchmarks/NOTES.md sessions 25-27).
 struct alignas(8) OnceArgs {
-  KVCacheParams fp8;  // the FP8 cache and its page table (lengths: the keys per sequence)
-  int* flags;         // [workspace tiles, kv heads, 4]
+  KVCacheParams fp8;    // the FP8 cache and its page table (lengths: the keys per sequence)
+  int* flags;           // [workspace tiles, kv heads, 4], after 32 ints: statistics, [30] and [31] PERSISTENT's counters
+  const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters)
   i64 num_kv_heads;
+  int num_work;         // work items per head (PERSISTENT)
+  int ws_tiles;         // workspace tiles
 };
 
 template <typename T, int DEPTH, int BM, int BN, int BK, int STAGES, int PAGE_SIZE, bool QUANTIZED = false,
-          int SCALE_BLOCK = 0, bool FP8_SCORES = false, int TMA_ROWS = 0, bool PINGPONG = false, int ONCE_PAGE = 0>
+          int SCALE_BLOCK = 0, bool FP8_SCORES = false, int TMA_ROWS = 0, bool PINGPONG = false, int ONCE_PAGE = 0,
+          bool PERSISTENT = false>
 struct PrefillKernel {
   typedef KVBuffer<T, BN, BK, DEPTH, STAGES> Buf;
   typedef typename Select<QUANTIZED, unsigned char, T>::type KVT;
@@ -85,6 +89,7 @@ struct PrefillKernel {
                            (SCALE_BLOCK == 0 || DEPTH % SCALE_BLOCK == 0)),
                 "convert once: a contiguous 16-bit workspace by TMA, one box per producer warp, the whole head in one element");
   typedef KVCacheOperand<unsigned char, (ONCE_PAGE > 0 ? ONCE_PAGE : 1), true> Fp8Cache;
+  static_assert(!PERSISTENT || kOnce, "the persistent grid is convert-once's");
   static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
@@ -150,7 +155,10 @@ struct PrefillKernel {
   static constexpr int kRawTileBytes = QUANTIZED ? ((FP8_SCORES ? 0 : kKElems) + 1) * kRawElemBytes : 0;
   // kOnce: one raw tile (K and V) the convert path copies into before converting it
   static constexpr int kRawBytes = kOnce ? 2 * kRawElemBytes : 2 * kRawTileBytes;
-  static constexpr int kBarBytes = (2 * STAGES + 1 + (kTma && QUANTIZED ? 2 : 0)) * 8;  // FP8 TMA: one per raw slot
+  // FP8 TMA: one per raw slot; PERSISTENT: q_empty and the staged item (kItemInts)
+  static constexpr int kItemInts = 10;
+  static constexpr int kBarBytes =
+      (2 * STAGES + 1 + (kTma && QUANTIZED ? 2 : 0) + (PERSISTENT ? 1 + (kItemInts * 4 + 7) / 8 : 0)) * 8;
   static constexpr int kSmemBytes =
       1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kRawBytes + kKScaleBytes + kBarBytes;
   static_assert(BM % 64 == 0 && BM <= 192, "BM: one to three consumer warpgroups");
@@ -162,6 +170,7 @@ struct PrefillKernel {
   struct Smem {
     u32 q, ring, raw, kscale;
     u32 full, empty, q_full, raw_full;  // barrier addresses
+    u32 q_empty, item;                  // PERSISTENT
   };
 
   static __device__ __forceinline__ Smem carve(unsigned char* raw) {
@@ -175,6 +184,8 @@ struct PrefillKernel {
     s.empty = s.full + 8 * STAGES;
     s.q_full = s.empty + 8 * STAGES;
     s.raw_full = s.q_full + 8;
+    s.q_empty = s.q_full + 8;  // PERSISTENT (never QUANTIZED: no raw_full)
+    s.item = s.q_full + 16;
     return s;
   }
 
@@ -192,29 +203,57 @@ struct PrefillKernel {
     return lo;
   }
 
-  static __device__ void run(const PrefillArgs& a, const PrefillMaps* maps, const OnceArgs* once = nullptr) {
+  // One work item: BM query rows of one (sequence, query head) and the key tiles they see.
+  struct Item {
+    int b, head, kv_head, q_begin, q0, rows, kv_len, shift, n_first, n_tiles;  // b < 0: no more items
+  };
+  static_assert(sizeof(Item) == kItemInts * 4, "Item is staged in shared memory as kItemInts ints");
+  static __device__ __forceinline__ void store_item(u32 addr, const Item& t) {
+    const int* w = reinterpret_cast<const int*>(&t);
+#pragma unroll
+    for (int i = 0; i < kItemInts; ++i) asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr + 4 * i), "r"(w[i]) : "memory");
+  }
+  static __device__ __forceinline__ Item load_item(u32 addr) {
+    Item t;
+    int* w = reinterpret_cast<int*>(&t);
+#pragma unroll
+    for (int i = 0; i < kItemInts; ++i) asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[i]) : "r"(addr + 4 * i) : "memory");
+    return t;
+  }
+  // work item w of the heaviest-first list for query head `head`
+  static __device__ __forceinline__ Item make_item(const PrefillArgs& a, const OnceArgs* once, const Cache& cache, int w,
+                                                   int head) {
+    Item t;
+    t.head = head;
+    t.kv_head = head / a.group;
+    t.b = a.work[2 * w];
+    const int qtile = a.work[2 * w + 1];
+    t.q_begin = a.q_offsets[t.b];
+    const int q_len = a.q_offsets[t.b + 1] - t.q_begin;
+    // convert once: the FP8 table's keys, within the rows the workspace holds for the sequence
+    t.kv_len = kOnce ? min(Fp8Cache(once->fp8).cache_length(t.b), cache.cache_length(t.b)) : cache.cache_length(t.b);
+    t.q0 = qtile * BM;
+    t.rows = min(BM, q_len - t.q0);
+    t.shift = t.kv_len - q_len;  // query i sits at position shift + i
+    // the item's key range: union over its rows (positions shift+q0 .. shift+q0+rows-1)
+    const int p_first = t.shift + t.q0, p_last = t.shift + t.q0 + t.rows - 1;
+    const int lo = max(0, key_lo(a, p_first));
+    const int hi = min(t.kv_len, key_hi(a, p_last, t.kv_len));
+    t.n_first = lo / BN;
+    t.n_tiles = hi > lo ? (hi - 1) / BN - t.n_first + 1 : 0;
+    return t;
+  }
+  // PERSISTENT: item index i runs along the launch grid's x (work items) first, then y (heads)
+  static __device__ __forceinline__ Item make_item(const PrefillArgs& a, const OnceArgs* once, const Cache& cache,
+                                                   int i) {
+    return make_item(a, once, cache, i % once->num_work, i / once->num_work);
+  }
+
+  static __device__ void run(const PrefillArgs& a, const PrefillMaps* maps, const OnceArgs* once = nullptr,
+                             const CUtensorMap* qmap = nullptr) {
     extern __shared__ unsigned char smem_raw[];
     const Smem sm = carve(smem_raw);
-    // work items along x (launched first), heads along y: the blocks in flight are the query tiles of one or two
-    // heads, which read the same K/V rows while they are in L2 (heads along x had each KV head's rows read by
-    // blocks far apart in time: 2-40% slower on H100, most at MHA, benchmarks/NOTES.md session 19)
-    const int head = blockIdx.y;
-    const int b = a.work[2 * blockIdx.x], qtile = a.work[2 * blockIdx.x + 1];
-    const int vslice = blockIdx.z;
-    const int kv_head = head / a.group;
     const Cache cache(a.kv);
-    const int q_begin = a.q_offsets[b], q_len = a.q_offsets[b + 1] - q_begin;
-    // convert once: the FP8 table's keys, within the rows the workspace holds for the sequence
-    const int kv_len = kOnce ? min(Fp8Cache(once->fp8).cache_length(b), cache.cache_length(b)) : cache.cache_length(b);
-    const int q0 = qtile * BM;
-    const int rows = min(BM, q_len - q0);
-    const int shift = kv_len - q_len;  // query i sits at position shift + i
-    // the block's key range: union over its rows (positions shift+q0 .. shift+q0+rows-1)
-    const int p_first = shift + q0, p_last = shift + q0 + rows - 1;
-    const int lo = max(0, key_lo(a, p_first));
-    const int hi = min(kv_len, key_hi(a, p_last, kv_len));
-    const int n_first = lo / BN;
-    const int n_tiles = hi > lo ? (hi - 1) / BN - n_first + 1 : 0;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
     if (threadIdx.x == 0) {
@@ -222,7 +261,9 @@ struct PrefillKernel {
         mbar_init(sm.full + 8 * s, 128);  // every producer lane arrives when its copies land
         mbar_init(sm.empty + 8 * s, kConsumerWGs * 4);
       }
-      mbar_init(sm.q_full, 128);
+      // every producer lane's query copies (PERSISTENT: warp 0's lane 0 with the item and its tensor copies)
+      mbar_init(sm.q_full, PERSISTENT ? 1 : 128);
+      if constexpr (PERSISTENT) mbar_init(sm.q_empty, kConsumerWGs * 4);
       if constexpr (kTma && QUANTIZED) {
         for (int s = 0; s < 2; ++s) mbar_init(sm.raw_full + 8 * s, 128);  // every producer lane arrives
       }
@@ -243,26 +284,54 @@ struct PrefillKernel {
 
     Buf buf;
     buf.ring = sm.ring;
+    if constexpr (PERSISTENT) {
+      if (warp < 4) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
+        if (warp == 0)
+          feed_persistent(a, maps, *once, qmap, sm, buf, cache, lane);
+        else
+          convert_persistent(a, *once, sm, buf, cache, warp, lane);
+      } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
+        int count = 0;
+        for (int i = 0;; ++i) {
+          mbar_wait(sm.q_full, i & 1);
+          const Item t = load_item(sm.item);
+          if (t.b < 0) return;
+          consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, 0,
+                  warp - 4, lane, count, i & 1);
+        }
+      }
+      return;
+    }
+    // work items along x (launched first), heads along y: the blocks in flight are the query tiles of one or two
+    // heads, which read the same K/V rows while they are in L2 (heads along x had each KV head's rows read by
+    // blocks far apart in time: 2-40% slower on H100, most at MHA, benchmarks/NOTES.md session 19)
+    const Item t = make_item(a, once, cache, blockIdx.x, blockIdx.y);
+    const int vslice = blockIdx.z;
     if (warp < 4) {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
       if constexpr (kOnce)
-        produce_once(a, maps, *once, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, warp,
-                      lane);
+        produce_once(a, maps, *once, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len,
+                     t.n_first, t.n_tiles, warp, lane);
       else
-        produce(a, maps, sm, buf, cache, b, kv_head, head, q_begin, q0, rows, kv_len, n_first, n_tiles, vslice, warp,
-                lane);
+        produce(a, maps, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.n_first,
+                t.n_tiles, vslice, warp, lane);
     } else {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
-      consume(a, sm, buf, cache, head, q_begin, q0, rows, kv_len, shift, n_first, n_tiles, vslice, warp - 4, lane);
+      int count = 0;
+      consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, vslice,
+              warp - 4, lane, count, 0);
     }
   }
 
   // Q: BM rows x all atoms, rows past the sequence and columns past DEPTH as zeros (FP8 scores: the consumers stage
   // their own rows as e4m3 terms instead)
+  // (thread `first` of `stride` loading threads; each arrives on q_full when its copies land)
   static __device__ __forceinline__ void load_query(const PrefillArgs& a, const Smem& sm, int head, int q_begin, int q0,
-                                                    int rows, int pw, int lane) {
+                                                    int rows, int first, int stride) {
     const T* q = static_cast<const T*>(a.q);
-    for (int i = pw * 32 + lane; i < BM * kQAtoms * 8; i += 128) {
+    for (int i = first; i < BM * kQAtoms * 8; i += stride) {
       const int chunk = i % 8, r = (i / 8) % BM, atom = i / (8 * BM);
       const int col = atom * 64 + chunk * 8;
       const bool ok = r < rows && col < DEPTH;
@@ -285,75 +354,140 @@ struct PrefillKernel {
 #define CUKV_ONCE_STATS 0
 #endif
 
-  // kOnce's producer (benchmarks/NOTES.md session 26). Warp 0 only feeds the ring: per visited tile it waits
+  // kOnce's producer (benchmarks/NOTES.md sessions 26-28). Warp 0 only feeds the ring: per visited tile it waits
   // until the tile's four quarters are ready in the workspace and loads them by TMA, so nothing it does waits on a
   // conversion's copies or stores (a producer that converted between its ring loads passed each step's latency on to
-  // the consumers). Warps 1-3 convert, one quarter at a time through their own quarter of the raw tile: first any free
-  // quarter of the tiles this block visits (the first KV head, or keys nobody converted ahead), then greedily the
-  // free quarters of the sequence's next KV head, whose blocks the grid launches next (heads along y). A claimed
+  // the consumers). Warps 1-3 convert, one quarter at a time through their own quarter of the raw tile. A claimed
   // quarter is released once its rows are in the workspace; its claimer never waits on anything but its own copies
-  // and stores, and a block's converters claim any free quarter it visits, so warp 0's unbounded wait always ends.
+  // and stores, so warp 0's unbounded wait always ends.
+
+  // Warp 0's ring loads of one item's tiles, the last first (`count`: ring elements issued so far, kept across
+  // items by the persistent kernel).
+  static __device__ __forceinline__ void feed_once(const PrefillMaps* maps, const OnceArgs& o, const Smem& sm,
+                                                   const Buf& buf, int ws0, int kv_head, int n_first, int n_tiles,
+                                                   int& count, int lane) {
+    constexpr int kWarpRows = BN / Buf::kProducerWarps;
+    const int n_last = n_first + n_tiles - 1;
+    int ready_to = 0;  // tiles [it, ready_to) of the walk are known ready
+    for (int it = 0; it < n_tiles; ++it) {
+      const int n = n_last - it;
+      if (CUKV_ONCE_UB != 1 && it >= ready_to) {
+        // lane l acquires quarter l % 4 of the walk's tile it + l / 4: one round trip covers the next 8 tiles (a
+        // flag per tile cost a round trip and a proxy fence on the ring's path each). The ballot orders those
+        // acquires before lane 0's copies, as __syncwarp would.
+        const int t = it + lane / 4;
+        int ready = t >= n_tiles, polls = 0;
+        const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
+        for (;;) {
+          if (!ready) ready = ld_acquire_gpu(once_flag(o, ws0, n_last - t, kv_head, lane % 4)) == 2;
+          const unsigned late = __ballot_sync(0xffffffffu, !ready);
+          const int upto = late ? (__ffs(late) - 1) / 4 : 8;  // whole tiles ready from it on
+          if (upto > 0) {
+            ready_to = min(n_tiles, it + upto);
+            break;
+          }
+          __nanosleep(128);
+          ++polls;
+        }
+        if (CUKV_ONCE_STATS && lane == 0) {
+          atomicAdd(o.flags - 32 + (polls ? 3 : 2), 1);
+          atomicAdd(o.flags - 32 + 4, polls);
+          if (polls) atomicAdd(o.flags - 32 + 5, (int)((globaltimer_ns() - t0) >> 6));
+        }
+        if (lane == 0) fence_proxy_async_global();  // the acquired rows -> this thread's tensor copies
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int stage = count % STAGES;
+        mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+        if (lane == 0) {
+          const u32 bar = sm.full + 8 * stage;
+          mbar_expect_tx(bar, kQAtoms * BN * kAtomRowBytes);
+#pragma unroll
+          for (int q = 0; q < Buf::kProducerWarps; ++q)
+#pragma unroll
+            for (int atom = 0; atom < kQAtoms; ++atom)
+              tma_load_4d(buf.element(stage) + (u32)((atom * BN + q * kWarpRows) * kAtomRowBytes),
+                          e ? &maps->v : &maps->k, atom * kAtomRowBytes, kv_head, ws0 + n * BN + q * kWarpRows, 0, bar);
+        }
+        mbar_arrive_n(sm.full + 8 * stage, Buf::kProducerWarps);  // the full barrier counts 128 producer arrivals
+        ++count;
+      }
+      // tiles issued so far, for the converters' stop rule (the first word of warp 0's raw quarter, which it never
+      // uses; the persistent converters have no stop rule)
+      if (!PERSISTENT && lane == 0) asm volatile("st.volatile.shared.u32 [%0], %1;" :: "r"(sm.raw), "r"(it + 1) : "memory");
+    }
+  }
+
+  // the flag of quarter q of the sequence's workspace tile n (its first row ws0) for KV head k
+  static __device__ __forceinline__ int* once_flag(const OnceArgs& o, int ws0, int n, int k, int q) {
+    return o.flags + ((i64)(ws0 / BN + n) * o.num_kv_heads + k) * 4 + q;
+  }
+
+  // Converter warp pw: quarter q of sequence b's tile n for KV head k (rows past kv_len as zeros) through raw quarter
+  // pw into the workspace, then its flag released (2).
+  static __device__ __forceinline__ void convert_quarter(const PrefillArgs& a, const OnceArgs& o, const Smem& sm,
+                                                         const Buf& buf, const Fp8Cache& f, float k_scale,
+                                                         float v_scale, int b, int kv_len, int ws0, int n, int k,
+                                                         int q, int pw, int lane) {
+    constexpr int kWarpRows = BN / Buf::kProducerWarps;
+    const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
+    const int tok_lane = n * BN + q * kWarpRows + lane;
+    const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? f.row_idx(b, tok_lane) : (i64)-1;
+    auto copy = [&](auto is_k) {
+      constexpr bool IS_K = decltype(is_k)::value;
+      i64 lane_off = -1, lane_scale = 0;
+      if (row >= 0) {
+        lane_off = Fp8Cache::offset(IS_K ? o.fp8.k_stride : o.fp8.v_stride, row, k, 0);
+        if constexpr (SCALE_BLOCK > 0)
+          lane_scale = f.template scale_ptr<SCALE_BLOCK>(IS_K, row, k, 0) - (IS_K ? o.fp8.k_scales : o.fp8.v_scales);
+      }
+      buf.template copy_raw_fp8<SCALE_BLOCK>(
+          sm.raw + (u32)(IS_K ? 0 : kRawElemBytes), static_cast<const unsigned char*>(IS_K ? o.fp8.k : o.fp8.v),
+          IS_K ? o.fp8.k_scales : o.fp8.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, lane_off, r); },
+          lane_off, lane_scale, 0, DEPTH, pw, lane);
+    };
+    if (CUKV_ONCE_DIAG != 4 && CUKV_ONCE_DIAG != 5) {
+      copy(Bool<true>());
+      copy(Bool<false>());
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();  // and the scales the rows' lanes copied
+    const i64 row0 = ws0 + n * BN + q * kWarpRows;
+    if (CUKV_ONCE_DIAG != 1 && CUKV_ONCE_DIAG != 5) {
+      buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
+          sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, k, 0),
+          a.kv.k_stride[1], k_scale, DEPTH, pw, lane);
+      buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
+          sm.raw + (u32)kRawElemBytes,
+          static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, k, 0), a.kv.v_stride[1],
+          v_scale, DEPTH, pw, lane);
+    }
+    if (CUKV_ONCE_DIAG != 2 && CUKV_ONCE_DIAG != 5) __threadfence();  // this lane's workspace rows are visible
+    __syncwarp();     // every lane's, and every lane has read its raw chunks before the next copy
+    if (lane == 0) st_release_gpu(once_flag(o, ws0, n, k, q), 2);
+    if (CUKV_ONCE_STATS && lane == 0) {
+      atomicAdd(o.flags - 32 + 1, 1);
+      atomicAdd(o.flags - 32 + 6, (int)((globaltimer_ns() - t0) >> 6));
+    }
+  }
+
+  // The launch-per-item producer: warp 0 feeds the item's tiles; warps 1-3 convert any free quarter of the tiles the
+  // block visits (the first KV head, or keys nobody converted ahead), then greedily the free quarters of the
+  // sequence's next KV head, whose blocks the grid launches next (heads along y).
   static __device__ __forceinline__ void produce_once(const PrefillArgs& a, const PrefillMaps* maps, const OnceArgs& o,
                                                        const Smem& sm, const Buf& buf, const Cache& ws, int b, int kv_head,
                                                        int head, int q_begin, int q0, int rows, int kv_len, int n_first,
                                                        int n_tiles, int pw, int lane) {
     const int ws0 = (int)ws.row_key(b, 0);  // the sequence's first workspace row, a multiple of BN
-    int* const flags = o.flags + ((i64)(ws0 / BN) * o.num_kv_heads) * 4;  // (tile n, kv head k, quarter q)
-    auto flag_of = [&](int n, int k, int q) { return flags + ((i64)n * o.num_kv_heads + k) * 4 + q; };
     const int n_last = n_first + n_tiles - 1;
     if (pw == 0 && lane == 0) asm volatile("st.volatile.shared.u32 [%0], 0;" :: "r"(sm.raw) : "memory");
     asm volatile("bar.sync 15, 128;" ::: "memory");  // the producer warpgroup (15: no other user): the count is 0 before converters look
-    load_query(a, sm, head, q_begin, q0, rows, pw, lane);
-    constexpr int kWarpRows = BN / Buf::kProducerWarps;
+    load_query(a, sm, head, q_begin, q0, rows, pw * 32 + lane, 128);
     if (pw == 0) {
-      int count = 0, ready_to = 0;  // tiles [it, ready_to) of the walk are known ready
-      for (int it = 0; it < n_tiles; ++it) {
-        const int n = n_last - it;
-        if (CUKV_ONCE_UB != 1 && it >= ready_to) {
-          // lane l acquires quarter l % 4 of the walk's tile it + l / 4: one round trip covers the next 8 tiles (a
-          // flag per tile cost a round trip and a proxy fence on the ring's path each). The ballot orders those
-          // acquires before lane 0's copies, as __syncwarp would.
-          const int t = it + lane / 4;
-          int ready = t >= n_tiles, polls = 0;
-          const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
-          for (;;) {
-            if (!ready) ready = ld_acquire_gpu(flag_of(n_last - t, kv_head, lane % 4)) == 2;
-            const unsigned late = __ballot_sync(0xffffffffu, !ready);
-            const int upto = late ? (__ffs(late) - 1) / 4 : 8;  // whole tiles ready from it on
-            if (upto > 0) {
-              ready_to = min(n_tiles, it + upto);
-              break;
-            }
-            __nanosleep(128);
-            ++polls;
-          }
-          if (CUKV_ONCE_STATS && lane == 0) {
-            atomicAdd(o.flags - 32 + (polls ? 3 : 2), 1);
-            atomicAdd(o.flags - 32 + 4, polls);
-            if (polls) atomicAdd(o.flags - 32 + 5, (int)((globaltimer_ns() - t0) >> 6));
-          }
-          if (lane == 0) fence_proxy_async_global();  // the acquired rows -> this thread's tensor copies
-        }
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int stage = count % STAGES;
-          mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
-          if (lane == 0) {
-            const u32 bar = sm.full + 8 * stage;
-            mbar_expect_tx(bar, kQAtoms * BN * kAtomRowBytes);
-#pragma unroll
-            for (int q = 0; q < Buf::kProducerWarps; ++q)
-#pragma unroll
-              for (int atom = 0; atom < kQAtoms; ++atom)
-                tma_load_4d(buf.element(stage) + (u32)((atom * BN + q * kWarpRows) * kAtomRowBytes),
-                            e ? &maps->v : &maps->k, atom * kAtomRowBytes, kv_head, ws0 + n * BN + q * kWarpRows, 0, bar);
-          }
-          mbar_arrive_n(sm.full + 8 * stage, Buf::kProducerWarps);  // the full barrier counts 128 producer arrivals
-          ++count;
-        }
-        // tiles issued so far, for the converters (the first word of warp 0's raw quarter, which it never uses)
-        if (lane == 0) asm volatile("st.volatile.shared.u32 [%0], %1;" :: "r"(sm.raw), "r"(it + 1) : "memory");
-      }
+      int count = 0;
+      feed_once(maps, o, sm, buf, ws0, kv_head, n_first, n_tiles, count, lane);
       asm volatile("cp.async.wait_all;" ::: "memory");  // the query's copies have landed
       return;
     }
@@ -362,53 +496,11 @@ struct PrefillKernel {
     const Fp8Cache f(o.fp8);
     const float k_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(true, 0, 0, 0) : 0.f;
     const float v_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(false, 0, 0, 0) : 0.f;
-    // quarter q of tile n of KV head k (rows past the sequence as zeros) through raw slot pw into the workspace
-    auto convert_quarter = [&](int n, int k, int q) {
-      const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
-      const int tok_lane = n * BN + q * kWarpRows + lane;
-      const i64 row = (lane < kWarpRows && tok_lane < kv_len) ? f.row_idx(b, tok_lane) : (i64)-1;
-      auto copy = [&](auto is_k) {
-        constexpr bool IS_K = decltype(is_k)::value;
-        i64 lane_off = -1, lane_scale = 0;
-        if (row >= 0) {
-          lane_off = Fp8Cache::offset(IS_K ? o.fp8.k_stride : o.fp8.v_stride, row, k, 0);
-          if constexpr (SCALE_BLOCK > 0)
-            lane_scale = f.template scale_ptr<SCALE_BLOCK>(IS_K, row, k, 0) - (IS_K ? o.fp8.k_scales : o.fp8.v_scales);
-        }
-        buf.template copy_raw_fp8<SCALE_BLOCK>(
-            sm.raw + (u32)(IS_K ? 0 : kRawElemBytes), static_cast<const unsigned char*>(IS_K ? o.fp8.k : o.fp8.v),
-            IS_K ? o.fp8.k_scales : o.fp8.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, lane_off, r); },
-            lane_off, lane_scale, 0, DEPTH, pw, lane);
-      };
-      if (CUKV_ONCE_DIAG != 4 && CUKV_ONCE_DIAG != 5) {
-        copy(Bool<true>());
-        copy(Bool<false>());
-      }
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncwarp();  // and the scales the rows' lanes copied
-      const i64 row0 = ws0 + n * BN + q * kWarpRows;
-      if (CUKV_ONCE_DIAG != 1 && CUKV_ONCE_DIAG != 5) {
-        buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
-            sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, k, 0),
-            a.kv.k_stride[1], k_scale, DEPTH, pw, lane);
-        buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
-            sm.raw + (u32)kRawElemBytes,
-            static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, k, 0), a.kv.v_stride[1],
-            v_scale, DEPTH, pw, lane);
-      }
-      if (CUKV_ONCE_DIAG != 2 && CUKV_ONCE_DIAG != 5) __threadfence();  // this lane's workspace rows are visible
-      __syncwarp();     // every lane's, and every lane has read its raw chunks before the next copy
-      if (lane == 0) st_release_gpu(flag_of(n, k, q), 2);
-      if (CUKV_ONCE_STATS && lane == 0) {
-        atomicAdd(o.flags - 32 + (k == kv_head ? 1 : 0), 1);
-        atomicAdd(o.flags - 32 + 6, (int)((globaltimer_ns() - t0) >> 6));
-      }
-    };
     // claims quarter q of tile n of KV head k if it is free (relaxed look first: most are taken or ready)
     auto claim = [&](int n, int k, int q) {
       int won = 0;
-      if (lane == 0 && ld_relaxed_gpu(flag_of(n, k, q)) == 0) won = atomicCAS(flag_of(n, k, q), 0, 1) == 0;
+      int* flag = once_flag(o, ws0, n, k, q);
+      if (lane == 0 && ld_relaxed_gpu(flag) == 0) won = atomicCAS(flag, 0, 1) == 0;
       return __shfl_sync(0xffffffffu, won, 0) != 0;
     };
     constexpr int kConverters = Buf::kProducerWarps - 1;
@@ -427,11 +519,12 @@ struct PrefillKernel {
         if (stop()) return;
         const int i = base + lane;
         const bool mine = i < 4 * tiles && i % kConverters == pw - 1;
-        unsigned free = __ballot_sync(0xffffffffu, mine && ld_relaxed_gpu(flag_of(top - i / 4, k, i % 4)) == 0);
+        unsigned free = __ballot_sync(0xffffffffu, mine && ld_relaxed_gpu(once_flag(o, ws0, top - i / 4, k, i % 4)) == 0);
         for (; free; free &= free - 1) {
           if (stop()) return;
           const int j = base + __ffs(free) - 1;
-          if (claim(top - j / 4, k, j % 4)) convert_quarter(top - j / 4, k, j % 4);
+          if (claim(top - j / 4, k, j % 4))
+            convert_quarter(a, o, sm, buf, f, k_scale, v_scale, b, kv_len, ws0, top - j / 4, k, j % 4, pw, lane);
         }
       }
     };
@@ -442,11 +535,75 @@ struct PrefillKernel {
     if (kv_head + 1 < o.num_kv_heads) convert_free(kv_head + 1, seq_tiles - 1, seq_tiles, true);
   }
 
+  // PERSISTENT (convert once): one block per SM walks the work items (query tile, head) in the launch grid's order.
+  // Warp 0 takes the next item from a counter (the first is blockIdx.x), stages its query once the consumers are
+  // done with the previous one (q_empty: their last S of the item has completed) and publishes the item's index with
+  // it (q_full); the ring's position carries over, so the next item's tiles load while the consumers finish the
+  // last one. Warps 1-3 take quarters from a second counter in the order the items need them (KV head, then
+  // workspace tile), until none is left: nobody claims by compare-and-swap, and no converter holds an SM whose
+  // consumers are done.
+  static __device__ __forceinline__ void feed_persistent(const PrefillArgs& a, const PrefillMaps* maps,
+                                                         const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm,
+                                                         const Buf& buf, const Cache& ws, int lane) {
+    const int total = o.num_work * a.num_qo_heads;
+    int count = 0;
+    Item t;
+    t.b = -1;
+    if ((int)blockIdx.x < total) t = make_item(a, &o, ws, blockIdx.x);
+    for (int i = 0;; ++i) {
+      if (i > 0) mbar_wait(sm.q_empty, (i - 1) & 1);  // the consumers are done with the staged query and item
+      // The item and its query (BM rows of the head by tensor copies: rows past the sequence read the next one's or
+      // zeros, and their outputs are never stored); b < 0 tells the consumers to stop.
+      if (lane == 0) {
+        store_item(sm.item, t);
+        if (t.b >= 0) {
+          mbar_expect_tx(sm.q_full, kQAtoms * BM * kAtomRowBytes);
+          for (int atom = 0; atom < kQAtoms; ++atom)
+            tma_load_4d(sm.q + (u32)(atom * BM * kAtomRowBytes), qmap, atom * kAtomRowBytes, t.head, t.q_begin + t.q0, 0,
+                        sm.q_full);
+        }
+        mbar_arrive(sm.q_full);  // release: the item
+      }
+      if (t.b < 0) return;
+      if (t.n_tiles > 0)
+        feed_once(maps, o, sm, buf, (int)ws.row_key(t.b, 0), t.kv_head, t.n_first, t.n_tiles, count, lane);
+      // The next item, taken only now that this one's tiles are issued (its consumers are a ring behind): a block
+      // takes work when it is about to be free, as the hardware hands out blocks, so the heaviest-first order holds.
+      // Taken at the item's start, a block that had just begun a long item held the next one back for its whole length
+      // (d256: 12% slower, benchmarks/NOTES.md session 28).
+      int next = 0;
+      if (lane == 0) next = gridDim.x + atomicAdd(o.flags - 2, 1);
+      next = __shfl_sync(0xffffffffu, next, 0);
+      t.b = -1;
+      if (next < total) t = make_item(a, &o, ws, next);
+    }
+  }
+
+  static __device__ __forceinline__ void convert_persistent(const PrefillArgs& a, const OnceArgs& o, const Smem& sm,
+                                                            const Buf& buf, const Cache& ws, int pw, int lane) {
+    if (CUKV_ONCE_UB == 1) return;
+    const Fp8Cache f(o.fp8);
+    const float k_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(true, 0, 0, 0) : 0.f;
+    const float v_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(false, 0, 0, 0) : 0.f;
+    const int per_head = 4 * o.ws_tiles, total = per_head * (int)o.num_kv_heads;
+    for (;;) {
+      int i = 0;
+      if (lane == 0) i = atomicAdd(o.flags - 1, 1);
+      i = __shfl_sync(0xffffffffu, i, 0);
+      if (i >= total) return;
+      const int k = i / per_head, tile = (i % per_head) / 4, q = i % 4;
+      const int b = __ldg(o.tile_seq + tile);
+      const int ws0 = (int)ws.row_key(b, 0);
+      const int kv_len = min(f.cache_length(b), ws.cache_length(b));
+      convert_quarter(a, o, sm, buf, f, k_scale, v_scale, b, kv_len, ws0, tile - ws0 / BN, k, q, pw, lane);
+    }
+  }
+
   static __device__ __forceinline__ void produce(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
                                                  const Buf& buf, const Cache& cache,
                                                  int b, int kv_head, int head, int q_begin, int q0, int rows,
                                                  int kv_len, int n_first, int n_tiles, int vslice, int pw, int lane) {
-    if constexpr (!FP8_SCORES) load_query(a, sm, head, q_begin, q0, rows, pw, lane);
+    if constexpr (!FP8_SCORES) load_query(a, sm, head, q_begin, q0, rows, pw * 32 + lane, 128);
 
     const KVT* kbase = static_cast<const KVT*>(a.kv.k);
     const KVT* vbase = static_cast<const KVT*>(a.kv.v);
@@ -782,7 +939,8 @@ struct PrefillKernel {
 
   static __device__ __forceinline__ void consume(const PrefillArgs& a, const Smem& sm, const Buf& buf, const Cache& cache,
                                                  int head, int q_begin, int q0, int rows, int kv_len, int shift,
-                                                 int n_first, int n_tiles, int vslice, int warp, int lane) {
+                                                 int n_first, int n_tiles, int vslice, int warp, int lane, int& count,
+                                                 int q_phase) {
     typedef Wgmma<T, BN> MmaS;
     typedef Wgmma8<BN> MmaS8;
     typedef Wgmma<__nv_bfloat16, kKsMma ? BN / 2 : 16> MmaKs;
@@ -814,7 +972,7 @@ struct PrefillKernel {
       fence_proxy_async();  // the generic-proxy stores -> wgmma; then every warp of the warpgroup has stored
       named_barrier_sync<128>(1 + wg);
     } else {
-      mbar_wait(sm.q_full, 0);
+      mbar_wait(sm.q_full, q_phase);
       fence_proxy_async();
     }
     const float sl0 = capped ? kLog2e : scale_log2 * f0, sl1 = capped ? kLog2e : scale_log2 * f1;
@@ -826,7 +984,7 @@ struct PrefillKernel {
 
     const u32 q_wg = sm.q + (u32)(wg * 64 * kAtomRowBytes);
 
-    int count = 0, pending_v = -1;
+    int pending_v = -1;
     // PINGPONG: wait for the previous warpgroup's S issue, then let the next one go. Warpgroup 0 goes first
     // and the last skips its final pass, so every named barrier sees as many passes as waits.
     const int ring_next = 4 + (wg + 1) % kConsumerWGs;
@@ -885,6 +1043,8 @@ struct PrefillKernel {
       if (ring_pass) named_barrier_arrive<256>(ring_next);
       wgmma_wait<0>();
       trace_mark(it, 2);
+      // PERSISTENT: the item's last S has read the staged query; warp 0 may stage the next item's
+      if (PERSISTENT && it == n_tiles - 1 && lane == 0) mbar_arrive(sm.q_empty);
       fence_regs(s);
       fence_regs(o);
       if constexpr (kKsMma) {
@@ -991,6 +1151,7 @@ struct PrefillKernel {
     wgmma_wait<0>();
     fence_regs(o);
     if (lane == 0 && pending_v >= 0) mbar_arrive(sm.empty + 8 * pending_v);
+    if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(sm.q_empty);
 
     // ---- epilogue: normalize, sink, write O and LSE
     l0 = quad_sum(l0);

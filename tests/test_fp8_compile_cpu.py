@@ -134,7 +134,8 @@ def test_tma_page_tensor_checks():
 def test_pingpong_domain():
     ok = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, pingpong=True)
     assert ok.name.endswith("_pp") and ok.smem_bytes == dataclasses.replace(ok, pingpong=False).smem_bytes
-    assert ", true, 0> K;" in ok.render() and ", false, 0> K;" in dataclasses.replace(ok, pingpong=False).render()
+    assert ", true, 0, false> K;" in ok.render()
+    assert ", false, 0, false> K;" in dataclasses.replace(ok, pingpong=False).render()
     with pytest.raises(ValueError, match=r"pingpong.*BM >= 128, not 64"):
         PrefillConfig("bfloat16", 128, 16, 64, 64, 128, 4, pingpong=True)
     with pytest.raises(ValueError, match="pingpong=1 is not valid"):
@@ -182,6 +183,7 @@ def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
     assert cfg.producer_registers == (80 if cfg.BM == 192 else 72) and cfg.smem_bytes <= 227 * 1024
+    assert cfg.persistent == (d <= 128) and ("_pers_" in cfg.name) == (d <= 128)
 
 
 def test_dequant_config_domain():
@@ -208,19 +210,20 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
 
 
 def test_fp8_prefill_strategy_choice():
-    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY, session 27; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
+    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY, sessions 27-28; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
     session 23; on H100)."""
     import cukv
     from cukv.prefill import DEQUANT_WORKSPACE_LIMIT
 
-    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4) == "dequantize_first"     # 8448 rows per key
-    assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8) == "dequantize_first"      # 4096, d64
+    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4) == "convert_once"         # 8448 rows per key
+    assert _strategy(32, 8, 128, [16384], [16384]) == "dequantize_first"           # 33024
+    assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8) == "convert_once"          # 4096, d64
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8) == "convert_once"        # MHA, 1088
     assert _strategy(32, 32, 128, [8192] * 2, [8192] * 2) == "convert_once"        # MHA, 4160
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4) == "convert_once"        # MHA d256, 2112
     assert _strategy(32, 16, 128, [2048] * 8, [2048] * 8) == "convert_once"        # GQA 2, 2176
     assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16) == "fused"             # MHA, 576
-    assert _strategy(32, 32, 64, [4096] * 4, [4096] * 4) == "dequantize_first"     # d64 never converts once
+    assert _strategy(32, 32, 80, [4096] * 4, [4096] * 4) == "dequantize_first"     # d80: unmeasured
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran=32) == "fused"      # block scales: unmeasured
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "fused"
     # per-tensor scales: from 8192 rows per key
@@ -239,3 +242,14 @@ def test_fp8_prefill_strategy_choice():
     with pytest.raises(ValueError, match="convert_once.*head_dim up to 256, not 512"):
         cukv.BatchPrefill(32, 8, 512, 16, kv_dtype="fp8_e4m3", fp8_prefill="convert_once")
 
+
+
+def test_persistent_domain():
+    # the persistent grid is convert-once's: anything else names the field and what it needs
+    with pytest.raises(ValueError, match="persistent.*convert_once"):
+        PrefillConfig("bfloat16", 128, 16, 128, 128, 128, 4, tma=True, persistent=True)
+    ok = PrefillConfig("bfloat16", 128, 16, 128, 128, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, tma=True,
+                       convert_once=True, persistent=True)
+    # q_empty and the staged work item beside the other barriers; the query's tensor map as a fourth argument
+    assert ok.smem_bytes == dataclasses.replace(ok, persistent=False).smem_bytes + 48
+    assert "const __grid_constant__ CUtensorMap q" in ok.render() and ok.name.endswith("_once_pers_d128_p16_m128_n128_k128_s4")

@@ -262,6 +262,19 @@ def test_convert_once_mha_many_heads(rng):
     _check(rng, [700], [90], 4, 4, 256, 16, "bfloat16", "token", fp8_prefill="convert_once")
 
 
+@pytest.mark.parametrize("grid", [None, 1, 5])
+def test_convert_once_persistent_walks_many_items(rng, monkeypatch, grid):
+    # the persistent grid (one block per SM, or `grid` blocks): each block walks many items, carrying its ring
+    # position and staging the next item's query while the last one finishes; the converters' queue crosses
+    # sequences of every length (a one-token one too) and every KV head
+    import sys
+
+    monkeypatch.setattr(sys.modules["cukv.prefill"], "ONCE_GRID", grid)  # the module (cukv.prefill is the function)
+    _check(rng, [200, 1, 150, 33, 129], [0, 0, 100, 0, 70], 24, 24, 128, 16, "bfloat16", "token",
+           fp8_prefill="convert_once")
+    _check(rng, [600, 64], [40, 0], 8, 2, 256, 16, "bfloat16", "token", fp8_prefill="convert_once")
+
+
 @pytest.mark.parametrize("strategy", ["fused"] + STRATEGIES)
 def test_fp8_prefill_graph_capture_and_replay(rng, strategy):
     """Every strategy's launches (the pass or the flags' clear, then the kernel) replay from a CUDA graph over new

@@ -143,7 +143,7 @@ def test_every_point_raises_naming_a_field_or_renders(a):
         assert f"== {value}," in line, (what, value, line)
     assert ("__nv_bfloat16" if cfg.dtype == "bfloat16" else "__half") in src
     assert (f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}, false, 0, false, {cfg.tma_rows}, "
-            f"{str(cfg.pingpong).lower()}, 0>") in src
+            f"{str(cfg.pingpong).lower()}, 0, false>") in src
     assert cfg.render() == src  # deterministic: the cache key depends on it
 
 

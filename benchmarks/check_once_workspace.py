@@ -1,0 +1,53 @@
+"""convert_once on the persistent grid against the launch-per-item kernel, bit for bit over six runs each, and its
+workspace against the cache's dequantized values (session 28). PYTHONPATH=. python3 benchmarks/check_once_workspace.py"""
+import sys
+
+import cupy as cp
+import numpy as np
+
+import cukv
+from cukv.testing import random_prefill_case
+
+P = sys.modules["cukv.prefill"]
+rng = np.random.default_rng(1)
+for grid in (None, 5):
+    P.ONCE_GRID = grid
+    case = random_prefill_case(rng, q_lens=[1500, 1, 700, 33, 129], cache_lens=[0, 0, 300, 0, 70], num_qo_heads=16,
+                               num_kv_heads=16, head_dim=128, page_size=16, dtype="bfloat16", kv_dtype="fp8_e4m3",
+                               scale_granularity="token")
+    kv = (case["cache"], case["table"])
+    outs = {}
+    for pers in (False, True):
+        P.ONCE_PERSISTENT = pers
+        pf = cukv.BatchPrefill(16, 16, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="token",
+                               fp8_prefill="convert_once").plan(case["q_offsets"], case["kv_lens"])
+        runs = []
+        for r in range(6):
+            out = cp.full(case["q"].shape, 0x7FC0, case["q"].dtype)
+            pf.run(case["q"], kv, out=out)
+            runs.append(out.get())
+        outs[pers] = (pf, runs)
+    P.ONCE_PERSISTENT = True
+    ref = outs[False][1][0]
+    for pers in (False, True):
+        for r, o in enumerate(outs[pers][1]):
+            bad = np.argwhere(o != ref)
+            print(f"grid {grid} persistent {pers} run {r}: {len(bad)} differ", bad[:6].tolist(), flush=True)
+    # the persistent workspace against the cache's dequantized values
+    pf = outs[True][0]
+    dk, dv = case["cache"].dequantize()
+    dk, dv = dk.get(), dv.get()
+    bt = case["block_table"]
+    offs = pf._once["offsets"].get()
+    for name, ws, dq in (("k", pf._once["k"].get(), dk), ("v", pf._once["v"].get(), dv)):
+        nbad = 0
+        for b, L in enumerate(case["kv_lens"]):
+            j = np.arange(L)
+            want = dq[bt[b, j // 16], j % 16]
+            got = ws[offs[b]:offs[b] + L]
+            bad = np.argwhere(got != want)
+            pad = ws[offs[b] + L:offs[b + 1]]
+            nbad += len(bad)
+            if len(bad) or np.any(pad != 0):
+                print(f"  ws {name} seq {b}: {len(bad)} differ {bad[:4].tolist()}, pad nonzero {int(np.sum(pad != 0))}")
+        print(f"grid {grid} workspace {name}: {nbad} differ", flush=True)
