@@ -27,7 +27,7 @@ for grid in (None, 5):
             pf.run(case["q"], kv, out=out)
             runs.append(out.get())
         outs[pers] = (pf, runs)
-    P.ONCE_PERSISTENT = True
+    P.ONCE_PERSISTENT = None
     ref = outs[False][1][0]
     for pers in (False, True):
         for r, o in enumerate(outs[pers][1]):

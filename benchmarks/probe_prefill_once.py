@@ -42,7 +42,7 @@ def main():
             pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
                                    scale_granularity=args.gran, fp8_prefill=s.split(":")[0]).plan(offsets, lengths,
                                                                                                  mask="causal")
-            sys.modules["cukv.prefill"].ONCE_PERSISTENT = True
+            P.ONCE_PERSISTENT = None
             pf.run(q, (fcache, pt), out=out)  # compiles; and fills a convert-once workspace (CUKV_ONCE_UB reads it)
             grid = P.ONCE_GRID
             P.ONCE_GRID = None
