@@ -495,6 +495,9 @@ DEQUANT_WORKSPACE_LIMIT = 1 << 30
 #: including, ONCE_MAX_ROWS_PER_KEY, where dequantizing first is as fast. Session 28 (persistent grid up to d128), one
 #: call, convert_once / dequantize_first: GQA 4 d128 b4 L4096 (8448) 1.07 / 0.97, b1 L16384 (33024) 0.98 / 1.02, MHA
 #: d128 b8 L2048 (1088) 1.03 / 0.82, MHA d256 b4 L4096 (2112) 0.89 / 0.88, d64 GQA 4 b8 L2048 (4096) 1.07 / 0.97.
+#: Per-tensor scales (bench, session 28), convert_once / 'auto' before: 1.03 / 0.95 (dequantize_first) at GQA 4 b4
+#: L4096, 1.06 / 0.98 (fused) at MHA d128, 1.08 / 0.98 (fused) at d64; 0.98 / 1.04 at b1 L16384; at d256 (no
+#: persistent grid) 0.92 / 1.02 (fused): per-tensor scales convert once only where the grid is persistent.
 #: Before it (launch per item everywhere), H100, one call (session 27,
 #: benchmarks/probe_prefill_once.py), bf16/FP8 for fused / dequantize_first / convert_once, rows per key in brackets:
 #: MHA d128 b32 L512 (320) 0.92 / 0.72 / 0.66, b16 L1024 (576) 0.87 / 0.77 / 0.74, b8 L2048 (1088) 0.82 / 0.83 /
@@ -657,8 +660,11 @@ class BatchPrefill:
         workspace = 2 * keys * self.num_kv_heads * self.head_dim * 2
         if workspace > DEQUANT_WORKSPACE_LIMIT:
             return "fused"
-        if (cfg.scale_block == self.head_dim and self.head_dim in ONCE_HEAD_DIMS
-                and ONCE_MIN_ROWS_PER_KEY <= rows_per_key < ONCE_MAX_ROWS_PER_KEY):
+        # token scales at ONCE_HEAD_DIMS; per-tensor scales where the grid is persistent (launch per item, their
+        # fused kernel is as fast)
+        once = (self.head_dim in ONCE_HEAD_DIMS if cfg.scale_block == self.head_dim
+                else cfg.scale_block == 0 and self.head_dim <= ONCE_PERSISTENT_MAX_HEAD_DIM)
+        if once and ONCE_MIN_ROWS_PER_KEY <= rows_per_key < ONCE_MAX_ROWS_PER_KEY:
             return "convert_once"
         many = rows_per_key >= (DEQUANT_MIN_ROWS_PER_KEY_TENSOR if cfg.scale_block == 0 else DEQUANT_MIN_ROWS_PER_KEY)
         return "dequantize_first" if many else "fused"

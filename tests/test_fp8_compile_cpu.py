@@ -225,10 +225,14 @@ def test_fp8_prefill_strategy_choice():
     assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16) == "fused"             # MHA, 576
     assert _strategy(32, 32, 80, [4096] * 4, [4096] * 4) == "dequantize_first"     # d80: unmeasured
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran=32) == "fused"      # block scales: unmeasured
-    assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "fused"
-    # per-tensor scales: from 8192 rows per key
-    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "dequantize_first"
-    assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "fused"
+    # per-tensor scales: converted once where the grid is persistent (up to d128), else dequantized first from 8192
+    # rows per key
+    assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
+    assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"
+    assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
+    assert _strategy(32, 8, 128, [16384], [16384], gran="tensor") == "dequantize_first"
+    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "fused"
+    assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16, gran="tensor") == "fused"  # 576
     assert _strategy(32, 8, 128, [1] * 64, [4096] * 64) == "fused"                  # decode-like steps
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, fp8_prefill="fused") == "fused"
     assert _strategy(32, 8, 128, [0], [0]) == "fused"

@@ -251,7 +251,10 @@ def test_auto_strategy_by_rows_per_key(rng):
     # 4096 tokens: about 16900 rows per key, past ONCE_MAX_ROWS_PER_KEY
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 4096]), np.array([4096]))
     assert pf.strategy == "dequantize_first"
+    # per-tensor scales convert once where the grid is persistent (up to d128); at d256 the fused kernel is as fast
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    assert pf.plan(np.array([0, 1024]), np.array([1024])).strategy == "convert_once"
+    pf = cukv.BatchPrefill(16, 2, 256, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor")
     assert pf.plan(np.array([0, 1024]), np.array([1024])).strategy == "fused"
 
 
