@@ -543,7 +543,8 @@ class BatchPrefill:
         (``PrefillConfig.convert_once``); it needs no separate pass, and the workspace is only ever read after its
         flag says it is ready. The fused kernel converts each K/V tile once for every query tile that visits it,
         the other two once in all, so they win when many query rows share each key. ``'auto'`` (the default)
-        takes ``'convert_once'`` for token scales at head dims ``ONCE_HEAD_DIMS`` from ``ONCE_MIN_ROWS_PER_KEY``
+        takes ``'convert_once'`` for token scales at head dims ``ONCE_HEAD_DIMS`` and for per-tensor scales up to
+        ``ONCE_PERSISTENT_MAX_HEAD_DIM`` (where it runs on a persistent grid) from ``ONCE_MIN_ROWS_PER_KEY``
         query rows per key (query heads of a KV head included) below ``ONCE_MAX_ROWS_PER_KEY``, else
         ``'dequantize_first'`` from ``DEQUANT_MIN_ROWS_PER_KEY`` rows per key (``DEQUANT_MIN_ROWS_PER_KEY_TENSOR``
         for per-tensor scales, whose fused kernel runs near bf16 speed), else ``'fused'``; the workspaces must
