@@ -701,7 +701,7 @@ class BatchPrefill:
         ws_tiles = int(offs[-1]) // cfg.BN
         tile_seq = np.repeat(np.arange(kl.size, dtype=np.int32), padded // cfg.BN)  # the sequence of each tile
         self._once = dict(cfg=cfg, work=work, num_work=num_work, k=ws_k, v=ws_v, offsets=ws_offs, kv=ws, maps=maps,
-                          ws_tiles=ws_tiles, tile_seq=cp.asarray(np.append(tile_seq, 0).astype(np.int32)),
+                          ws_tiles=ws_tiles, tile_seq=cp.asarray(np.append(tile_seq, 0).astype(np.int32)),  # never empty: a real pointer
                           # 32 ints first: ONCE_STATS, and the persistent grid's two counters
                           flags=cp.zeros(32 + rows // cfg.BN * self.num_kv_heads * 4, cp.int32))
         self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)

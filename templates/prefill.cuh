@@ -346,10 +346,9 @@ struct PrefillKernel {
 #ifndef CUKV_ONCE_UB
 #define CUKV_ONCE_UB 0
 #endif
-// timing aid: 1 counts visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats): [0] quarters
-// converted ahead (the next KV head), [1] quarters converted for the block's own KV head, [2] warp 0's flag reads
-// that found their tiles ready, [3] those that had to wait, [4] its polls, [5] its wait time in 64 ns units, [6] the
-// converters' time in 64 ns units
+// timing aid: 1 counts visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats): [1] quarters
+// converted, [2] warp 0's flag reads that found their tiles ready, [3] those that had to wait, [4] its polls, [5] its
+// wait time in 64 ns units, [6] the converters' time in 64 ns units ([30] and [31] are PERSISTENT's counters)
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
 #endif
@@ -417,6 +416,11 @@ struct PrefillKernel {
       // uses; the persistent converters have no stop rule)
       if (!PERSISTENT && lane == 0) asm volatile("st.volatile.shared.u32 [%0], %1;" :: "r"(sm.raw), "r"(it + 1) : "memory");
     }
+  }
+
+  // the FP8 cache's per-tensor K or V scale (token and block scales: 0, unused)
+  static __device__ __forceinline__ float tensor_scale(const Fp8Cache& f, bool is_k) {
+    return SCALE_BLOCK == 0 ? f.template load_scale<0>(is_k, 0, 0, 0) : 0.f;
   }
 
   // the flag of quarter q of the sequence's workspace tile n (its first row ws0) for KV head k
@@ -494,8 +498,7 @@ struct PrefillKernel {
     asm volatile("cp.async.wait_all;" ::: "memory");
     if (CUKV_ONCE_UB == 1) return;
     const Fp8Cache f(o.fp8);
-    const float k_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(true, 0, 0, 0) : 0.f;
-    const float v_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(false, 0, 0, 0) : 0.f;
+    const float k_scale = tensor_scale(f, true), v_scale = tensor_scale(f, false);
     // claims quarter q of tile n of KV head k if it is free (relaxed look first: most are taken or ready)
     auto claim = [&](int n, int k, int q) {
       int won = 0;
@@ -537,8 +540,8 @@ struct PrefillKernel {
 
   // PERSISTENT (convert once): one block per SM walks the work items (query tile, head) in the launch grid's order.
   // Warp 0 takes the next item from a counter (the first is blockIdx.x), stages its query once the consumers are
-  // done with the previous one (q_empty: their last S of the item has completed) and publishes the item's index with
-  // it (q_full); the ring's position carries over, so the next item's tiles load while the consumers finish the
+  // done with the previous one (q_empty: their last S of the item has completed) and publishes the item (Item, in
+  // shared memory) with it (q_full); the ring's position carries over, so the next item's tiles load while the consumers finish the
   // last one. Warps 1-3 take quarters from a second counter in the order the items need them (KV head, then
   // workspace tile), until none is left: nobody claims by compare-and-swap, and no converter holds an SM whose
   // consumers are done.
@@ -583,8 +586,7 @@ struct PrefillKernel {
                                                             const Buf& buf, const Cache& ws, int pw, int lane) {
     if (CUKV_ONCE_UB == 1) return;
     const Fp8Cache f(o.fp8);
-    const float k_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(true, 0, 0, 0) : 0.f;
-    const float v_scale = SCALE_BLOCK == 0 ? f.template load_scale<0>(false, 0, 0, 0) : 0.f;
+    const float k_scale = tensor_scale(f, true), v_scale = tensor_scale(f, false);
     const int per_head = 4 * o.ws_tiles, total = per_head * (int)o.num_kv_heads;
     for (;;) {
       int i = 0;
