@@ -1,7 +1,7 @@
 """Summarize the per-SASS source counters that benchmarks/ncu_profile.sh writes (`*_sass.csv`), per kernel and
 per warp role, so a profile reads in one screen:
 
-    python3 benchmarks/ncu_sass_summary.py out/pf_sass.csv
+    python3 benchmarks/ncu_sass_summary.py out/pf_sass.csv [--top=8]
 
 A warp-specialized kernel's SASS is split at its `setmaxnreg` instructions: the consumer region starts at
 `USETMAXREG.TRY_ALLOC`, the producer region at `USETMAXREG.DEALLOC`, and the out-of-line code after the last
@@ -71,6 +71,12 @@ def main(path):
             print(f"  {name:11s} {n / 1e6:7.1f}M inst, {100 * samples / total:4.1f}% of samples; stalls "
                   + " ".join(f"{s[6:]} {100 * v / t:.0f}%" for s, v in st.most_common(6)))
             print("              " + ", ".join(f"{o} {v / 1e6:.1f}M" for o, v in ex.most_common(12)))
+            if TOP:  # the instructions with the most stall samples, with their top reasons
+                key = lambda r: int(r[ix["Warp Stall Sampling (All Samples)"]] or 0)
+                for r in sorted(part, key=key, reverse=True)[:TOP]:
+                    why = sorted(((int(r[ix[s]] or 0), s[6:]) for s in stalls), reverse=True)[:2]
+                    print(f"              {r[ix['Address']][-6:]} {key(r):6d} samples ({', '.join(f'{w} {v}' for v, w in why)})"
+                          f"  {r[ix['Source']].strip()[:70]}")
             if name == "out-of-line":
                 for r in part:
                     e = int(r[ix["Instructions Executed"]] or 0)
@@ -78,5 +84,9 @@ def main(path):
                         print(f"              {r[ix['Address']][-6:]} {e / 1e6:6.2f}M  {r[ix['Source']].strip()[:80]}")
 
 
+TOP = 0
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "out/pf_sass.csv")
+    args = [a for a in sys.argv[1:] if not a.startswith("--top=")]
+    TOP = next((int(a[6:]) for a in sys.argv[1:] if a.startswith("--top=")), 0)
+    main(args[0] if args else "out/pf_sass.csv")

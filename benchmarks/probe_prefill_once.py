@@ -19,11 +19,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4x4096x32x8x128,1x16384x32x8x128,8x2048x32x32x128,4x4096x16x16x256,"
                     "8x2048x32x8x64")
-    ap.add_argument("--gran", default="token")
+    ap.add_argument("--gran", default="token", help="token, tensor or a scale block (32, 64, 128)")
     ap.add_argument("--strategies", default="convert_once", help="comma-separated fp8_prefill values")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--stats", action="store_true", help="print the visit counts of a CUKV_ONCE_STATS=1 build")
     args = ap.parse_args()
+    args.gran = int(args.gran) if args.gran.isdigit() else args.gran  # 32, 64, 128: block scales
     timer = Timer()
     for shape in args.shapes.split(","):
         batch, seq_len, hq, hkv, d = map(int, shape.split("x"))

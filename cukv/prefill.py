@@ -509,6 +509,33 @@ DEQUANT_WORKSPACE_LIMIT = 1 << 30
 ONCE_MIN_ROWS_PER_KEY = 1024
 ONCE_MAX_ROWS_PER_KEY = 16384
 ONCE_HEAD_DIMS = (64, 128, 256)
+#: Where the grid is persistent (head dims up to ONCE_PERSISTENT_MAX_HEAD_DIM) 'auto' converts once from fewer rows
+#: per key: token scales from ONCE_MIN_ROWS_PER_KEY_PERSISTENT, block scales (whose fused kernel is the slowest) from
+#: ONCE_MIN_ROWS_PER_KEY_BLOCK, per-tensor scales (whose fused kernel runs near bf16 speed) from
+#: ONCE_MIN_ROWS_PER_KEY_TENSOR. Rows per key count each query tile's real rows (from session 29; before, whole
+#: tiles, which made a decode step's one row BM). H100, session 29 (benchmarks/probe_prefill_once.py, one call each,
+#: bf16/FP8 for fused / dequantize_first / convert_once, rows per key in brackets): token MHA d128 b64 L256 (192)
+#: 0.95 / 0.70 / 0.88, b32 L512 (320) 0.92 / 0.72 / 0.97, b16 L1024 (576) 0.88 / 0.77 / 1.04, GQA 4 b64 L256 (768)
+#: 0.91 / 0.89 / 1.31, d64 GQA 4 b32 L512 (1440) 0.90 / 0.95 / 1.20; 64-dim blocks MHA d128 b64 L256 (208) 0.73 /
+#: 0.69 / 0.86, b32 L512 (344) 0.81 / 0.71 / 0.95, b16 L1024 (604) 0.66 / 0.76 / 1.03, b8 L2048 (1118) 0.62 / 0.82 /
+#: 1.01, GQA 4 b4 L4096 (8572) 0.58 / 0.99 / 1.02, b1 L16384 (33151) 0.62 / 0.97 / 0.99, 32-dim blocks at d64 GQA 4
+#: b8 L2048 (4476) 0.54 / 0.97 / 1.07 and at d128 0.40-0.63 / 0.71-1.01 / 0.95-1.05 (344 to 8572); per-tensor MHA
+#: d128 b32 L512 (320) 1.04 / - / 1.00, b16 L1024 (576) 1.03 / - / 1.07, GQA 4 b64 L256 (768) 1.02 / - / 1.31. At
+#: d256 (launch per item) token scales keep ONCE_MIN_ROWS_PER_KEY (b16 L1024 (576): 0.86 / 0.74 / 0.84), and 32- and
+#: 64-dim blocks do not fit convert-once's shared memory (128-dim blocks are unmeasured there).
+ONCE_MIN_ROWS_PER_KEY_PERSISTENT = 256
+ONCE_MIN_ROWS_PER_KEY_BLOCK = 192
+ONCE_MIN_ROWS_PER_KEY_TENSOR = 512
+
+
+def once_unsupported(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int) -> str | None:
+    """Why ``fp8_prefill='convert_once'`` cannot run this cache (its kernel is invalid: head dim, shared memory), or
+    None."""
+    try:
+        once_config(dtype, head_dim, page_size, kv_dtype, scale_block)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 class BatchPrefill:
@@ -543,9 +570,10 @@ class BatchPrefill:
         (``PrefillConfig.convert_once``); it needs no separate pass, and the workspace is only ever read after its
         flag says it is ready. The fused kernel converts each K/V tile once for every query tile that visits it,
         the other two once in all, so they win when many query rows share each key. ``'auto'`` (the default)
-        takes ``'convert_once'`` for token scales at head dims ``ONCE_HEAD_DIMS`` and for per-tensor scales up to
-        ``ONCE_PERSISTENT_MAX_HEAD_DIM`` (where it runs on a persistent grid) from ``ONCE_MIN_ROWS_PER_KEY``
-        query rows per key (query heads of a KV head included) below ``ONCE_MAX_ROWS_PER_KEY``, else
+        takes ``'convert_once'`` below ``ONCE_MAX_ROWS_PER_KEY`` query rows per key (query heads of a KV head
+        included): up to ``ONCE_PERSISTENT_MAX_HEAD_DIM`` (where it runs on a persistent grid) from
+        ``ONCE_MIN_ROWS_PER_KEY_PERSISTENT`` for token and block scales and ``ONCE_MIN_ROWS_PER_KEY_TENSOR`` for
+        per-tensor scales; at d256 for token scales from ``ONCE_MIN_ROWS_PER_KEY``; else
         ``'dequantize_first'`` from ``DEQUANT_MIN_ROWS_PER_KEY`` rows per key (``DEQUANT_MIN_ROWS_PER_KEY_TENSOR``
         for per-tensor scales, whose fused kernel runs near bf16 speed), else ``'fused'``; the workspaces must
         fit ``DEQUANT_WORKSPACE_LIMIT`` bytes. ``strategy`` says which one ``plan`` chose. All read the plan's
@@ -599,6 +627,9 @@ class BatchPrefill:
         if fp8_prefill == "convert_once" and int(head_dim) > 256:
             raise ValueError(f"fp8_prefill='convert_once' supports head_dim up to 256, not {head_dim}; use 'auto', "
                              "'fused' or 'dequantize_first'")
+        if fp8_prefill == "convert_once" and (why := once_unsupported(dt, int(head_dim), ps, kvd, sb)):
+            raise ValueError(f"fp8_prefill='convert_once' cannot run head_dim={head_dim} with scale_granularity "
+                             f"{scale_granularity!r} ({why}); use 'auto', 'fused' or 'dequantize_first'")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size, self.dtype, self.config = int(head_dim), page_size, dt, config
         self.fp8_prefill = fp8_prefill
@@ -635,7 +666,7 @@ class BatchPrefill:
         self._mask, self._window, self._chunk = mask, int(window or 0), int(chunk or 0)
         self._dequant = self._once = None
         if cfg.quantized:
-            self.strategy = self._choose_strategy(work, kl)
+            self.strategy = self._choose_strategy(work, kl, np.diff(qo))
         if self.strategy == "dequantize_first":
             self._plan_dequant(qo, kl, mask, window, chunk)
         elif self.strategy == "convert_once":
@@ -645,9 +676,10 @@ class BatchPrefill:
         self._planned = True
         return self
 
-    def _choose_strategy(self, work, kv_lengths) -> str:
+    def _choose_strategy(self, work, kv_lengths, q_lengths) -> str:
         """'fused', 'dequantize_first' or 'convert_once' for an FP8 cache (see the class docstring): query rows per
-        key from the work list's tile costs, the workspace from the planned key count."""
+        key from the work list's tile costs and each tile's real rows (a decode step's one row is one, not BM), the
+        workspace from the planned key count."""
         if self.config.convert_once:
             return "convert_once"
         if self.fp8_prefill != "auto":
@@ -656,16 +688,21 @@ class BatchPrefill:
         if keys == 0:
             return "fused"
         cfg = self.config
-        pairs = sum(c for c, _, _ in work) * cfg.BM * cfg.BN
+        pairs = sum(c * min(cfg.BM, int(q_lengths[b]) - t * cfg.BM) for c, b, t in work) * cfg.BN
         rows_per_key = pairs * (self.num_qo_heads // self.num_kv_heads) / keys
         workspace = 2 * keys * self.num_kv_heads * self.head_dim * 2
         if workspace > DEQUANT_WORKSPACE_LIMIT:
             return "fused"
-        # token scales at ONCE_HEAD_DIMS; per-tensor scales where the grid is persistent (launch per item, their
-        # fused kernel is as fast)
-        once = (self.head_dim in ONCE_HEAD_DIMS if cfg.scale_block == self.head_dim
-                else cfg.scale_block == 0 and self.head_dim <= ONCE_PERSISTENT_MAX_HEAD_DIM)
-        if once and ONCE_MIN_ROWS_PER_KEY <= rows_per_key < ONCE_MAX_ROWS_PER_KEY:
+        # Where the grid is persistent (up to ONCE_PERSISTENT_MAX_HEAD_DIM): every granularity, from fewer rows per
+        # key; beyond it token scales only (launch per item, the other fused kernels are as fast or it does not fit)
+        once_lo = None
+        if self.head_dim in ONCE_HEAD_DIMS and _once_persistent(self.head_dim):
+            once_lo = (ONCE_MIN_ROWS_PER_KEY_TENSOR if cfg.scale_block == 0 else ONCE_MIN_ROWS_PER_KEY_PERSISTENT
+                       if cfg.scale_block == self.head_dim else ONCE_MIN_ROWS_PER_KEY_BLOCK)
+        elif self.head_dim in ONCE_HEAD_DIMS and cfg.scale_block == self.head_dim:
+            once_lo = ONCE_MIN_ROWS_PER_KEY
+        if (once_lo is not None and once_lo <= rows_per_key < ONCE_MAX_ROWS_PER_KEY
+                and once_unsupported(self.dtype, self.head_dim, cfg.page_size, cfg.kv_dtype, cfg.scale_block) is None):
             return "convert_once"
         many = rows_per_key >= (DEQUANT_MIN_ROWS_PER_KEY_TENSOR if cfg.scale_block == 0 else DEQUANT_MIN_ROWS_PER_KEY)
         return "dequantize_first" if many else "fused"

@@ -10,6 +10,13 @@
 #include "kv_buffer.cuh"
 #include "trace.cuh"  // trace_mark(it, event): benchmarks/trace_prefill.py; compiles to nothing as shipped
 
+// timing only (session 29): PERSISTENT with one item per block (`convert_once:g100000`) and 1: the consumers
+// without their item loop, 2: warp 0 without its item loop, 3: both; with 1, 4: warp 0 takes no next item, 8: warp 0
+// returns once it has none (no wait for the consumers, no stop item)
+#ifndef CUKV_PERS_DIAG
+#define CUKV_PERS_DIAG 0
+#endif
+
 namespace cukv {
 
 struct alignas(8) PrefillArgs {
@@ -294,7 +301,7 @@ struct PrefillKernel {
       } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
         int count = 0;
-        for (int i = 0;; ++i) {
+        for (int i = 0; !(CUKV_PERS_DIAG & 1) || i < 1; ++i) {
           mbar_wait(sm.q_full, i & 1);
           const Item t = load_item(sm.item);
           if (t.b < 0) return;
@@ -553,6 +560,19 @@ struct PrefillKernel {
     Item t;
     t.b = -1;
     if ((int)blockIdx.x < total) t = make_item(a, &o, ws, blockIdx.x);
+    if (CUKV_PERS_DIAG & 2) {  // timing only: one item per block, no loop
+      if (lane == 0) {
+        store_item(sm.item, t);
+        mbar_expect_tx(sm.q_full, kQAtoms * BM * kAtomRowBytes);
+        for (int atom = 0; atom < kQAtoms; ++atom)
+          tma_load_4d(sm.q + (u32)(atom * BM * kAtomRowBytes), qmap, atom * kAtomRowBytes, t.head, t.q_begin + t.q0, 0,
+                      sm.q_full);
+        mbar_arrive(sm.q_full);
+      }
+      if (t.n_tiles > 0)
+        feed_once(maps, o, sm, buf, (int)ws.row_key(t.b, 0), t.kv_head, t.n_first, t.n_tiles, count, lane);
+      return;
+    }
     for (int i = 0;; ++i) {
       if (i > 0) mbar_wait(sm.q_empty, (i - 1) & 1);  // the consumers are done with the staged query and item
       // The item and its query (BM rows of the head by tensor copies: rows past the sequence read the next one's or
@@ -575,8 +595,9 @@ struct PrefillKernel {
       // Taken at the item's start, a block that had just begun a long item held the next one back for its whole length
       // (d256: 12% slower, benchmarks/NOTES.md session 28).
       int next = 0;
-      if (lane == 0) next = gridDim.x + atomicAdd(o.flags - 2, 1);
+      if (lane == 0) next = (CUKV_PERS_DIAG & 4) ? total : gridDim.x + atomicAdd(o.flags - 2, 1);
       next = __shfl_sync(0xffffffffu, next, 0);
+      if ((CUKV_PERS_DIAG & 8) && next >= total) return;
       t.b = -1;
       if (next < total) t = make_item(a, &o, ws, next);
     }

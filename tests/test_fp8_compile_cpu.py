@@ -206,11 +206,11 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
     cfg = pf.config
     work = [(_tile_cost(q, k, t, cfg, "causal", None, None), s, t)
             for s, (q, k) in enumerate(zip(q_lens, kv_lens)) for t in range(-(-q // cfg.BM))]
-    return pf._choose_strategy(work, np.asarray(kv_lens))
+    return pf._choose_strategy(work, np.asarray(kv_lens), np.asarray(q_lens))
 
 
 def test_fp8_prefill_strategy_choice():
-    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY, sessions 27-28; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
+    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY*, sessions 27-29; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
     session 23; on H100)."""
     import cukv
     from cukv.prefill import DEQUANT_WORKSPACE_LIMIT
@@ -222,9 +222,19 @@ def test_fp8_prefill_strategy_choice():
     assert _strategy(32, 32, 128, [8192] * 2, [8192] * 2) == "convert_once"        # MHA, 4160
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4) == "convert_once"        # MHA d256, 2112
     assert _strategy(32, 16, 128, [2048] * 8, [2048] * 8) == "convert_once"        # GQA 2, 2176
-    assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16) == "fused"             # MHA, 576
+    # on the persistent grid (up to d128) from ONCE_MIN_ROWS_PER_KEY_PERSISTENT (session 29), at d256 from 1024
+    assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16) == "convert_once"      # MHA, 576
+    assert _strategy(32, 32, 128, [512] * 32, [512] * 32) == "convert_once"        # MHA, 320
+    assert _strategy(32, 32, 128, [256] * 64, [256] * 64) == "fused"               # MHA, 192
+    assert _strategy(32, 8, 128, [256] * 64, [256] * 64) == "convert_once"         # GQA 4, 768
+    assert _strategy(16, 16, 256, [1024] * 16, [1024] * 16) == "fused"             # MHA d256, 576
     assert _strategy(32, 32, 80, [4096] * 4, [4096] * 4) == "dequantize_first"     # d80: unmeasured
-    assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran=32) == "fused"      # block scales: unmeasured
+    # block scales: converted once on the persistent grid; at d256 32- and 64-dim blocks do not fit its shared memory
+    assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
+    assert _strategy(32, 32, 128, [256] * 64, [256] * 64, gran=64) == "convert_once"  # 336
+    assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
+    assert _strategy(32, 8, 128, [16384], [16384], gran=64) == "dequantize_first"  # 33663
+    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=64) == "dequantize_first"
     # per-tensor scales: converted once where the grid is persistent (up to d128), else dequantized first from 8192
     # rows per key
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
@@ -232,7 +242,8 @@ def test_fp8_prefill_strategy_choice():
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [16384], [16384], gran="tensor") == "dequantize_first"
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "fused"
-    assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16, gran="tensor") == "fused"  # 576
+    assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16, gran="tensor") == "convert_once"  # 576
+    assert _strategy(32, 32, 128, [512] * 32, [512] * 32, gran="tensor") == "fused"          # 320
     assert _strategy(32, 8, 128, [1] * 64, [4096] * 64) == "fused"                  # decode-like steps
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, fp8_prefill="fused") == "fused"
     assert _strategy(32, 8, 128, [0], [0]) == "fused"
@@ -245,6 +256,8 @@ def test_fp8_prefill_strategy_choice():
         cukv.BatchPrefill(32, 8, 128, 16, kv_dtype="fp8_e4m3", fp8_prefill="two_pass")
     with pytest.raises(ValueError, match="convert_once.*head_dim up to 256, not 512"):
         cukv.BatchPrefill(32, 8, 512, 16, kv_dtype="fp8_e4m3", fp8_prefill="convert_once")
+    with pytest.raises(ValueError, match="convert_once.*head_dim=256 with scale_granularity 64.*shared memory"):
+        cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64, fp8_prefill="convert_once")
 
 
 

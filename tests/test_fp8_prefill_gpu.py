@@ -69,10 +69,11 @@ def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="t
     return case, got * unit
 
 
+@pytest.mark.parametrize("strategy", ["auto", "fused"])  # 'auto' converts once here for most granularities
 @pytest.mark.parametrize("gran", ["token", "tensor", 32, 64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_granularities(rng, gran, dtype):
-    _check(rng, [300, 17, 1], [100, 0, 700], 16, 4, 128, 16, dtype, gran)
+def test_granularities(rng, gran, dtype, strategy):
+    _check(rng, [300, 17, 1], [100, 0, 700], 16, 4, 128, 16, dtype, gran, fp8_prefill=strategy)
 
 
 @pytest.mark.parametrize("d,gran", [(64, "token"), (64, 32), (80, "token"), (96, 32), (192, 64), (256, "token"),
@@ -88,7 +89,7 @@ def test_both_paths_at_d64_and_d128(rng, fp8_scores):
 
     for d, tile in ((64, (192, 96, 64, 6)), (128, (192, 64, 128, 4))):
         cfg = PrefillConfig("bfloat16", d, 16, *tile, kv_dtype="fp8_e4m3", scale_block=d, fp8_scores=fp8_scores)
-        _check(rng, [200, 65], [50, 300], 8, 2, d, 16, "bfloat16", "token", config=cfg)
+        _check(rng, [200, 65], [50, 300], 8, 2, d, 16, "bfloat16", "token", config=cfg, fp8_prefill="fused")
 
 
 @pytest.mark.parametrize("tma", [True, False])
@@ -107,7 +108,8 @@ def test_tma_and_cp_async_producers(rng, tma, d, gran, ps, layout):
     _, sb = resolve_kv("bfloat16", "fp8_e4m3", gran, d)
     base = default_config("bfloat16", d, ps, "fp8_e4m3", sb)
     cfg = dataclasses.replace(base, tma=tma)
-    _check(rng, [200, 65, 1], [50, 301, 17], 8, 2, d, ps, "bfloat16", gran, config=cfg, layout=layout)
+    _check(rng, [200, 65, 1], [50, 301, 17], 8, 2, d, ps, "bfloat16", gran, config=cfg, layout=layout,
+           fp8_prefill="fused")
 
 
 @pytest.mark.parametrize("dtype,d,v_factor", [("bfloat16", 128, 2.0 ** -20), ("bfloat16", 128, 3e3),
