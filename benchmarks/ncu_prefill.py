@@ -10,7 +10,7 @@ import sys
 import cupy as cp
 
 import cukv
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like, once_variant
 
 ap = argparse.ArgumentParser()
 ap.add_argument("shape", nargs="?", default="2x4096x128", help="batch x seq_len x head_dim")
@@ -24,13 +24,10 @@ q, k, v, cache, pt, offsets, lengths = _build(batch, seq_len, hq, hkv, d)
 fcache = fp8_cache_like((q, k, v, cache, pt, offsets, lengths), args.gran)
 out = cp.empty_like(q)
 bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
-# "convert_once:np": the launch-per-item grid; ":gN": a persistent grid of N blocks (benchmarks/probe_prefill_once.py)
 P = sys.modules["cukv.prefill"]
-P.ONCE_PERSISTENT = not args.strategy.endswith(":np")
-P.ONCE_GRID = int(args.strategy.split(":g")[1]) if ":g" in args.strategy else None
+fp8_prefill, P.ONCE_PERSISTENT, P.ONCE_GRID = once_variant(args.strategy)  # "convert_once:np" / ":gN"
 f8 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                       scale_granularity=args.gran, fp8_prefill=args.strategy.split(":")[0]).plan(offsets, lengths,
-                                                                                                  mask="causal")
+                       scale_granularity=args.gran, fp8_prefill=fp8_prefill).plan(offsets, lengths, mask="causal")
 print("configs:", bf.config.name, f8.config.name, flush=True)
 for _ in range(3):  # rounds 1-2 warm up, round 3 is the one to profile
     bf.run(q, (cache, pt), out=out)

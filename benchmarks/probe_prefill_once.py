@@ -4,14 +4,13 @@ on the bench shapes (batch x L x hq x hkv x d, causal prompts).
     PYTHONPATH=. python3 benchmarks/probe_prefill_once.py --shapes 8x2048x32x32x128 --gran token
 """
 import argparse
+import sys
 
 import cupy as cp
 
-import sys
-
 import cukv
 from cukv.bench.decode import interleaved_medians
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like, once_variant
 from cukv.bench.timing import Timer
 
 
@@ -35,14 +34,11 @@ def main():
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
         fns = {"bf16": lambda bf=bf: bf.run(q, (cache, pt), out=out)}
         for s in args.strategies.split(","):
-            # "convert_once:np": on the launch-per-item grid instead of the persistent one; ":gN": a persistent grid
-            # of N blocks
             P = sys.modules["cukv.prefill"]
-            P.ONCE_PERSISTENT = not s.endswith(":np")
-            P.ONCE_GRID = int(s.split(":g")[1]) if ":g" in s else None
+            fp8_prefill, P.ONCE_PERSISTENT, P.ONCE_GRID = once_variant(s)
             pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                                   scale_granularity=args.gran, fp8_prefill=s.split(":")[0]).plan(offsets, lengths,
-                                                                                                 mask="causal")
+                                   scale_granularity=args.gran, fp8_prefill=fp8_prefill).plan(offsets, lengths,
+                                                                                              mask="causal")
             P.ONCE_PERSISTENT = None
             pf.run(q, (fcache, pt), out=out)  # compiles; and fills a convert-once workspace (CUKV_ONCE_UB reads it)
             grid = P.ONCE_GRID

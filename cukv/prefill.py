@@ -427,7 +427,7 @@ def once_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_
     head dim (its consumers are the 16-bit kernel's), on a persistent grid up to ``ONCE_PERSISTENT_MAX_HEAD_DIM``
     unless ``persistent`` (or ``ONCE_PERSISTENT``) says otherwise."""
     if head_dim not in DEFAULTS or head_dim > 256:
-        raise ValueError(f"fp8_prefill='convert_once' supports head dims up to 256, not {head_dim}")
+        raise ValueError(f"fp8_prefill='convert_once' supports head_dim up to 256, not {head_dim}")
     bm, bn, bk, st = DEFAULTS[head_dim]
     return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
                          tma=True, convert_once=True,
@@ -528,6 +528,18 @@ ONCE_MIN_ROWS_PER_KEY_BLOCK = 192
 ONCE_MIN_ROWS_PER_KEY_TENSOR = 512
 
 
+def _once_min_rows(head_dim: int, scale_block: int) -> int | None:
+    """The rows per key from which 'auto' converts once, or None. Where the grid is persistent: every granularity
+    (token / block / per-tensor thresholds); beyond it token scales only (launch per item: the other fused kernels
+    are as fast, or convert-once does not fit)."""
+    if head_dim not in ONCE_HEAD_DIMS:
+        return None
+    if _once_persistent(head_dim):
+        return {0: ONCE_MIN_ROWS_PER_KEY_TENSOR, head_dim: ONCE_MIN_ROWS_PER_KEY_PERSISTENT}.get(
+            scale_block, ONCE_MIN_ROWS_PER_KEY_BLOCK)
+    return ONCE_MIN_ROWS_PER_KEY if scale_block == head_dim else None
+
+
 def once_unsupported(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int) -> str | None:
     """Why ``fp8_prefill='convert_once'`` cannot run this cache (its kernel is invalid: head dim, shared memory), or
     None."""
@@ -624,12 +636,9 @@ class BatchPrefill:
         check_in("BatchPrefill", "fp8_prefill", fp8_prefill, FP8_PREFILL)
         if fp8_prefill != "auto" and kvd is None:
             raise ValueError(f"fp8_prefill={fp8_prefill!r} applies to FP8 caches (kv_dtype='fp8_e4m3'); leave it 'auto'")
-        if fp8_prefill == "convert_once" and int(head_dim) > 256:
-            raise ValueError(f"fp8_prefill='convert_once' supports head_dim up to 256, not {head_dim}; use 'auto', "
-                             "'fused' or 'dequantize_first'")
         if fp8_prefill == "convert_once" and (why := once_unsupported(dt, int(head_dim), ps, kvd, sb)):
             raise ValueError(f"fp8_prefill='convert_once' cannot run head_dim={head_dim} with scale_granularity "
-                             f"{scale_granularity!r} ({why}); use 'auto', 'fused' or 'dequantize_first'")
+                             f"{scale_granularity or 'token'!r} ({why}); use 'auto', 'fused' or 'dequantize_first'")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
         self.head_dim, self.page_size, self.dtype, self.config = int(head_dim), page_size, dt, config
         self.fp8_prefill = fp8_prefill
@@ -693,14 +702,7 @@ class BatchPrefill:
         workspace = 2 * keys * self.num_kv_heads * self.head_dim * 2
         if workspace > DEQUANT_WORKSPACE_LIMIT:
             return "fused"
-        # Where the grid is persistent (up to ONCE_PERSISTENT_MAX_HEAD_DIM): every granularity, from fewer rows per
-        # key; beyond it token scales only (launch per item, the other fused kernels are as fast or it does not fit)
-        once_lo = None
-        if self.head_dim in ONCE_HEAD_DIMS and _once_persistent(self.head_dim):
-            once_lo = (ONCE_MIN_ROWS_PER_KEY_TENSOR if cfg.scale_block == 0 else ONCE_MIN_ROWS_PER_KEY_PERSISTENT
-                       if cfg.scale_block == self.head_dim else ONCE_MIN_ROWS_PER_KEY_BLOCK)
-        elif self.head_dim in ONCE_HEAD_DIMS and cfg.scale_block == self.head_dim:
-            once_lo = ONCE_MIN_ROWS_PER_KEY
+        once_lo = _once_min_rows(self.head_dim, cfg.scale_block)
         if (once_lo is not None and once_lo <= rows_per_key < ONCE_MAX_ROWS_PER_KEY
                 and once_unsupported(self.dtype, self.head_dim, cfg.page_size, cfg.kv_dtype, cfg.scale_block) is None):
             return "convert_once"

@@ -10,9 +10,8 @@
 #include "kv_buffer.cuh"
 #include "trace.cuh"  // trace_mark(it, event): benchmarks/trace_prefill.py; compiles to nothing as shipped
 
-// timing only (session 29): PERSISTENT with one item per block (`convert_once:g100000`) and 1: the consumers
-// without their item loop, 2: warp 0 without its item loop, 3: both; with 1, 4: warp 0 takes no next item, 8: warp 0
-// returns once it has none (no wait for the consumers, no stop item)
+// timing only (benchmarks/NOTES.md session 29), valid with one item per block (`convert_once:g100000`): 1 the
+// consumers without their item loop, 3 warp 0 too
 #ifndef CUKV_PERS_DIAG
 #define CUKV_PERS_DIAG 0
 #endif
@@ -334,11 +333,11 @@ struct PrefillKernel {
 
   // Q: BM rows x all atoms, rows past the sequence and columns past DEPTH as zeros (FP8 scores: the consumers stage
   // their own rows as e4m3 terms instead)
-  // (thread `first` of `stride` loading threads; each arrives on q_full when its copies land)
+  // (every producer lane arrives on q_full when its copies land)
   static __device__ __forceinline__ void load_query(const PrefillArgs& a, const Smem& sm, int head, int q_begin, int q0,
-                                                    int rows, int first, int stride) {
+                                                    int rows, int pw, int lane) {
     const T* q = static_cast<const T*>(a.q);
-    for (int i = first; i < BM * kQAtoms * 8; i += stride) {
+    for (int i = pw * 32 + lane; i < BM * kQAtoms * 8; i += 128) {
       const int chunk = i % 8, r = (i / 8) % BM, atom = i / (8 * BM);
       const int col = atom * 64 + chunk * 8;
       const bool ok = r < rows && col < DEPTH;
@@ -495,7 +494,7 @@ struct PrefillKernel {
     const int n_last = n_first + n_tiles - 1;
     if (pw == 0 && lane == 0) asm volatile("st.volatile.shared.u32 [%0], 0;" :: "r"(sm.raw) : "memory");
     asm volatile("bar.sync 15, 128;" ::: "memory");  // the producer warpgroup (15: no other user): the count is 0 before converters look
-    load_query(a, sm, head, q_begin, q0, rows, pw * 32 + lane, 128);
+    load_query(a, sm, head, q_begin, q0, rows, pw, lane);
     if (pw == 0) {
       int count = 0;
       feed_once(maps, o, sm, buf, ws0, kv_head, n_first, n_tiles, count, lane);
@@ -552,6 +551,19 @@ struct PrefillKernel {
   // last one. Warps 1-3 take quarters from a second counter in the order the items need them (KV head, then
   // workspace tile), until none is left: nobody claims by compare-and-swap, and no converter holds an SM whose
   // consumers are done.
+  // Warp 0's lane 0: the item and its query on q_full (BM rows of the head by tensor copies: rows past the sequence
+  // read the next one's or zeros, and their outputs are never stored); b < 0 tells the consumers to stop.
+  static __device__ __forceinline__ void stage_item(const Smem& sm, const CUtensorMap* qmap, const Item& t) {
+    store_item(sm.item, t);
+    if (t.b >= 0) {
+      mbar_expect_tx(sm.q_full, kQAtoms * BM * kAtomRowBytes);
+      for (int atom = 0; atom < kQAtoms; ++atom)
+        tma_load_4d(sm.q + (u32)(atom * BM * kAtomRowBytes), qmap, atom * kAtomRowBytes, t.head, t.q_begin + t.q0, 0,
+                    sm.q_full);
+    }
+    mbar_arrive(sm.q_full);  // release: the item
+  }
+
   static __device__ __forceinline__ void feed_persistent(const PrefillArgs& a, const PrefillMaps* maps,
                                                          const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm,
                                                          const Buf& buf, const Cache& ws, int lane) {
@@ -561,32 +573,14 @@ struct PrefillKernel {
     t.b = -1;
     if ((int)blockIdx.x < total) t = make_item(a, &o, ws, blockIdx.x);
     if (CUKV_PERS_DIAG & 2) {  // timing only: one item per block, no loop
-      if (lane == 0) {
-        store_item(sm.item, t);
-        mbar_expect_tx(sm.q_full, kQAtoms * BM * kAtomRowBytes);
-        for (int atom = 0; atom < kQAtoms; ++atom)
-          tma_load_4d(sm.q + (u32)(atom * BM * kAtomRowBytes), qmap, atom * kAtomRowBytes, t.head, t.q_begin + t.q0, 0,
-                      sm.q_full);
-        mbar_arrive(sm.q_full);
-      }
+      if (lane == 0) stage_item(sm, qmap, t);
       if (t.n_tiles > 0)
         feed_once(maps, o, sm, buf, (int)ws.row_key(t.b, 0), t.kv_head, t.n_first, t.n_tiles, count, lane);
       return;
     }
     for (int i = 0;; ++i) {
       if (i > 0) mbar_wait(sm.q_empty, (i - 1) & 1);  // the consumers are done with the staged query and item
-      // The item and its query (BM rows of the head by tensor copies: rows past the sequence read the next one's or
-      // zeros, and their outputs are never stored); b < 0 tells the consumers to stop.
-      if (lane == 0) {
-        store_item(sm.item, t);
-        if (t.b >= 0) {
-          mbar_expect_tx(sm.q_full, kQAtoms * BM * kAtomRowBytes);
-          for (int atom = 0; atom < kQAtoms; ++atom)
-            tma_load_4d(sm.q + (u32)(atom * BM * kAtomRowBytes), qmap, atom * kAtomRowBytes, t.head, t.q_begin + t.q0, 0,
-                        sm.q_full);
-        }
-        mbar_arrive(sm.q_full);  // release: the item
-      }
+      if (lane == 0) stage_item(sm, qmap, t);
       if (t.b < 0) return;
       if (t.n_tiles > 0)
         feed_once(maps, o, sm, buf, (int)ws.row_key(t.b, 0), t.kv_head, t.n_first, t.n_tiles, count, lane);
@@ -595,9 +589,8 @@ struct PrefillKernel {
       // Taken at the item's start, a block that had just begun a long item held the next one back for its whole length
       // (d256: 12% slower, benchmarks/NOTES.md session 28).
       int next = 0;
-      if (lane == 0) next = (CUKV_PERS_DIAG & 4) ? total : gridDim.x + atomicAdd(o.flags - 2, 1);
+      if (lane == 0) next = gridDim.x + atomicAdd(o.flags - 2, 1);
       next = __shfl_sync(0xffffffffu, next, 0);
-      if ((CUKV_PERS_DIAG & 8) && next >= total) return;
       t.b = -1;
       if (next < total) t = make_item(a, &o, ws, next);
     }
@@ -626,7 +619,7 @@ struct PrefillKernel {
                                                  const Buf& buf, const Cache& cache,
                                                  int b, int kv_head, int head, int q_begin, int q0, int rows,
                                                  int kv_len, int n_first, int n_tiles, int vslice, int pw, int lane) {
-    if constexpr (!FP8_SCORES) load_query(a, sm, head, q_begin, q0, rows, pw * 32 + lane, 128);
+    if constexpr (!FP8_SCORES) load_query(a, sm, head, q_begin, q0, rows, pw, lane);
 
     const KVT* kbase = static_cast<const KVT*>(a.kv.k);
     const KVT* vbase = static_cast<const KVT*>(a.kv.v);

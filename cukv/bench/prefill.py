@@ -193,6 +193,14 @@ def fp8_cache_like(data, granularity):
     return fcache
 
 
+def once_variant(strategy: str):
+    """A probe's strategy name to ``(fp8_prefill, prefill.ONCE_PERSISTENT, prefill.ONCE_GRID)``:
+    ``'convert_once:np'`` runs convert-once on the launch-per-item grid, ``'convert_once:gN'`` on a persistent grid of
+    N blocks (benchmarks/probe_prefill_once.py, benchmarks/ncu_prefill.py)."""
+    return (strategy.split(":")[0], not strategy.endswith(":np"),
+            int(strategy.split(":g")[1]) if ":g" in strategy else None)
+
+
 def _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, granularity):
     """The same K/V quantized by append_kv into an FP8 cache (same page table), timed like cukv paged: both
     ``fp8_prefill`` strategies, and ``fp8_ms`` is the one 'auto' (the default) takes."""
