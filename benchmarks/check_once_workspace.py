@@ -1,5 +1,6 @@
 """convert_once on the persistent grid against the launch-per-item kernel, bit for bit over six runs each, and its
-workspace against the cache's dequantized values (session 28). PYTHONPATH=. python3 benchmarks/check_once_workspace.py"""
+workspace against the cache's dequantized values (session 28; d256 from session 30).
+PYTHONPATH=. python3 benchmarks/check_once_workspace.py [head_dim]"""
 import sys
 
 import cupy as cp
@@ -10,16 +11,17 @@ from cukv.testing import random_prefill_case
 
 P = sys.modules["cukv.prefill"]
 rng = np.random.default_rng(1)
+D = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 for grid in (None, 5):
     P.ONCE_GRID = grid
     case = random_prefill_case(rng, q_lens=[1500, 1, 700, 33, 129], cache_lens=[0, 0, 300, 0, 70], num_qo_heads=16,
-                               num_kv_heads=16, head_dim=128, page_size=16, dtype="bfloat16", kv_dtype="fp8_e4m3",
+                               num_kv_heads=16, head_dim=D, page_size=16, dtype="bfloat16", kv_dtype="fp8_e4m3",
                                scale_granularity="token")
     kv = (case["cache"], case["table"])
     outs = {}
     for pers in (False, True):
         P.ONCE_PERSISTENT = pers
-        pf = cukv.BatchPrefill(16, 16, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="token",
+        pf = cukv.BatchPrefill(16, 16, D, 16, kv_dtype="fp8_e4m3", scale_granularity="token",
                                fp8_prefill="convert_once").plan(case["q_offsets"], case["kv_lens"])
         runs = []
         for r in range(6):

@@ -247,7 +247,7 @@ class PrefillConfig:
     def tma_rows(self) -> int:
         """Tokens per tensor copy (0: cp.async): the most rows that stay inside a page and a producer warp's rows."""
         if self.convert_once:
-            return self.BN // 4  # the workspace is contiguous: one box per producer warp
+            return self.BN  # the workspace is contiguous: one box per tile and 64-dim atom
         return tma_box_rows(self.page_size, self.BN) if self.tma else 0
 
     @property
@@ -411,10 +411,11 @@ def tma_applies(page_size: int, BN: int) -> bool:
 
 #: convert_once runs on a persistent grid (``PrefillConfig.persistent``) up to this head dim. H100 (session 28,
 #: benchmarks/probe_prefill_once.py, token scales, bf16/FP8): persistent against launch-per-item 1.03 / 0.87 at MHA d128
-#: b8 L2048, 1.07 / 0.97 at GQA 4 b4 L4096, 1.07 / 0.97 at d64 GQA 4 b8 L2048; at MHA d256 0.89 / 0.89 (b4 L4096)
-#: and 0.88 / 0.88 (b2 L8192), where the persistent floor (no conversion) lost 5-13% for a reason not found: its
-#: consumers wait for tiles the launch-per-item kernel has ready (benchmarks/NOTES.md session 28).
-ONCE_PERSISTENT_MAX_HEAD_DIM = 128
+#: b8 L2048, 1.07 / 0.97 at GQA 4 b4 L4096, 1.07 / 0.97 at d64 GQA 4 b8 L2048. d256 joined in session 30 (1.02 / 0.93
+#: at MHA b4 L4096, 1.00 / 0.91 at b2 L8192), once warp 0 fed each K/V element by one tensor copy per 64-dim atom
+#: instead of one per quarter tile and atom: its 16 copies per element at d256 made the consumers wait for tiles
+#: (0.90 before; benchmarks/NOTES.md sessions 28-30).
+ONCE_PERSISTENT_MAX_HEAD_DIM = 256
 #: probes force the grid: None follows ONCE_PERSISTENT_MAX_HEAD_DIM; ONCE_GRID caps the persistent grid's blocks
 #: (the tests walk many items per block with a small grid)
 ONCE_PERSISTENT: bool | None = None
@@ -526,6 +527,14 @@ ONCE_HEAD_DIMS = (64, 128, 256)
 ONCE_MIN_ROWS_PER_KEY_PERSISTENT = 256
 ONCE_MIN_ROWS_PER_KEY_BLOCK = 192
 ONCE_MIN_ROWS_PER_KEY_TENSOR = 512
+#: On the persistent grid at d256 (session 30, one call, bf16/FP8 for fused / dequantize_first / convert_once on the
+#: persistent grid, rows per key in brackets): token MHA b64 L256 (192) 0.90 / 0.65 / 0.73, b32 L512 (320) 0.91 / 0.69
+#: / 0.81, b16 L1024 (576) 0.86 / 0.74 / 0.87, b4 L4096 (2112) - / - / 1.02, b2 L8192 (4160) 0.81 / 0.95 / 1.00, GQA 4
+#: b4 L4096 (8448) 0.86 / 0.92 / 1.07: token scales keep ONCE_MIN_ROWS_PER_KEY there. 128-dim blocks 0.74 / 0.68 /
+#: 0.78 (320), 0.59 / 0.74 / 0.85 (576), 0.51 / 0.91 / 1.00 (2112), 0.51 / 1.02 / 1.03 (8448): ONCE_MIN_ROWS_PER_KEY_BLOCK.
+#: Per-tensor 0.97 / - / 0.83 (320), 0.97 / - / 0.89 (576), 1.00 / - / 0.97 (2112), 1.01 / - / 1.02 (8448): fused
+#: stays, so per-tensor and the low token threshold apply up to ONCE_LOW_MAX_HEAD_DIM.
+ONCE_LOW_MAX_HEAD_DIM = 128
 
 
 def _once_min_rows(head_dim: int, scale_block: int) -> int | None:
@@ -534,10 +543,13 @@ def _once_min_rows(head_dim: int, scale_block: int) -> int | None:
     are as fast, or convert-once does not fit)."""
     if head_dim not in ONCE_HEAD_DIMS:
         return None
-    if _once_persistent(head_dim):
-        return {0: ONCE_MIN_ROWS_PER_KEY_TENSOR, head_dim: ONCE_MIN_ROWS_PER_KEY_PERSISTENT}.get(
-            scale_block, ONCE_MIN_ROWS_PER_KEY_BLOCK)
-    return ONCE_MIN_ROWS_PER_KEY if scale_block == head_dim else None
+    if not _once_persistent(head_dim):
+        return ONCE_MIN_ROWS_PER_KEY if scale_block == head_dim else None
+    if scale_block == 0:  # at d256 the fused per-tensor kernel is as fast or faster
+        return ONCE_MIN_ROWS_PER_KEY_TENSOR if head_dim <= ONCE_LOW_MAX_HEAD_DIM else None
+    if scale_block == head_dim:
+        return ONCE_MIN_ROWS_PER_KEY_PERSISTENT if head_dim <= ONCE_LOW_MAX_HEAD_DIM else ONCE_MIN_ROWS_PER_KEY
+    return ONCE_MIN_ROWS_PER_KEY_BLOCK
 
 
 def once_unsupported(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int) -> str | None:

@@ -86,14 +86,14 @@ struct PrefillKernel {
                                 (SCALE_BLOCK == 0 || SCALE_BLOCK == DEPTH) && Buf::full_kv && DEPTH <= 256),
                 "FP8 scores: one scale per K row (token or tensor) and the whole head in one element");
   static constexpr bool kTma = TMA_ROWS > 0;
-  static_assert(!kTma || (TMA_ROWS % 8 == 0 && PAGE_SIZE % TMA_ROWS == 0 && (BN / 4) % TMA_ROWS == 0 &&
+  static_assert(!kTma || (TMA_ROWS % 8 == 0 && PAGE_SIZE % TMA_ROWS == 0 && ((BN / 4) % TMA_ROWS == 0 || ONCE_PAGE > 0) &&
                           (!QUANTIZED || PAGE_SIZE > 0)),
                 "TMA boxes: whole 8-row swizzle groups within a page (if paged) and within a producer warp's rows");
   static constexpr int kConsumerWGs = BM / 64;
   static constexpr bool kOnce = ONCE_PAGE > 0;
-  static_assert(!kOnce || (!QUANTIZED && PAGE_SIZE == 0 && kTma && TMA_ROWS == BN / 4 && Buf::full_kv &&
+  static_assert(!kOnce || (!QUANTIZED && PAGE_SIZE == 0 && kTma && TMA_ROWS == BN && Buf::full_kv &&
                            (SCALE_BLOCK == 0 || DEPTH % SCALE_BLOCK == 0)),
-                "convert once: a contiguous 16-bit workspace by TMA, one box per producer warp, the whole head in one element");
+                "convert once: a contiguous 16-bit workspace by TMA, one box per tile and atom, the whole head in one element");
   typedef KVCacheOperand<unsigned char, (ONCE_PAGE > 0 ? ONCE_PAGE : 1), true> Fp8Cache;
   static_assert(!PERSISTENT || kOnce, "the persistent grid is convert-once's");
   static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
@@ -371,7 +371,6 @@ struct PrefillKernel {
   static __device__ __forceinline__ void feed_once(const PrefillMaps* maps, const OnceArgs& o, const Smem& sm,
                                                    const Buf& buf, int ws0, int kv_head, int n_first, int n_tiles,
                                                    int& count, int lane) {
-    constexpr int kWarpRows = BN / Buf::kProducerWarps;
     const int n_last = n_first + n_tiles - 1;
     int ready_to = 0;  // tiles [it, ready_to) of the walk are known ready
     for (int it = 0; it < n_tiles; ++it) {
@@ -408,12 +407,12 @@ struct PrefillKernel {
         if (lane == 0) {
           const u32 bar = sm.full + 8 * stage;
           mbar_expect_tx(bar, kQAtoms * BN * kAtomRowBytes);
+          // one box of the tile's BN rows per atom (the four quarters' flags are all acquired): a quarter's box
+          // each made warp 0 issue four times the tensor copies
 #pragma unroll
-          for (int q = 0; q < Buf::kProducerWarps; ++q)
-#pragma unroll
-            for (int atom = 0; atom < kQAtoms; ++atom)
-              tma_load_4d(buf.element(stage) + (u32)((atom * BN + q * kWarpRows) * kAtomRowBytes),
-                          e ? &maps->v : &maps->k, atom * kAtomRowBytes, kv_head, ws0 + n * BN + q * kWarpRows, 0, bar);
+          for (int atom = 0; atom < kQAtoms; ++atom)
+            tma_load_4d(buf.element(stage) + (u32)(atom * BN * kAtomRowBytes), e ? &maps->v : &maps->k,
+                        atom * kAtomRowBytes, kv_head, ws0 + n * BN, 0, bar);
         }
         mbar_arrive_n(sm.full + 8 * stage, Buf::kProducerWarps);  // the full barrier counts 128 producer arrivals
         ++count;

@@ -183,7 +183,7 @@ def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
     assert cfg.producer_registers == (80 if cfg.BM == 192 else 72) and cfg.smem_bytes <= 227 * 1024
-    assert cfg.persistent == (d <= 128) and ("_pers_" in cfg.name) == (d <= 128)
+    assert cfg.persistent and "_pers_" in cfg.name  # every head dim convert-once takes (d256 from session 30)
 
 
 def test_dequant_config_domain():
@@ -210,7 +210,7 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
 
 
 def test_fp8_prefill_strategy_choice():
-    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY*, sessions 27-29; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
+    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY*, sessions 27-30; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
     session 23; on H100)."""
     import cukv
     from cukv.prefill import DEQUANT_WORKSPACE_LIMIT
@@ -222,7 +222,7 @@ def test_fp8_prefill_strategy_choice():
     assert _strategy(32, 32, 128, [8192] * 2, [8192] * 2) == "convert_once"        # MHA, 4160
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4) == "convert_once"        # MHA d256, 2112
     assert _strategy(32, 16, 128, [2048] * 8, [2048] * 8) == "convert_once"        # GQA 2, 2176
-    # on the persistent grid (up to d128) from ONCE_MIN_ROWS_PER_KEY_PERSISTENT (session 29), at d256 from 1024
+    # up to d128 from ONCE_MIN_ROWS_PER_KEY_PERSISTENT (session 29), at d256 from ONCE_MIN_ROWS_PER_KEY (session 30)
     assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16) == "convert_once"      # MHA, 576
     assert _strategy(32, 32, 128, [512] * 32, [512] * 32) == "convert_once"        # MHA, 320
     assert _strategy(32, 32, 128, [256] * 64, [256] * 64) == "fused"               # MHA, 192
@@ -235,8 +235,11 @@ def test_fp8_prefill_strategy_choice():
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
     assert _strategy(32, 8, 128, [16384], [16384], gran=64) == "dequantize_first"  # 33151
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=64) == "dequantize_first"
-    # per-tensor scales: converted once where the grid is persistent (up to d128), else dequantized first from 8192
-    # rows per key
+    # d256 on the persistent grid (session 30): 128-dim blocks from ONCE_MIN_ROWS_PER_KEY_BLOCK, token scales at GQA
+    assert _strategy(16, 16, 256, [512] * 32, [512] * 32, gran=128) == "convert_once"  # 320
+    assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4) == "convert_once"        # GQA 4 d256, 8448
+    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM); at d256 the fused kernel is as fast;
+    # dequantized first from 8192 rows per key
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
