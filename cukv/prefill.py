@@ -510,8 +510,7 @@ DEQUANT_WORKSPACE_LIMIT = 1 << 30
 ONCE_MIN_ROWS_PER_KEY = 1024
 ONCE_MAX_ROWS_PER_KEY = 16384
 ONCE_HEAD_DIMS = (64, 128, 256)
-#: Where the grid is persistent (head dims up to ONCE_PERSISTENT_MAX_HEAD_DIM) 'auto' converts once from fewer rows
-#: per key: token scales from ONCE_MIN_ROWS_PER_KEY_PERSISTENT, block scales (whose fused kernel is the slowest) from
+#: Where the grid is persistent, up to ONCE_LOW_MAX_HEAD_DIM, 'auto' converts once from fewer rows per key: token scales from ONCE_MIN_ROWS_PER_KEY_PERSISTENT, block scales (whose fused kernel is the slowest) from
 #: ONCE_MIN_ROWS_PER_KEY_BLOCK, per-tensor scales (whose fused kernel runs near bf16 speed) from
 #: ONCE_MIN_ROWS_PER_KEY_TENSOR. Rows per key count each query tile's real rows (from session 29; before, whole
 #: tiles, which made a decode step's one row BM). H100, session 29 (benchmarks/probe_prefill_once.py, one call each,
@@ -538,9 +537,10 @@ ONCE_LOW_MAX_HEAD_DIM = 128
 
 
 def _once_min_rows(head_dim: int, scale_block: int) -> int | None:
-    """The rows per key from which 'auto' converts once, or None. Where the grid is persistent: every granularity
-    (token / block / per-tensor thresholds); beyond it token scales only (launch per item: the other fused kernels
-    are as fast, or convert-once does not fit)."""
+    """The rows per key from which 'auto' converts once, or None. On the persistent grid up to ONCE_LOW_MAX_HEAD_DIM:
+    every granularity (token / block / per-tensor thresholds); at d256 token scales from ONCE_MIN_ROWS_PER_KEY and
+    block scales (where they fit) from ONCE_MIN_ROWS_PER_KEY_BLOCK (per-tensor: the fused kernel is as fast); on a
+    launch-per-item grid token scales only."""
     if head_dim not in ONCE_HEAD_DIMS:
         return None
     if not _once_persistent(head_dim):
@@ -595,9 +595,10 @@ class BatchPrefill:
         flag says it is ready. The fused kernel converts each K/V tile once for every query tile that visits it,
         the other two once in all, so they win when many query rows share each key. ``'auto'`` (the default)
         takes ``'convert_once'`` below ``ONCE_MAX_ROWS_PER_KEY`` query rows per key (query heads of a KV head
-        included): up to ``ONCE_PERSISTENT_MAX_HEAD_DIM`` (where it runs on a persistent grid) from
-        ``ONCE_MIN_ROWS_PER_KEY_PERSISTENT`` for token and block scales and ``ONCE_MIN_ROWS_PER_KEY_TENSOR`` for
-        per-tensor scales; at d256 for token scales from ``ONCE_MIN_ROWS_PER_KEY``; else
+        included): up to ``ONCE_LOW_MAX_HEAD_DIM`` from ``ONCE_MIN_ROWS_PER_KEY_PERSISTENT`` for token scales,
+        ``ONCE_MIN_ROWS_PER_KEY_BLOCK`` for block scales and ``ONCE_MIN_ROWS_PER_KEY_TENSOR`` for per-tensor
+        scales; at d256 for token scales from ``ONCE_MIN_ROWS_PER_KEY`` and block scales from
+        ``ONCE_MIN_ROWS_PER_KEY_BLOCK``; else
         ``'dequantize_first'`` from ``DEQUANT_MIN_ROWS_PER_KEY`` rows per key (``DEQUANT_MIN_ROWS_PER_KEY_TENSOR``
         for per-tensor scales, whose fused kernel runs near bf16 speed), else ``'fused'``; the workspaces must
         fit ``DEQUANT_WORKSPACE_LIMIT`` bytes. ``strategy`` says which one ``plan`` chose. All read the plan's

@@ -88,7 +88,8 @@ struct PrefillKernel {
   static constexpr bool kTma = TMA_ROWS > 0;
   static_assert(!kTma || (TMA_ROWS % 8 == 0 && PAGE_SIZE % TMA_ROWS == 0 && ((BN / 4) % TMA_ROWS == 0 || ONCE_PAGE > 0) &&
                           (!QUANTIZED || PAGE_SIZE > 0)),
-                "TMA boxes: whole 8-row swizzle groups within a page (if paged) and within a producer warp's rows");
+                "TMA boxes: whole 8-row swizzle groups within a page (if paged) and within a producer warp's rows (convert "
+                "once: the tile's rows)");
   static constexpr int kConsumerWGs = BM / 64;
   static constexpr bool kOnce = ONCE_PAGE > 0;
   static_assert(!kOnce || (!QUANTIZED && PAGE_SIZE == 0 && kTma && TMA_ROWS == BN && Buf::full_kv &&
