@@ -510,7 +510,8 @@ DEQUANT_WORKSPACE_LIMIT = 1 << 30
 ONCE_MIN_ROWS_PER_KEY = 1024
 ONCE_MAX_ROWS_PER_KEY = 16384
 ONCE_HEAD_DIMS = (64, 128, 256)
-#: Where the grid is persistent, up to ONCE_LOW_MAX_HEAD_DIM, 'auto' converts once from fewer rows per key: token scales from ONCE_MIN_ROWS_PER_KEY_PERSISTENT, block scales (whose fused kernel is the slowest) from
+#: Where the grid is persistent, up to ONCE_LOW_MAX_HEAD_DIM, 'auto' converts once from fewer rows per key: token
+#: scales from ONCE_MIN_ROWS_PER_KEY_PERSISTENT, block scales (whose fused kernel is the slowest) from
 #: ONCE_MIN_ROWS_PER_KEY_BLOCK, per-tensor scales (whose fused kernel runs near bf16 speed) from
 #: ONCE_MIN_ROWS_PER_KEY_TENSOR. Rows per key count each query tile's real rows (from session 29; before, whole
 #: tiles, which made a decode step's one row BM). H100, session 29 (benchmarks/probe_prefill_once.py, one call each,
@@ -530,7 +531,8 @@ ONCE_MIN_ROWS_PER_KEY_TENSOR = 512
 #: persistent grid, rows per key in brackets): token MHA b64 L256 (192) 0.90 / 0.65 / 0.73, b32 L512 (320) 0.91 / 0.69
 #: / 0.81, b16 L1024 (576) 0.86 / 0.74 / 0.87, b4 L4096 (2112) - / - / 1.02, b2 L8192 (4160) 0.81 / 0.95 / 1.00, GQA 4
 #: b4 L4096 (8448) 0.86 / 0.92 / 1.07: token scales keep ONCE_MIN_ROWS_PER_KEY there. 128-dim blocks 0.74 / 0.68 /
-#: 0.78 (320), 0.59 / 0.74 / 0.85 (576), 0.51 / 0.91 / 1.00 (2112), 0.51 / 1.02 / 1.03 (8448): ONCE_MIN_ROWS_PER_KEY_BLOCK.
+#: 0.78 (320), 0.59 / 0.74 / 0.85 (576), 0.51 / 0.91 / 1.00 (2112), 0.51 / 1.02 / 1.03 (8448):
+#: ONCE_MIN_ROWS_PER_KEY_BLOCK.
 #: Per-tensor 0.97 / - / 0.83 (320), 0.97 / - / 0.89 (576), 1.00 / - / 0.97 (2112), 1.01 / - / 1.02 (8448): fused
 #: stays, so per-tensor and the low token threshold apply up to ONCE_LOW_MAX_HEAD_DIM.
 ONCE_LOW_MAX_HEAD_DIM = 128

@@ -86,15 +86,16 @@ struct PrefillKernel {
                                 (SCALE_BLOCK == 0 || SCALE_BLOCK == DEPTH) && Buf::full_kv && DEPTH <= 256),
                 "FP8 scores: one scale per K row (token or tensor) and the whole head in one element");
   static constexpr bool kTma = TMA_ROWS > 0;
-  static_assert(!kTma || (TMA_ROWS % 8 == 0 && PAGE_SIZE % TMA_ROWS == 0 && ((BN / 4) % TMA_ROWS == 0 || ONCE_PAGE > 0) &&
-                          (!QUANTIZED || PAGE_SIZE > 0)),
+  static_assert(!kTma || (TMA_ROWS % 8 == 0 && PAGE_SIZE % TMA_ROWS == 0 &&
+                          ((BN / 4) % TMA_ROWS == 0 || ONCE_PAGE > 0) && (!QUANTIZED || PAGE_SIZE > 0)),
                 "TMA boxes: whole 8-row swizzle groups within a page (if paged) and within a producer warp's rows (convert "
                 "once: the tile's rows)");
   static constexpr int kConsumerWGs = BM / 64;
   static constexpr bool kOnce = ONCE_PAGE > 0;
   static_assert(!kOnce || (!QUANTIZED && PAGE_SIZE == 0 && kTma && TMA_ROWS == BN && Buf::full_kv &&
                            (SCALE_BLOCK == 0 || DEPTH % SCALE_BLOCK == 0)),
-                "convert once: a contiguous 16-bit workspace by TMA, one box per tile and atom, the whole head in one element");
+                "convert once: a contiguous 16-bit workspace by TMA, one box per tile and atom, the whole head in one "
+                "element");
   typedef KVCacheOperand<unsigned char, (ONCE_PAGE > 0 ? ONCE_PAGE : 1), true> Fp8Cache;
   static_assert(!PERSISTENT || kOnce, "the persistent grid is convert-once's");
   static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
