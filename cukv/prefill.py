@@ -245,7 +245,8 @@ class PrefillConfig:
 
     @property
     def tma_rows(self) -> int:
-        """Tokens per tensor copy (0: cp.async): the most rows that stay inside a page and a producer warp's rows."""
+        """Tokens per tensor copy (0: cp.async): the most rows that stay inside a page and a producer warp's rows;
+        convert-once's contiguous workspace: the whole tile."""
         if self.convert_once:
             return self.BN  # the workspace is contiguous: one box per tile and 64-dim atom
         return tma_box_rows(self.page_size, self.BN) if self.tma else 0

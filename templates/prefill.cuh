@@ -10,12 +10,6 @@
 #include "kv_buffer.cuh"
 #include "trace.cuh"  // trace_mark(it, event): benchmarks/trace_prefill.py; compiles to nothing as shipped
 
-// timing only (benchmarks/NOTES.md session 29), valid with one item per block (`convert_once:g100000`): 1 the
-// consumers without their item loop, 3 warp 0 too
-#ifndef CUKV_PERS_DIAG
-#define CUKV_PERS_DIAG 0
-#endif
-
 namespace cukv {
 
 struct alignas(8) PrefillArgs {
@@ -302,7 +296,7 @@ struct PrefillKernel {
       } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
         int count = 0;
-        for (int i = 0; !(CUKV_PERS_DIAG & 1) || i < 1; ++i) {
+        for (int i = 0;; ++i) {
           mbar_wait(sm.q_full, i & 1);
           const Item t = load_item(sm.item);
           if (t.b < 0) return;
@@ -573,12 +567,6 @@ struct PrefillKernel {
     Item t;
     t.b = -1;
     if ((int)blockIdx.x < total) t = make_item(a, &o, ws, blockIdx.x);
-    if (CUKV_PERS_DIAG & 2) {  // timing only: one item per block, no loop
-      if (lane == 0) stage_item(sm, qmap, t);
-      if (t.n_tiles > 0)
-        feed_once(maps, o, sm, buf, (int)ws.row_key(t.b, 0), t.kv_head, t.n_first, t.n_tiles, count, lane);
-      return;
-    }
     for (int i = 0;; ++i) {
       if (i > 0) mbar_wait(sm.q_empty, (i - 1) & 1);  // the consumers are done with the staged query and item
       if (lane == 0) stage_item(sm, qmap, t);
