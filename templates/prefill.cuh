@@ -585,6 +585,28 @@ struct PrefillKernel {
     }
   }
 
+  // Candidate lever, off by default (0; benchmarks/NOTES.md session 31): N > 0 holds a persistent converter whose
+  // quarter is of KV head k until an item of KV head k - N has been taken. Unthrottled, the converters finish the whole
+  // workspace in the first ~40% of the kernel (d256 b4 L4096), and their stream of code reads and workspace writes
+  // passes through L2 while the consumers still re-read the current head's tiles there; throttled, that traffic is
+  // spread over the kernel and the next head's tiles are written shortly before they are read. No deadlock: a
+  // sleeping converter holds a quarter of a head past the latest item's head + N, so every quarter the items taken so
+  // far need was claimed by a converter that is not sleeping.
+#ifndef CUKV_ONCE_AHEAD
+#define CUKV_ONCE_AHEAD 0
+#endif
+  static __device__ __forceinline__ void wait_items_reach(const PrefillArgs& a, const OnceArgs& o, int kv_head,
+                                                          int lane) {
+    const int per_kv_head = o.num_work * a.group;  // items of one KV head (its query heads' work items)
+    for (;;) {
+      int taken = 0;  // items taken past the first wave; the latest taken is item gridDim.x - 1 + taken
+      if (lane == 0) taken = ld_relaxed_gpu(o.flags - 2);
+      taken = __shfl_sync(0xffffffffu, taken, 0);
+      if (((int)gridDim.x - 1 + taken) / per_kv_head >= kv_head) return;
+      __nanosleep(1024);
+    }
+  }
+
   static __device__ __forceinline__ void convert_persistent(const PrefillArgs& a, const OnceArgs& o, const Smem& sm,
                                                             const Buf& buf, const Cache& ws, int pw, int lane) {
     if (CUKV_ONCE_UB == 1) return;
@@ -597,6 +619,7 @@ struct PrefillKernel {
       i = __shfl_sync(0xffffffffu, i, 0);
       if (i >= total) return;
       const int k = i / per_head, tile = (i % per_head) / 4, q = i % 4;
+      if (CUKV_ONCE_AHEAD > 0 && k > CUKV_ONCE_AHEAD) wait_items_reach(a, o, k - CUKV_ONCE_AHEAD, lane);
       const int b = __ldg(o.tile_seq + tile);
       const int ws0 = (int)ws.row_key(b, 0);
       const int kv_len = min(f.cache_length(b), ws.cache_length(b));

@@ -97,6 +97,96 @@ def test_format_table_without_torch():
     assert "geomean" not in text
 
 
+class FakeTimer:
+    """Answers median_ms from a script of times per function and records the order of the calls."""
+
+    def __init__(self, times):
+        self.times, self.calls = {k: list(v) for k, v in times.items()}, []
+
+    def median_ms(self, fn, reps=30, warmup=5):
+        name = fn()
+        self.calls.append((name, reps))
+        return self.times[name].pop(0)
+
+
+def test_interleaved_rounds_alternate_the_contenders():
+    from cukv.bench.timing import interleaved_medians, interleaved_rounds
+
+    t = FakeTimer({"a": [1.0, 9.0, 2.0], "b": [3.0, 4.0, 5.0]})
+    got = interleaved_rounds(t, {"a": lambda: "a", "b": lambda: "b"}, reps=30, rounds=3)
+    assert got == {"a": [1.0, 9.0, 2.0], "b": [3.0, 4.0, 5.0]}
+    assert t.calls == [("a", 10), ("b", 10)] * 3  # round by round, reps split over the rounds
+    t = FakeTimer({"a": [1.0, 9.0, 2.0], "b": [3.0, 4.0, 5.0]})
+    assert interleaved_medians(t, {"a": lambda: "a", "b": lambda: "b"}, reps=6) == {"a": 2.0, "b": 4.0}
+    assert t.calls[0] == ("a", 5)  # at least 5 calls a round
+
+
+def test_fp8_bench_times_bf16_and_fp8_in_the_same_rounds():
+    rounds = {"paged": [1.00, 1.04, 1.02], "fp8_fused": [1.20, 1.22, 1.21], "fp8_convert_once": [1.01, 1.00, 1.03]}
+    t = FakeTimer(rounds)
+    row = {"fp8_strategy": "convert_once"}
+    bp._time_interleaved(row, t, {k: (lambda k=k: k) for k in rounds}, reps=3 * 8, rounds=3)
+    assert [c[0] for c in t.calls] == list(rounds) * 3 and {c[1] for c in t.calls} == {8}
+    assert row["paged_ms"] == 1.02 and row["fp8_fused_ms"] == 1.21 and row["fp8_ms"] == 1.01
+    assert row["fp8_vs_bf16"] == pytest.approx(1.02 / 1.01)
+    assert row["fp8_vs_bf16_rounds"] == pytest.approx([1.00 / 1.01, 1.04 / 1.00, 1.02 / 1.03])
+    res = fake_result()
+    res["summary"].update(kv_dtype="fp8_e4m3", scale_granularity="token", fp8_rounds=3)
+    res["rows"][0].update(row, fp8_dequantize_first_ms=None, maxdiff_fp8_bf16=0.01, fp8_config="cfg")
+    text = bp.format_table(res)
+    assert "3 interleaved rounds" in text
+    fp8_table = text[text.index("FP8 e4m3 cache"):]
+    line = next(ln for ln in fp8_table.splitlines() if ln.startswith("| b4 L4096 h32/8 d128 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[3:6] == ["1.01", "0.99-1.04", "convert_once"] and cells[7] == "n/a"
+
+
+def test_fp8_run_flow_without_a_gpu(monkeypatch, tmp_path):
+    """run()'s control flow with every GPU piece stubbed: contig is timed alone, bf16 paged with the FP8
+    strategies in interleaved rounds, and the JSON and table carry the round ratios."""
+    import types
+
+    from cukv.bench import timing
+
+    calls = []
+
+    class Timer:
+        def median_ms(self, fn, reps=30, warmup=5):
+            calls.append((fn(), reps))
+            return {"paged": 1.0, "contig": 1.1, "fp8_fused": 1.3, "fp8_convert_once": 0.9}[calls[-1][0]]
+
+    def time_cukv(row, engine, timer, reps, warmup, *shape_and_data, fns=None):
+        if fns is not None:
+            fns[engine] = lambda: engine
+        else:
+            row[f"{engine}_ms"] = timer.median_ms(lambda: engine, reps=reps, warmup=warmup)
+        return engine
+
+    def fp8_fns(row, hq, hkv, d, data, granularity, fns):
+        for s in ("fused", "convert_once"):
+            fns[f"fp8_{s}"] = lambda s=s: f"fp8_{s}"
+        row["fp8_strategy"], row["fp8_config"] = "convert_once", "cfg"
+        return "fp8"
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None)))
+    monkeypatch.setattr(timing, "Timer", Timer)
+    monkeypatch.setattr(bp, "peer_torch", lambda: (None, "no torch here"))
+    monkeypatch.setattr(bp, "_build", lambda *a: None)
+    monkeypatch.setattr(bp, "_time_cukv", time_cukv)
+    monkeypatch.setattr(bp, "_fp8_fns", fp8_fns)
+    monkeypatch.setattr(bp, "_maxdiff", lambda a, b: 0.0)
+    monkeypatch.setattr(bp, "_device_name", lambda: "stub")
+    res = bp.run(str(tmp_path), reps=6, kv_dtype="fp8_e4m3", shapes=[(1, 64, 2, 1, 64)])
+    assert calls[0] == ("contig", 6)
+    assert calls[1:] == [(n, 6) for n in ("paged", "fp8_fused", "fp8_convert_once")] * bp.FP8_ROUNDS
+    r = res["rows"][0]
+    assert (r["paged_ms"], r["contig_ms"], r["fp8_ms"], r["fp8_fused_ms"]) == (1.0, 1.1, 0.9, 1.3)
+    assert r["fp8_vs_bf16"] == pytest.approx(1 / 0.9) and len(r["fp8_vs_bf16_rounds"]) == bp.FP8_ROUNDS
+    saved = json.load(open(tmp_path / "bench_prefill_fp8_e4m3.json"))
+    assert saved["summary"]["fp8_rounds"] == bp.FP8_ROUNDS and saved["rows"][0]["fp8_vs_bf16_rounds"]
+
+
 def test_failed_lists_cukv_errors_only():
     assert bp.failed(fake_result()) == ["b4 L4096 h16/16 d256 contig: ValueError: no config"]
 

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from . import peer_torch
+from .timing import interleaved_medians  # also the probes' import (benchmarks/probe_*.py)
 
 GRID_BATCH = (1, 8, 32, 128)
 GRID_CTX = (512, 2048, 8192, 32768)
@@ -181,17 +182,6 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
         _plot(rows, ceiling, os.path.join(out_dir, f"bench_decode{tag}.png"))
     print(format_table(result))
     return result
-
-
-def interleaved_medians(timer, fns: dict, reps: int, rounds: int = 3) -> dict:
-    """Median over ``rounds`` interleaved rounds of each function's median (``reps`` calls in all): a slow
-    spell of the GPU (clocks, a neighbour) then lands on one round of every contender, not on one of them."""
-    per = max(5, reps // rounds)
-    got = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            got[k].append(timer.median_ms(fn, reps=per))
-    return {k: float(np.median(v)) for k, v in got.items()}
 
 
 def _peer_fns(torch, cache, table, q, out, batch, ctx, hq, d, row) -> dict:

@@ -9,7 +9,9 @@ the same Q/K/V are timed four ways:
 - PyTorch SDPA with ``SDPBackend.FLASH_ATTENTION`` and with ``SDPBackend.CUDNN_ATTENTION``, ``is_causal=True``
   (``enable_gqa=True`` when ``H_q != H_kv``), q/k/v contiguous ``[B, H, L, D]`` bf16 (their best case).
 
-Every call is timed with CUDA events after an L2 flush; medians of ``reps``. A peer that cannot run
+Every call is timed with CUDA events after an L2 flush; medians of ``reps``. With ``kv_dtype='fp8_e4m3'``, bf16
+paged and every FP8 strategy are timed together in ``FP8_ROUNDS`` interleaved rounds of ``reps`` calls each
+(medians of the round medians), and the bf16/FP8 ratio is also reported round by round. A peer that cannot run
 (no torch, no kernel for the shape) is recorded as null with the reason.
 
 FLOPs count only the causal half of the score matrix: ``flops = 4 * B * H_q * D * L * L / 2``
@@ -29,6 +31,7 @@ import time
 import numpy as np
 
 from . import peer_torch
+from .timing import interleaved_rounds
 
 #: (batch, seq_len, num_qo_heads, num_kv_heads, head_dim)
 SHAPES = (
@@ -119,7 +122,9 @@ def _build(batch, seq_len, hq, hkv, d, seed=0, page_size=PAGE_SIZE):
     return q, k, v, cache, pt, offsets, lengths
 
 
-def _time_cukv(row, engine, timer, reps, warmup, batch, seq_len, hq, hkv, d, data):
+def _time_cukv(row, engine, timer, reps, warmup, batch, seq_len, hq, hkv, d, data, fns=None):
+    """cukv ``engine`` on the shape: its output; timed now, or (``fns`` given) its call added to ``fns`` for
+    :func:`_time_interleaved`."""
     import cupy as cp
 
     import cukv
@@ -131,7 +136,11 @@ def _time_cukv(row, engine, timer, reps, warmup, batch, seq_len, hq, hkv, d, dat
     out = cp.empty_like(q)
     pf.run(q, kv, out=out)
     cp.cuda.Device().synchronize()
-    row[f"{engine}_ms"] = timer.median_ms(lambda: pf.run(q, kv, out=out), reps=reps, warmup=warmup)
+    fn = lambda: pf.run(q, kv, out=out)  # noqa: E731
+    if fns is not None:
+        fns[engine] = fn
+    else:
+        row[f"{engine}_ms"] = timer.median_ms(fn, reps=reps, warmup=warmup)
     return out
 
 
@@ -201,9 +210,16 @@ def once_variant(strategy: str):
             int(strategy.split(":g")[1]) if ":g" in strategy else None)
 
 
-def _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, granularity):
-    """The same K/V quantized by append_kv into an FP8 cache (same page table), timed like cukv paged: both
-    ``fp8_prefill`` strategies, and ``fp8_ms`` is the one 'auto' (the default) takes."""
+#: FP8 bench: bf16 paged and every FP8 strategy are timed in this many interleaved rounds (cukv.bench.timing), so a
+#: slow spell of the GPU lands on a round of each; the bf16/FP8 ratio is also given per round (its spread says how
+#: far one call's ratio can be trusted: bf16 alone moved 1.01-1.05 ms between calls at MHA d256, NOTES.md session 30)
+FP8_ROUNDS = 5
+
+
+def _fp8_fns(row, hq, hkv, d, data, granularity, fns):
+    """The same K/V quantized by append_kv into an FP8 cache (same page table): every ``fp8_prefill`` strategy
+    that can run it, each run once and added to ``fns`` as ``fp8_<strategy>``; ``row['fp8_strategy']`` is the one
+    'auto' (the default) takes, and its output is returned."""
     import cupy as cp
 
     import cukv
@@ -224,12 +240,25 @@ def _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, granularity):
         o = out if strategy == chosen else cp.empty_like(q)
         pf.run(q, (fcache, pt), out=o)
         cp.cuda.Device().synchronize()
-        row[f"fp8_{strategy}_ms"] = timer.median_ms(lambda: pf.run(q, (fcache, pt), out=o), reps=reps, warmup=warmup)
+        fns[f"fp8_{strategy}"] = lambda pf=pf, o=o: pf.run(q, (fcache, pt), out=o)
         if strategy == "fused":
             row["fp8_config"] = pf.config.name
     row["fp8_strategy"] = chosen
-    row["fp8_ms"] = row[f"fp8_{chosen}_ms"]
     return out
+
+
+def _time_interleaved(row, timer, fns, reps, rounds=FP8_ROUNDS):
+    """Time ``fns`` (bf16 ``paged`` and ``fp8_<strategy>``) in ``rounds`` interleaved rounds: each ``<name>_ms`` is
+    the median of its round medians, ``fp8_ms`` the strategy 'auto' takes, ``fp8_vs_bf16`` bf16/FP8 of those, and
+    ``fp8_vs_bf16_rounds`` the same ratio round by round."""
+    got = interleaved_rounds(timer, fns, reps, rounds)
+    for name, ms in got.items():
+        row[f"{name}_ms"] = float(np.median(ms))
+    auto = f"fp8_{row['fp8_strategy']}"
+    row["fp8_ms"] = row[f"{auto}_ms"]
+    if "paged" in got:
+        row["fp8_vs_bf16"] = row["paged_ms"] / row["fp8_ms"]
+        row["fp8_vs_bf16_rounds"] = [b / f for b, f in zip(got["paged"], got[auto])]
 
 
 def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None, kv_dtype: str = "bfloat16",
@@ -252,22 +281,27 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None
                "flops": causal_flops(batch, seq_len, hq, d)}
         data = _build(batch, seq_len, hq, hkv, d)
         outs = {}
+        fp8 = kv_dtype == "fp8_e4m3"
+        interleaved = {}  # FP8: bf16 paged and the FP8 strategies, timed together below
         for engine in ENGINES:
             try:
-                outs[engine] = _time_cukv(row, engine, timer, reps, warmup, batch, seq_len, hq, hkv, d, data)
+                outs[engine] = _time_cukv(row, engine, timer, reps, warmup, batch, seq_len, hq, hkv, d, data,
+                                          fns=interleaved if fp8 and engine == "paged" else None)
             except Exception as e:  # noqa: BLE001 - recorded; the other cells still run
                 row[f"{engine}_ms"] = None
                 row[f"{engine}_error"] = _err(e)
         if "paged" in outs and "contig" in outs:
             row["maxdiff_paged_contig"] = _maxdiff(outs["paged"], outs["contig"])
-        if kv_dtype == "fp8_e4m3":
+        if fp8:
             try:
-                fo = _time_fp8(row, timer, reps, warmup, hq, hkv, d, data, scale_granularity)
+                fo = _fp8_fns(row, hq, hkv, d, data, scale_granularity, interleaved)
                 if "paged" in outs:
                     row["maxdiff_fp8_bf16"] = _maxdiff(fo, outs["paged"])
-                    row["fp8_vs_bf16"] = row["paged_ms"] / row["fp8_ms"]
+                _time_interleaved(row, timer, interleaved, FP8_ROUNDS * reps)
             except Exception as e:  # noqa: BLE001
                 row["fp8_ms"], row["fp8_error"] = None, _err(e)
+                if "paged" in interleaved and row.get("paged_ms") is None:  # bf16 still gets its time
+                    row["paged_ms"] = timer.median_ms(interleaved["paged"], reps=reps, warmup=warmup)
         if torch is None:
             for p in PEERS:
                 row[f"{p}_ms"], row[f"{p}_error"] = None, no_torch
@@ -286,7 +320,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None
         print(_fmt_row(row), flush=True)
     summary = {"device": _device_name(), "date": time.strftime("%Y-%m-%d"), "dtype": DTYPE, "kv_dtype": kv_dtype,
                "scale_granularity": scale_granularity if kv_dtype == "fp8_e4m3" else None,
-               "page_size": PAGE_SIZE, "mask": "causal", "reps": reps, "flops_formula": FLOPS_FORMULA,
+               "page_size": PAGE_SIZE, "mask": "causal", "reps": reps,
+               "fp8_rounds": FP8_ROUNDS if kv_dtype == "fp8_e4m3" else None, "flops_formula": FLOPS_FORMULA,
                "torch": getattr(torch, "__version__", None), "peers_missing": no_torch}
     for p in PEERS:
         ratios = [r[f"ratio_{p}"] for r in rows if r[f"ratio_{p}"]]
@@ -351,15 +386,20 @@ def format_table(result) -> str:
         if s.get(f"geomean_ratio_{p}") is not None:
             lines.append(f"geomean({name} time / cukv paged time) = {s[f'geomean_ratio_{p}']:.3f}")
     if any("fp8_ms" in r for r in result["rows"]):
+        rounds = s.get("fp8_rounds")
         lines += ["", f"FP8 e4m3 cache (scales {s.get('scale_granularity')!r}, same tokens, quantized by append_kv) vs the "
-                  "bf16 cache, cukv paged; fp8 ms is the strategy fp8_prefill='auto' takes",
-                  "| shape | bf16 ms | fp8 ms | bf16/fp8 (>= 1: FP8 no slower) | strategy | fused ms | "
+                  "bf16 cache, cukv paged; fp8 ms is the strategy fp8_prefill='auto' takes"
+                  + (f"; bf16 and every strategy timed in {rounds} interleaved rounds (medians of the round medians)"
+                     if rounds else ""),
+                  "| shape | bf16 ms | fp8 ms | bf16/fp8 (>= 1: FP8 no slower) | rounds' bf16/fp8 | strategy | fused ms | "
                   "dequantize_first ms | convert_once ms | max |fp8-bf16| | fused config |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["rows"]:
             if "fp8_ms" in r:
+                per = r.get("fp8_vs_bf16_rounds")
+                spread = f"{min(per):.2f}-{max(per):.2f}" if per else "n/a"
                 lines.append(f"| {shape_label(r)} | {_num(r.get('paged_ms'), '.3f')} | {_num(r.get('fp8_ms'), '.3f')} | "
-                             f"{_num(r.get('fp8_vs_bf16'), '.2f')} | {r.get('fp8_strategy', '')} | "
+                             f"{_num(r.get('fp8_vs_bf16'), '.2f')} | {spread} | {r.get('fp8_strategy', '')} | "
                              f"{_num(r.get('fp8_fused_ms'), '.3f')} | {_num(r.get('fp8_dequantize_first_ms'), '.3f')} | "
                              f"{_num(r.get('fp8_convert_once_ms'), '.3f')} | {_num(r.get('maxdiff_fp8_bf16'), '.3f')} | {r.get('fp8_config', r.get('fp8_error', ''))} |")
     if s.get("peers_missing"):

@@ -53,6 +53,23 @@ class Timer:
         return cp.cuda.get_elapsed_time(self._start, self._end)
 
 
+def interleaved_rounds(timer, fns: dict, reps: int, rounds: int = 3) -> dict:
+    """Each function's median in each of ``rounds`` interleaved rounds (``reps`` calls in all, at least 5 a
+    round): ``{name: [round medians]}``. A slow spell of the GPU (clocks, a neighbour) then lands on one round
+    of every contender, not on one of them."""
+    per = max(5, reps // rounds)
+    got = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            got[k].append(timer.median_ms(fn, reps=per))
+    return got
+
+
+def interleaved_medians(timer, fns: dict, reps: int, rounds: int = 3) -> dict:
+    """The median over :func:`interleaved_rounds`' rounds of each function's round medians."""
+    return {k: float(np.median(v)) for k, v in interleaved_rounds(timer, fns, reps, rounds).items()}
+
+
 def read_ceiling_tbs(timer: Timer, nbytes: int = 4 << 30) -> float:
     """TB/s of a kernel that reads nbytes once with 16-byte streaming loads."""
     import cupy as cp
