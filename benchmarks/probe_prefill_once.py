@@ -10,7 +10,7 @@ import cupy as cp
 
 import cukv
 from cukv.bench.decode import interleaved_medians
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like, once_variant
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _as_float, _build, fp8_cache_like, once_variant
 from cukv.bench.timing import Timer
 
 
@@ -33,6 +33,8 @@ def main():
         out = cp.empty_like(q)
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
         fns = {"bf16": lambda bf=bf: bf.run(q, (cache, pt), out=out)}
+        ref = _as_float(bf.run(q, (cache, pt)))  # each strategy's first output against it: a broken variant shows
+        diffs = {}
         for s in args.strategies.split(","):
             P = sys.modules["cukv.prefill"]
             fp8_prefill, P.ONCE_PERSISTENT, P.ONCE_GRID = once_variant(s)
@@ -40,7 +42,8 @@ def main():
                                    scale_granularity=args.gran, fp8_prefill=fp8_prefill).plan(offsets, lengths,
                                                                                               mask="causal")
             P.ONCE_PERSISTENT = None
-            pf.run(q, (fcache, pt), out=out)  # compiles; and fills a convert-once workspace (CUKV_ONCE_UB reads it)
+            # compiles; and fills a convert-once workspace (CUKV_ONCE_UB reads it)
+            diffs[s] = float(cp.nan_to_num(cp.abs(_as_float(pf.run(q, (fcache, pt))) - ref), nan=cp.inf).max())
             grid = P.ONCE_GRID
             P.ONCE_GRID = None
 
@@ -55,7 +58,8 @@ def main():
         cp.cuda.Device().synchronize()
         med = interleaved_medians(timer, fns, reps=20, rounds=args.rounds)
         base = med["bf16"]
-        print(f"{shape} {args.gran}: " + "  ".join(f"{n} {m:.3f} ({base / m:.2f})" for n, m in med.items()), flush=True)
+        print(f"{shape} {args.gran}: " + "  ".join(f"{n} {m:.3f} ({base / m:.2f})" for n, m in med.items())
+              + "  max|fp8-bf16| " + " ".join(f"{n} {x:.3g}" for n, x in diffs.items()), flush=True)
 
 
 if __name__ == "__main__":

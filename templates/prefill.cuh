@@ -354,6 +354,20 @@ struct PrefillKernel {
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
 #endif
+// Candidate lever, off by default (0; benchmarks/NOTES.md session 31): N > 0 holds a persistent converter whose
+// quarter is of KV head k until an item of KV head k - N has been taken. Unthrottled, the converters finish the whole
+// workspace in the first ~40% of the kernel (d256 b4 L4096), and their stream of code reads and workspace writes
+// passes through L2 while the consumers still re-read the current head's tiles there; throttled, that traffic is
+// spread over the kernel and the next head's tiles are written shortly before they are read. No deadlock: a
+// sleeping converter holds a quarter of a head past the latest item's head + N, so every quarter the items taken so
+// far need was claimed by a converter that is not sleeping.
+#ifndef CUKV_ONCE_AHEAD
+#define CUKV_ONCE_AHEAD 0
+#endif
+// Candidate lever beside it, off by default (0): 1 gives the converters' code copies L2's evict-first policy.
+#ifndef CUKV_ONCE_EVICT
+#define CUKV_ONCE_EVICT 0
+#endif
 
   // kOnce's producer (benchmarks/NOTES.md sessions 26-28). Warp 0 only feeds the ring: per visited tile it waits
   // until the tile's four quarters are ready in the workspace and loads them by TMA, so nothing it does waits on a
@@ -447,7 +461,7 @@ struct PrefillKernel {
         if constexpr (SCALE_BLOCK > 0)
           lane_scale = f.template scale_ptr<SCALE_BLOCK>(IS_K, row, k, 0) - (IS_K ? o.fp8.k_scales : o.fp8.v_scales);
       }
-      buf.template copy_raw_fp8<SCALE_BLOCK>(
+      buf.template copy_raw_fp8<SCALE_BLOCK, CUKV_ONCE_EVICT != 0>(
           sm.raw + (u32)(IS_K ? 0 : kRawElemBytes), static_cast<const unsigned char*>(IS_K ? o.fp8.k : o.fp8.v),
           IS_K ? o.fp8.k_scales : o.fp8.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, lane_off, r); },
           lane_off, lane_scale, 0, DEPTH, pw, lane);
@@ -585,16 +599,6 @@ struct PrefillKernel {
     }
   }
 
-  // Candidate lever, off by default (0; benchmarks/NOTES.md session 31): N > 0 holds a persistent converter whose
-  // quarter is of KV head k until an item of KV head k - N has been taken. Unthrottled, the converters finish the whole
-  // workspace in the first ~40% of the kernel (d256 b4 L4096), and their stream of code reads and workspace writes
-  // passes through L2 while the consumers still re-read the current head's tiles there; throttled, that traffic is
-  // spread over the kernel and the next head's tiles are written shortly before they are read. No deadlock: a
-  // sleeping converter holds a quarter of a head past the latest item's head + N, so every quarter the items taken so
-  // far need was claimed by a converter that is not sleeping.
-#ifndef CUKV_ONCE_AHEAD
-#define CUKV_ONCE_AHEAD 0
-#endif
   static __device__ __forceinline__ void wait_items_reach(const PrefillArgs& a, const OnceArgs& o, int kv_head,
                                                           int lane) {
     const int per_kv_head = o.num_work * a.group;  // items of one KV head (its query heads' work items)
