@@ -61,7 +61,8 @@ struct alignas(64) PrefillMaps {
 struct alignas(8) OnceArgs {
   KVCacheParams fp8;    // the FP8 cache and its page table (lengths: the keys per sequence)
   int* flags;           // [workspace tiles, kv heads, 4], after 32 ints: statistics, [30] and [31] PERSISTENT's counters
-  const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters)
+  const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters);
+                        // then [workspace tiles]: CUKV_ONCE_ORDER's tile order
   i64 num_kv_heads;
   int num_work;         // work items per head (PERSISTENT)
   int ws_tiles;         // workspace tiles
@@ -364,7 +365,12 @@ struct PrefillKernel {
 #ifndef CUKV_ONCE_AHEAD
 #define CUKV_ONCE_AHEAD 0
 #endif
-// Candidate lever beside it, off by default (0): 1 gives the converters' code copies L2's evict-first policy.
+// Candidate lever, off by default (0): 1 makes the persistent converters take each KV head's tiles from the top of
+// every sequence down (prefill.once_tile_order), the order the heaviest items walk them in.
+#ifndef CUKV_ONCE_ORDER
+#define CUKV_ONCE_ORDER 0
+#endif
+// Candidate lever beside them, off by default (0): 1 gives the converters' code copies L2's evict-first policy.
 #ifndef CUKV_ONCE_EVICT
 #define CUKV_ONCE_EVICT 0
 #endif
@@ -622,7 +628,10 @@ struct PrefillKernel {
       if (lane == 0) i = atomicAdd(o.flags - 1, 1);
       i = __shfl_sync(0xffffffffu, i, 0);
       if (i >= total) return;
-      const int k = i / per_head, tile = (i % per_head) / 4, q = i % 4;
+      const int k = i / per_head, q = i % 4;
+      // CUKV_ONCE_ORDER: the host's order (prefill.once_tile_order, after the tile -> sequence map); else sequence
+      // by sequence, bottom up
+      const int tile = CUKV_ONCE_ORDER ? __ldg(o.tile_seq + o.ws_tiles + (i % per_head) / 4) : (i % per_head) / 4;
       if (CUKV_ONCE_AHEAD > 0 && k > CUKV_ONCE_AHEAD) wait_items_reach(a, o, k - CUKV_ONCE_AHEAD, lane);
       const int b = __ldg(o.tile_seq + tile);
       const int ws0 = (int)ws.row_key(b, 0);

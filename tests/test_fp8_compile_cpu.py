@@ -2,6 +2,7 @@
 spills (NVRTC needs no GPU). The append kernels are covered in test_fp8_cpu.py."""
 import dataclasses
 
+import numpy as np
 import pytest
 
 from cukv.decode import DecodeConfig
@@ -273,3 +274,35 @@ def test_persistent_domain():
     # q_empty and the staged work item beside the other barriers; the query's tensor map as a fourth argument
     assert ok.smem_bytes == dataclasses.replace(ok, persistent=False).smem_bytes + 48
     assert "const __grid_constant__ CUtensorMap q" in ok.render() and ok.name.endswith("_once_pers_d128_p16_m128_n128_k128_s4")
+
+
+def test_once_tile_order_walks_every_sequence_from_its_top():
+    from cukv.prefill import once_tile_order
+
+    # tiles back to back: sequence 0 holds tiles 0-1, sequence 1 tiles 2-6, sequence 2 tiles 7-9
+    order = once_tile_order([2, 5, 3])
+    assert sorted(order) == list(range(10))  # a permutation: every quarter is still converted once
+    # the tops first (the longest sequence's first), then one tile below each top, ...
+    assert list(order) == [6, 9, 1, 5, 8, 0, 4, 7, 3, 2]
+    assert list(once_tile_order([3, 3])) == [2, 5, 1, 4, 0, 3]  # equal lengths: interleaved, top down
+    assert list(once_tile_order([0, 2])) == [1, 0] and once_tile_order([]).size == 0
+    assert once_tile_order([4]).dtype == np.int32
+
+
+def test_once_schedule_model_runs_and_prefers_top_down_at_d256():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "model_once_schedule.py"
+    spec = importlib.util.spec_from_file_location("model_once_schedule", path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    small = dict(seqs=2, q_tiles=4, kv_tiles=8, kv_heads=3, sms=6)
+    for order in ("seq_up", "top_down"):
+        r = model.simulate(order=order, **small)
+        assert r["ws_reads"] == 3 * 2 * 4 * sum(2 * j + 2 for j in range(4))  # every item's tiles, four quarters each
+        assert r["end_us"] > 0 and r["converted_us"] > 0
+    assert model.simulate(ahead=1, **small)["end_us"] > 0
+    # the figure the order's docstring quotes (benchmarks/NOTES.md session 31)
+    up, down = model.simulate(order="seq_up"), model.simulate(order="top_down")
+    assert down["end_us"] < up["end_us"] and down["waits_us_per_sm"] < up["waits_us_per_sm"]
