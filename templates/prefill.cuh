@@ -357,9 +357,9 @@ struct PrefillKernel {
 #endif
 // Candidate lever, off by default (0; benchmarks/NOTES.md session 31): N > 0 holds a persistent converter whose
 // quarter is of KV head k until an item of KV head k - N has been taken. Unthrottled, the converters finish the whole
-// workspace in the first ~40% of the kernel (d256 b4 L4096), and their stream of code reads and workspace writes
-// passes through L2 while the consumers still re-read the current head's tiles there; throttled, that traffic is
-// spread over the kernel and the next head's tiles are written shortly before they are read. No deadlock: a
+// workspace in the first ~40% of the kernel (d256 b4 L4096), so the consumers read most tiles back from HBM; with
+// N = 1 a head's tiles are written shortly before they are read and may still be in L2 (the schedule model,
+// benchmarks/model_once_schedule.py: ~170 MB fewer HBM reads with a 50 MB L2, none with 25 MB). No deadlock: a
 // sleeping converter holds a quarter of a head past the latest item's head + N, so every quarter the items taken so
 // far need was claimed by a converter that is not sleeping.
 #ifndef CUKV_ONCE_AHEAD
