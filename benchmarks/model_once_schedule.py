@@ -15,18 +15,22 @@ Causal prompts of equal length, MHA or GQA, BM a multiple of BN. The model:
 Defaults are MHA d256 b4 L4096 (BM 128, BN 64) with session 30's figures. There, the model gives 21.7 us per SM of
 consumer waits and the conversion done at ~400 us: `CUKV_ONCE_STATS` measured 19 us and ~390 us.
 
-    python3 benchmarks/model_once_schedule.py --order seq_up
-    python3 benchmarks/model_once_schedule.py --order top_down
+    PYTHONPATH=. python3 benchmarks/model_once_schedule.py --order seq_up
+    PYTHONPATH=. python3 benchmarks/model_once_schedule.py --order top_down
 """
 import argparse
 import heapq
 from collections import OrderedDict
 
+from cukv.prefill import once_tile_order
+
 
 def tile_order(order, seqs, kv_tiles):
+    """A KV head's (sequence, tile) pairs in the converters' order: the kernel's default, or the host's order for
+    CUKV_ONCE_ORDER (the same function)."""
     if order == "seq_up":
         return [(s, n) for s in range(seqs) for n in range(kv_tiles)]
-    return [(s, n) for n in reversed(range(kv_tiles)) for s in range(seqs)]  # equal lengths: once_tile_order
+    return [divmod(int(i), kv_tiles) for i in once_tile_order([kv_tiles] * seqs)]
 
 
 class LRU:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -571,8 +571,14 @@ def once_tile_order(tiles_per_seq) -> np.ndarray:
 def once_unsupported(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int) -> str | None:
     """Why ``fp8_prefill='convert_once'`` cannot run this cache (its kernel is invalid: head dim, shared memory), or
     None."""
+    return _once_unsupported(dtype, head_dim, page_size, kv_dtype, scale_block, _once_persistent(head_dim))
+
+
+@lru_cache(maxsize=None)
+def _once_unsupported(dtype, head_dim, page_size, kv_dtype, scale_block, persistent) -> str | None:
+    # memoized: 'auto' asks on every plan, and building the config to find out takes ~70 us
     try:
-        once_config(dtype, head_dim, page_size, kv_dtype, scale_block)
+        once_config(dtype, head_dim, page_size, kv_dtype, scale_block, persistent)
     except ValueError as e:
         return str(e)
     return None
