@@ -287,6 +287,9 @@ def test_once_tile_order_walks_every_sequence_from_its_top():
     assert list(once_tile_order([3, 3])) == [2, 5, 1, 4, 0, 3]  # equal lengths: interleaved, top down
     assert list(once_tile_order([0, 2])) == [1, 0] and once_tile_order([]).size == 0
     assert once_tile_order([4]).dtype == np.int32
+    for bad in ([2, -1], [[1, 2]], [1.5, 2]):
+        with pytest.raises(ValueError, match="tiles_per_seq must be a 1-D array of non-negative integers"):
+            once_tile_order(bad)
 
 
 def test_once_schedule_model_runs_and_prefers_top_down_at_d256():
