@@ -14,7 +14,8 @@ from ._version import __version__
 from .append import AppendConfig, append_kv
 from .cache import PageAllocator, PagedKVCache, PageTable, SequenceTable
 from .decode import BatchDecode, DecodeConfig, decode
-from .prefill import BatchPrefill, KVBufferConfig, PrefillConfig, prefill
+from .prefill import BatchPrefill, prefill
+from .prefill_config import KVBufferConfig, PrefillConfig
 from .dequant import DequantConfig, dequantize_kv
 from .merge import MergeConfig, merge_states, merge_states_n
 from .errors import CompileError, CompileForbidden, CukvError, NoGPUError

@@ -95,7 +95,7 @@ def load_records(path: Path | None = None) -> dict:
 
 
 def _config_from_record(rec, dtype: str, head_dim: int, page_size: int):
-    from .prefill import tile_config
+    from .prefill_config import tile_config
 
     cfg = rec["config"]
     vals = [cfg[f] for f in FIELDS]
@@ -178,7 +178,7 @@ class _locked:
 
 def default_prefill_config(dtype: str, head_dim: int, page_size: int):
     """The documented default (``prefill.DEFAULTS``), ignoring any tuned record."""
-    from .prefill import DEFAULTS, HEAD_DIMS, tile_config
+    from .prefill_config import DEFAULTS, HEAD_DIMS, tile_config
 
     if head_dim not in DEFAULTS:
         raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
@@ -189,7 +189,7 @@ def candidate_configs(dtype: str, head_dim: int, page_size: int, *, quick: bool 
     """Valid configs around the default, the default first. Full grid: BM in 64/128/192, BN in 16..128 step
     16, stages 2..6, every BK the rules allow; ``quick``: the default's BK, BM in 64/128, BN in 64/96/128,
     stages 2..4 (plus the default's own values). Invalid combinations (``ValueError``) are left out."""
-    from .prefill import tile_config
+    from .prefill_config import tile_config
 
     base = default_prefill_config(dtype, head_dim, page_size)
     if quick:
@@ -211,7 +211,7 @@ def candidate_configs(dtype: str, head_dim: int, page_size: int, *, quick: bool 
 
 def defaults_table() -> str:
     """Markdown table of ``prefill.DEFAULTS`` with the derived threads and shared memory (README)."""
-    from .prefill import DEFAULTS
+    from .prefill_config import DEFAULTS
 
     lines = ["| head dim | BM | BN | BK | stages | threads | smem (bytes) |", "|---|---|---|---|---|---|---|"]
     for d in sorted(DEFAULTS):
@@ -348,7 +348,7 @@ def _make_problem(*args, **kwargs):
 
 
 def _as_config(c, dtype, head_dim, page_size):
-    from .prefill import PrefillConfig, tile_config
+    from .prefill_config import PrefillConfig, tile_config
 
     if isinstance(c, PrefillConfig):
         if (c.dtype, c.head_dim, c.page_size) != (dtype, head_dim, page_size):

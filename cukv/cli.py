@@ -46,8 +46,8 @@ def _doctor(args) -> int:
     from .decode import DecodeConfig
 
     m = DecodeConfig().compiled
-    print(f"compile check: {m.name} {'(cache hit)' if m.cache_hit else f'compiled in {m.compile_seconds:.2f} s'} "
-          f"in {time.perf_counter() - t:.2f} s")
+    how = "from the cache" if m.cache_hit else f"NVRTC {m.compile_seconds:.2f} s"
+    print(f"compile check: {m.name} ready in {time.perf_counter() - t:.2f} s ({how})")
     return 0
 
 
@@ -147,7 +147,7 @@ def _autotune(args) -> int:
     if args.head_dim is None:
         print("cukv autotune prefill: --head-dim is required", file=sys.stderr)
         return 2
-    from .prefill import DEFAULTS
+    from .prefill_config import DEFAULTS
 
     if args.head_dim not in DEFAULTS:
         print(f"cukv autotune prefill: --head-dim {args.head_dim} is not supported; accepted: "

@@ -101,10 +101,34 @@ class DecodeConfig:
             check_rule(c, "stages", self.stages, self.sub == 1, f"a ring (stages={self.stages}) replaces sub={self.sub}: use sub=1")
             check_rule(c, "stages", self.stages, self.total_smem_bytes <= SMEM_LIMIT,
                        f"{self.total_smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages or num_warps")
+        if self.quantized and self.scale_block == 64 and self.head_dim > 128:
+            check_rule(c, "stages", self.stages, self.stages > 0 or self.group <= 8,
+                       f"0 (the register kernel) spills with 64-dim scale blocks at head_dim={self.head_dim} and "
+                       f"group={self.group} > 8; use the ring (stages=None or 2..8)")
+        check_rule(c, "min_blocks", self.min_blocks, self.register_cap >= self.min_registers,
+                   f"with num_warps={self.num_warps} caps registers at {self.register_cap} per thread (__launch_bounds__), "
+                   f"below the {self.min_registers} this kernel needs without spilling; lower min_blocks or num_warps")
 
     @property
     def quantized(self) -> bool:
         return self.kv_dtype is not None
+
+    @property
+    def register_cap(self) -> int:
+        """Registers per thread ``__launch_bounds__(num_threads, min_blocks)`` leaves ptxas (at most 255)."""
+        return min(255, 65536 // (self.num_threads * self.min_blocks) // 8 * 8)
+
+    @property
+    def min_registers(self) -> int:
+        """The smallest ``register_cap`` under which this kernel compiles without spilling, from a sweep (ptxas for
+        sm_90a, NVRTC 13.5, session 32: head dims 64-256, groups 1-16, every cache kind, register kernel and ring,
+        at caps 255, 168 and 128). Up to d64 everything fits 128 but the FP8 register kernel (168); the FP8 ring at
+        d128 (token, per-tensor and 64-dim scales) fits 168; the rest needs 255, i.e. num_warps * min_blocks <= 8."""
+        if self.head_dim <= 64:
+            return 168 if self.quantized and not self.stages else 128
+        if self.head_dim == 128 and self.quantized and self.stages and self.scale_block != 32:
+            return 168
+        return 255
 
     # --- the seed's comptime members
     mma_shape = (16, 8, 16)
@@ -327,8 +351,14 @@ class BatchDecode:
         self.config = DecodeConfig(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
                                    int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb, stages=stages)
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
-        # stages=None: plan() chooses per problem between the default and the register kernel
-        self._configs = (self.config, dataclasses.replace(self.config, stages=0, sub=None)) if stages is None else (self.config,)
+        # stages=None: plan() chooses per problem between the default and the register kernel (where that one is
+        # valid: it spills with 64-dim FP8 scale blocks past d128 and group 8, so those always take the ring)
+        self._configs = (self.config,)
+        if stages is None and self.config.stages:
+            try:
+                self._configs += (dataclasses.replace(self.config, stages=0, sub=None),)
+            except ValueError:
+                pass
         if not isinstance(cluster_merge, (bool, np.bool_)):
             raise TypeError(f"cluster_merge={cluster_merge!r} must be True or False")
         self._cluster_merge = bool(cluster_merge)

@@ -7,14 +7,17 @@ import numpy as np
 def bf16_bits(x, xp=np):
     """float array -> uint16 bf16 bits, rounding to nearest even (NaN stays NaN). ``xp`` is the array
     module (NumPy, or CuPy for device arrays)."""
-    f = xp.ascontiguousarray(x, dtype=xp.float32)
+    f = xp.asarray(x, dtype=xp.float32)
+    if f.ndim:  # C order, as kernels take it (ascontiguousarray alone would make a 0-d input 1-d)
+        f = xp.ascontiguousarray(f)
     u = f.view(xp.uint32).astype(xp.uint64)
     rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(xp.uint16)
     return xp.where(xp.isnan(f), xp.uint16(0x7FC0), rounded)
 
 
 def bf16_to_float(bits) -> np.ndarray:
-    b = np.ascontiguousarray(bits, dtype=np.uint16)
+    b = np.asarray(bits, dtype=np.uint16)
+    b = np.ascontiguousarray(b) if b.ndim else b
     return (b.astype(np.uint32) << 16).view(np.float32)
 
 

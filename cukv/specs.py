@@ -4,8 +4,8 @@ from __future__ import annotations
 from .append import AppendConfig
 from .decode import HEAD_DIMS, DecodeConfig
 from .merge import MergeConfig
-from .prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
-from .prefill import default_config as prefill_default
+from .prefill_config import HEAD_DIMS as PREFILL_HEAD_DIMS
+from .prefill_config import default_config as prefill_default
 
 DTYPES = ("bfloat16", "float16")
 GROUPS = (1, 2, 4, 8, 16)

@@ -15,10 +15,17 @@ DTYPES = ("bfloat16", "float16")
 WARPS = (1, 2, 4, 8)
 
 
-def decode_configs(head_dims=st.integers(1, 8).map(lambda i: 32 * i)):
-    return st.builds(DecodeConfig, dtype=st.sampled_from(DTYPES), head_dim=head_dims, group=st.integers(1, 16),
+def _decode_or_none(**kw):
+    try:
+        return DecodeConfig(**kw)
+    except ValueError:  # outside the domain (a launch bound below the kernel's registers)
+        return None
+
+
+def decode_configs(head_dims=st.integers(1, 8).map(lambda i: 32 * i), min_blocks=(1, 2)):
+    return st.builds(_decode_or_none, dtype=st.sampled_from(DTYPES), head_dim=head_dims, group=st.integers(1, 16),
                      page_size=st.integers(1, 4096), num_warps=st.sampled_from(WARPS),
-                     min_blocks=st.sampled_from((1, 2)))
+                     min_blocks=st.sampled_from(min_blocks)).filter(lambda c: c is not None)
 
 
 def append_configs():
@@ -143,14 +150,6 @@ def test_decode_config_is_frozen_and_hashable():
     assert {cfg: 1}[DecodeConfig()] == 1
 
 
-# Found while writing these tests (see the xfail below): within this domain, num_warps=8 with min_blocks=2
-# caps the kernel at 128 registers and spills at head_dim >= 96. Those points are checked by the xfail
-# test; the rest must be spill-free. (head_dim=256 with group > 8 and 1-2 warps at page_size 16 spilled
-# until session 5; the strip body's restructuring removed that.)
-def _known_to_spill(cfg: DecodeConfig) -> bool:
-    return cfg.num_warps == 8 and cfg.min_blocks == 2 and cfg.head_dim >= 96
-
-
 def _check_resources(cfg):
     mod = cfg.compiled
     assert cfg.name in mod.functions, f"no ptxas report for {cfg.name}: {sorted(mod.functions)}"
@@ -162,26 +161,51 @@ def _check_resources(cfg):
 
 
 @settings(max_examples=6)
-@given(decode_configs(head_dims=st.sampled_from((64, 96, 128, 256))))
+@given(decode_configs(head_dims=st.sampled_from((64, 96, 128, 256)), min_blocks=(1, 2, 3, 4)))
 def test_decode_valid_configs_compile_without_spills(cfg):
-    assume(not _known_to_spill(cfg))
     _check_resources(cfg)
 
 
-@pytest.mark.xfail(strict=True, reason="DecodeConfig accepts configs the kernel cannot fit in registers (ptxas "
-                   "spills for sm_90a): num_warps=8 with min_blocks=2 (128-register cap) at head_dim >= 96 and "
-                   "with min_blocks 3/4 at every head_dim; num_warps=4 with min_blocks=3 at head_dim >= 128 (96 with "
-                   "group 16) and min_blocks=4 at head_dim >= 96. cukv/decode.py DecodeConfig.__post_init__ has no rule against them")
 @pytest.mark.parametrize("args", [
     ("bfloat16", 128, 4, 16, 8, 2), ("float16", 96, 1, 16, 8, 2), ("float16", 128, 4, 16, 4, 3),
-], ids=lambda a: "d{1}_g{2}_p{3}_w{4}_b{5}".format(*a))
-def test_decode_spilling_corners_of_the_domain(args):
-    """Either the domain excludes these points or they compile without spills."""
-    try:
-        cfg = DecodeConfig(*args, stages=0)  # the register-staged kernel (the ring fits these)
-    except ValueError:
-        return
+    ("bfloat16", 64, 16, 16, 4, 4, "fp8_e4m3", 64), ("bfloat16", 64, 1, 16, 8, 3),
+], ids=lambda a: "d{1}_g{2}_p{3}_w{4}_b{5}".format(*a) + ("_fp8" if len(a) > 6 else ""))
+def test_decode_spilling_corners_are_outside_the_domain(args):
+    """Launch bounds that leave fewer registers than the kernel needs spilled (ptxas, sm_90a; session 32 sweep):
+    the config names min_blocks, the cap and the need."""
+    kw = dict(zip(("kv_dtype", "scale_block"), args[6:]))
+    with pytest.raises(ValueError, match=r"DecodeConfig.min_blocks=\d is not valid: with num_warps=\d caps registers "
+                                         r"at \d+ per thread .*below the \d+ this kernel needs"):
+        DecodeConfig(*args[:6], stages=0, **kw)
+
+
+@pytest.mark.parametrize("args,stages", [
+    (("bfloat16", 64, 16, 16, 4, 3), 0), (("float16", 64, 7, 16, 8, 2), None), (("bfloat16", 64, 5, 1, 4, 4), 0),
+    (("bfloat16", 128, 12, 16, 4, 3), None), (("bfloat16", 32, 16, 16, 8, 2), 0),
+], ids=lambda a: "_".join(map(str, a)) if isinstance(a, tuple) else f"stages{a}")
+def test_decode_capped_launch_bounds_that_the_domain_keeps_compile_without_spills(args, stages):
+    """The other side of min_registers: points it lets through under a cap of 168 or 128, beside the swept ones
+    (other groups, page size 1, d32, float16)."""
+    kw = {"kv_dtype": "fp8_e4m3", "scale_block": 128} if args[1] == 128 else {}
+    cfg = DecodeConfig(*args, stages=stages, **kw)
+    assert cfg.register_cap < 255
     _check_resources(cfg)
+
+
+@pytest.mark.parametrize("group", [9, 16])
+def test_decode_fp8_64_dim_blocks_past_d128_take_the_ring(group):
+    """The register kernel spills there (64-128 bytes, ptxas, every warp count); BatchDecode then plans with the
+    ring alone."""
+    kw = dict(kv_dtype="fp8_e4m3", scale_block=64)
+    with pytest.raises(ValueError, match=r"DecodeConfig.stages=0 is not valid: .*64-dim scale blocks"):
+        DecodeConfig("bfloat16", 256, group, 16, stages=0, **kw)
+    cfg = DecodeConfig("bfloat16", 256, group, 16, **kw)
+    assert cfg.stages > 0
+    _check_resources(cfg)
+    from cukv import BatchDecode
+
+    dec = BatchDecode(group * 2, 2, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64)
+    assert dec._configs == (dec.config,) and dec.config.stages > 0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -66,9 +66,6 @@ def test_bf16_bits_preserves_nan():
     assert back[2] == 1.0
 
 
-@pytest.mark.xfail(strict=True, reason="bf16_bits/bf16_to_float go through np.ascontiguousarray, which turns a 0-d input into "
-                          "shape (1,) (cukv/dtypes.py bf16_bits and bf16_to_float), so to_storage(scalar, "
-                          "'bfloat16') is 1-D while to_storage(scalar, 'float16') stays 0-d")
 def test_bf16_bits_keeps_shape_of_scalars():
     assert bf16_bits(np.float32(1.0)).shape == ()
     assert to_storage(np.float64(1.0), "bfloat16").shape == to_storage(np.float64(1.0), "float16").shape

@@ -1,0 +1,443 @@
+"""Prefill kernel configurations: the template parameters of templates/prefill.cu.j2 as frozen dataclasses
+(``PrefillConfig`` and its staging ring, ``KVBufferConfig``), their validation and derived sizes, and the documented
+default tile per head dim (``default_config``). :mod:`cukv.prefill` plans and launches them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import cached_property
+
+from . import compiler
+from .config import CTYPES, SHORT, check_bool, check_in, check_kv_quant, check_range, check_rule
+from .operand import ONCE_ARGS, PREFILL_ARGS
+from .tma import MAP_BYTES
+
+HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
+#: shared memory one block may use on an H100 (227 KB)
+SMEM_LIMIT = 232448
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBufferConfig:
+    """MAX ``KVBuffer``'s parameters for cukv's Hopper staging ring (templates/kv_buffer.cuh).
+
+    One ring element is ``BN`` cache rows x ``BK`` dims in 128-byte-swizzle atoms of 64 dims
+    (``bk_smem``); ``full_kv`` when one element holds the whole head (``BK`` = head dim rounded up to 64),
+    otherwise (head dim 512) a K tile is ``num_k_tiles`` elements of ``BK`` dims and V is read from
+    ``head_dim_offset`` on. ``transpose`` is the K role (K-major wgmma operand); V uses the same element
+    as an MN-major operand.
+    """
+
+    dtype: str = "bfloat16"
+    BN: int = 128
+    BK: int = 128
+    depth: int = 128
+    stages: int = 4
+    transpose: bool = True
+    swizzle: int = 128
+    cache_depth: int | None = None
+    head_dim_offset: int = 0
+
+    def __post_init__(self):
+        c = "KVBufferConfig"
+        check_in(c, "dtype", self.dtype, tuple(CTYPES))
+        check_range(c, "depth", self.depth, 16, 512, "a multiple of 16")
+        check_rule(c, "depth", self.depth, self.depth % 16 == 0, "must be a multiple of 16")
+        check_in(c, "BN", self.BN, tuple(range(16, 129, 16)))  # one row per producer lane
+        check_in(c, "BK", self.BK, (64, 128, 192, 256))
+        check_rule(c, "BK", self.BK, self.BK == _round64(self.depth) or (self.BK < self.depth and self.depth % self.BK == 0),
+                   f"must be the head dim rounded up to 64 ({_round64(self.depth)}, full_kv) or divide "
+                   f"depth={self.depth} (streamed blocks)")
+        check_range(c, "stages", self.stages, 2, 8)
+        check_rule(c, "stages", self.stages, self.stages >= self.num_k_tiles + 1,
+                   f"must be >= num_k_tiles + 1 = {self.num_k_tiles + 1} (a tile's K elements and the previous V)")
+        check_in(c, "swizzle", self.swizzle, (128,))
+        check_bool(c, "transpose", self.transpose)
+        cd = self.cache_depth if self.cache_depth is not None else self.depth
+        check_range(c, "cache_depth", cd, self.depth, 4096, "at least depth")
+        check_range(c, "head_dim_offset", self.head_dim_offset, 0, cd - self.depth, "depth columns must fit the row")
+
+    mma_shape = (64, 8, 16)  # wgmma m64nNk16; N is BN for S and the V width for O
+
+    @property
+    def bk_smem(self) -> int:
+        return 64
+
+    @property
+    def full_kv(self) -> bool:
+        return self.BK >= self.depth
+
+    @property
+    def num_repeats(self) -> int:
+        return self.BK // self.bk_smem
+
+    @property
+    def smem_cols(self) -> int:
+        return self.BK
+
+    @property
+    def smem_stage_size(self) -> int:
+        return self.BN * self.smem_cols
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.smem_stage_size * 2
+
+    @property
+    def num_k_tiles(self) -> int:
+        return -(-self.depth // self.BK)
+
+    @property
+    def num_k_mmas2(self) -> int:
+        return self.BK // self.mma_shape[2]
+
+    @property
+    def zero_partial_tile_pad(self) -> bool:
+        """True when the last atom is partly padding (zero-filled once in shared memory)."""
+        return self.depth % self.bk_smem != 0
+
+
+def _round64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Template parameters of one prefill specialization (templates/prefill.cu.j2).
+
+    ``BM`` query rows per block (64 per consumer warpgroup), ``BN`` keys per tile, ``BK`` dims per ring
+    element, ``stages`` ring elements, ``page_size`` 0 for contiguous ragged K/V.
+    """
+
+    dtype: str = "bfloat16"
+    head_dim: int = 128
+    page_size: int = 16
+    BM: int = 128
+    BN: int = 128
+    BK: int = 128
+    stages: int = 4
+    #: cache element type: None (same as ``dtype``) or 'fp8_e4m3' (dequantized by the producer warps)
+    kv_dtype: str | None = None
+    #: FP8: dims per scale (the head dim for per-token scales), 0 for per-tensor scales
+    scale_block: int = 0
+    #: FP8: S = Q K^T on the e4m3 tensor cores (K stays as codes; the query is split into two e4m3 terms per
+    #: row) and only V is dequantized. bf16 queries, per-token or per-tensor scales, head dim <= 256.
+    fp8_scores: bool = False
+    #: the producer brings K/V in by tensor copies (TMA), one box of ``tma_rows`` tokens of a page per leading
+    #: lane, instead of a cp.async per 16 bytes per lane. Needs ``gcd(page_size, BN / 4)`` a multiple of 8. 16-bit
+    #: caches: boxes go straight into the ring, and the tile holding a sequence's end keeps cp.async (its zero fill
+    #: keeps unused slots out of P V); FP8: codes land in raw slots (and K, with ``fp8_scores``, in the ring).
+    tma: bool = False
+    #: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers), so their softmax phases
+    #: run staggered instead of in lock-step. Needs BM >= 128. Default where ``FP8_PINGPONG`` lists it (FP8
+    #: ``fp8_scores`` tiles at d128, and d256 with token scales: 2-4% faster on H100; benchmarks/NOTES.md session 17).
+    pingpong: bool = False
+    #: FP8 caches (``fp8_prefill='convert_once'``): the 16-bit kernel over a workspace the blocks fill as they go.
+    #: Three producer warps convert quarter tiles from the FP8 cache (``page_size`` tokens a page) into the workspace
+    #: and flag them; the fourth loads flagged tiles into the ring by tensor copies, so each tile is converted once per
+    #: call (templates/prefill.cuh ``OnceArgs``). Needs ``tma`` (the workspace's copies), not ``fp8_scores``, head
+    #: dims up to 256.
+    convert_once: bool = False
+    #: ``convert_once`` only: one block per SM walks the work items in the grid's order, staging the next item's query
+    #: and tiles while the consumers finish the last; the converters take quarters from a queue in the order the items
+    #: need them and never hold an SM whose consumers are done (templates/prefill.cuh ``PERSISTENT``).
+    persistent: bool = False
+
+    def __post_init__(self):
+        c = "PrefillConfig"
+        check_in(c, "dtype", self.dtype, tuple(CTYPES))
+        check_kv_quant(c, self.kv_dtype, self.scale_block, self.head_dim)
+        if self.quantized:
+            check_rule(c, "page_size", self.page_size, self.page_size > 0, "FP8 prefill reads a paged cache (not 0)")
+        check_bool(c, "fp8_scores", self.fp8_scores)
+        if self.fp8_scores:
+            why = fp8_scores_unsupported(self.dtype, self.kv_dtype, self.scale_block, self.head_dim)
+            check_rule(c, "fp8_scores", True, why is None, f"needs {why}")
+        check_bool(c, "tma", self.tma)
+        check_bool(c, "convert_once", self.convert_once)
+        if self.convert_once:
+            check_rule(c, "convert_once", True, self.quantized, "needs an FP8 cache (kv_dtype='fp8_e4m3')")
+            check_rule(c, "convert_once", True, not self.fp8_scores, "runs 16-bit scores (fp8_scores=False)")
+            check_rule(c, "convert_once", True, self.tma, "loads its workspace by tensor copies (tma=True)")
+            check_rule(c, "convert_once", True, self.head_dim <= 256 and self.BK >= self.head_dim,
+                       f"needs the whole head in one ring element (head_dim <= 256, BK >= head_dim; got "
+                       f"{self.head_dim}, {self.BK})")
+            check_rule(c, "convert_once", True, self.BM >= 128,
+                       f"needs a producer warpgroup beside two or three consumer warpgroups (BM >= 128, not {self.BM})")
+        elif self.tma:
+            g = tma_box_rows(self.page_size, self.BN)
+            check_rule(c, "tma", True, tma_applies(self.page_size, self.BN),
+                       f"needs gcd(page_size={self.page_size}, BN/4={self.BN // 4}) = {g} to be a multiple of 8 "
+                       "(a box is whole 8-row swizzle groups of one page)")
+        check_bool(c, "persistent", self.persistent)
+        if self.persistent:
+            check_rule(c, "persistent", True, self.convert_once, "is convert_once's grid (convert_once=True)")
+        check_bool(c, "pingpong", self.pingpong)
+        if self.pingpong:
+            check_rule(c, "pingpong", True, self.BM >= 128,
+                       f"needs two or more consumer warpgroups (BM >= 128, not {self.BM})")
+        check_in(c, "head_dim", self.head_dim, HEAD_DIMS)
+        check_range(c, "page_size", self.page_size, 0, 4096, "0 = contiguous K/V")
+        check_in(c, "BM", self.BM, (64, 128, 192))
+        self.kv_buffer  # validates BN, BK, stages
+        check_rule(c, "smem", self.smem_bytes, self.smem_bytes <= SMEM_LIMIT,
+                   f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
+        # measured (ptxas, sm_90a): with two consumer warpgroups, wide tiles and 2-atom+ elements, any ring
+        # depth but 4 spills a few bytes of the ring arithmetic
+        check_rule(c, "stages", self.stages,
+                   not (self.BM == 128 and self.BK >= 128 and self.BN >= 96) or self.stages == 4,
+                   "must be 4 when BM=128, BK>=128 and BN>=96 (other depths spill there)")
+        limit = self.consumer_registers - 24
+        check_rule(c, "BN", self.BN, self.register_estimate <= limit,
+                   f"S ({self.BN // 2}) + O ({self.v_cols // 2}) + P ({self.BN // 4}) accumulator registers per thread "
+                   f"= {self.register_estimate} would spill (limit {limit} with BM={self.BM}); lower BN or BM")
+
+    @cached_property
+    def kv_buffer(self) -> KVBufferConfig:
+        return KVBufferConfig(self.dtype, self.BN, self.BK, self.head_dim, self.stages)
+
+    @property
+    def v_cols(self) -> int:
+        """V columns one block accumulates (a 512 head is split over two blocks of 256)."""
+        return min(self.head_dim, self.BK)
+
+    @property
+    def num_v_slices(self) -> int:
+        return -(-self.head_dim // self.v_cols)
+
+    @property
+    def num_threads(self) -> int:
+        return (self.BM // 64 + 1) * 128  # a producer warpgroup + the consumer warpgroups
+
+    @property
+    def consumer_registers(self) -> int:
+        """Registers per consumer thread after setmaxnreg (one consumer warpgroup keeps the launch's 255): 224 beside
+        two consumer warpgroups, 152 beside three, less an equal share of what the producer takes above 56."""
+        if self.BM == 64:
+            return 255
+        return {2: 224, 3: 152}[self.BM // 64] - (self.producer_registers - 56) // (self.BM // 64)
+
+    @property
+    def producer_registers(self) -> int:
+        """Registers per producer thread after setmaxnreg (0: no setmaxnreg with one consumer warpgroup). 56 for
+        16-bit caches and for a TMA producer beside three consumer warpgroups; an FP8 producer otherwise holds a
+        batch of raw chunks: 80 beside three, 72 beside two, 88 when it also forms K code copies (``fp8_scores``)
+        or issues tensor copies there, except a TMA producer with ``fp8_scores`` up to d128, which fits in 72."""
+        if self.BM == 64:
+            return 0
+        if self.convert_once:  # warps 1-3 convert two 8-code pieces at a time (multiples of 8 for setmaxnreg)
+            return 80 if self.BM == 192 else 72
+        if not self.quantized or (self.tma and self.BM == 192):
+            return 56
+        if self.BM == 192:
+            return 80
+        if self.fp8_scores and self.tma and self.head_dim <= 128:
+            return 72
+        return 88 if self.fp8_scores or self.tma else 72
+
+    @property
+    def tma_rows(self) -> int:
+        """Tokens per tensor copy (0: cp.async): the most rows that stay inside a page and a producer warp's rows;
+        convert-once's contiguous workspace: the whole tile."""
+        if self.convert_once:
+            return self.BN  # the workspace is contiguous: one box per tile and 64-dim atom
+        return tma_box_rows(self.page_size, self.BN) if self.tma else 0
+
+    @property
+    def tma_k_ring(self) -> bool:
+        """K boxes go straight into the 128-byte swizzled ring (16-bit caches, and FP8 with ``fp8_scores``); else
+        into a raw slot, row-major, for the producer's conversion."""
+        return self.fp8_scores or not self.quantized or self.convert_once
+
+    @property
+    def tma_v_ring(self) -> bool:
+        """V boxes go straight into the ring (16-bit caches; FP8 V is always converted from a raw slot)."""
+        return not self.quantized or self.convert_once
+
+    @property
+    def tma_k_box_cols(self) -> int:
+        """Bytes per K box row: one 128-byte swizzle atom into the ring, else a raw element row of BK codes."""
+        return 128 if self.tma_k_ring else self.kv_buffer.BK
+
+    @property
+    def tma_v_box_cols(self) -> int:
+        """Bytes per V box row, as for K (dims past the head read as zeros)."""
+        return 128 if self.tma_v_ring else self.kv_buffer.BK
+
+    @property
+    def register_estimate(self) -> int:
+        return self.BN // 2 + self.v_cols // 2 + self.BN // 4
+
+    @property
+    def q_bytes(self) -> int:
+        """The staged query: BM rows of T, or with ``fp8_scores`` two e4m3 terms of BM rows x 128-code atoms."""
+        if self.fp8_scores:
+            return 2 * self.BM * -(-self.head_dim // 128) * 128
+        return self.BM * _round64(self.head_dim) * 2
+
+    @property
+    def ks_mma(self) -> bool:
+        """``fp8_scores`` with token scales, TMA, BN a multiple of 32 and heads up to 128: the K scales reach the
+        score columns through one bf16 wgmma per tile (the producer splits each into three bf16 terms) instead of
+        shared loads per thread (templates/prefill.cuh ``kKsMma``)."""
+        return (self.fp8_scores and self.scale_block > 0 and self.tma and self.BN % 32 == 0
+                and self.head_dim <= 128)
+
+    @property
+    def kscale_bytes(self) -> int:
+        """``fp8_scores`` with token scales: each ring element's K row scales (``ks_mma``: the fixed 1 KB A operand
+        and BN/2 rows of 16 bytes per element)."""
+        if self.ks_mma:
+            return 64 * 16 + self.stages * (self.BN // 2) * 16
+        return self.stages * self.BN * 4 if self.fp8_scores and self.scale_block else 0
+
+    @property
+    def smem_bytes(self) -> int:
+        ring = self.stages * self.kv_buffer.stage_bytes
+        # full/empty per element, Q; FP8 TMA: one per raw slot
+        # persistent: q_empty and the staged item (10 ints)
+        barriers = (2 * self.stages + 1 + (2 if self.tma and self.quantized and not self.convert_once else 0)
+                    + (6 if self.persistent else 0))
+        return 1024 + self.q_bytes + ring + self.raw_bytes + self.kscale_bytes + barriers * 8
+
+    @property
+    def raw_bytes(self) -> int:
+        """FP8: two raw tile slots that cp.async fills a tile ahead of the producer's conversion into the ring;
+        each holds the K elements (none with ``fp8_scores``) and the V element as BN x BK codes plus the rows'
+        scales (none per tensor)."""
+        if not self.quantized:
+            return 0
+        kb = self.kv_buffer
+        scales_per_row = -(-kb.BK // self.scale_block) if self.scale_block else 0
+        per_elem = self.BN * kb.BK + self.BN * scales_per_row * 4
+        if self.convert_once:
+            return 2 * per_elem  # one raw tile, K and V, for the tiles a block converts
+        return 2 * ((0 if self.fp8_scores else kb.num_k_tiles) + 1) * per_elem
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype is not None
+
+    @property
+    def name(self) -> str:
+        q = ((f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "") if self.quantized else "")
+             + ("_tma" if self.tma else "") + ("_once" if self.convert_once else "") + ("_pers" if self.persistent else ""))
+        return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
+                f"_k{self.BK}_s{self.stages}" + ("_pp" if self.pingpong else ""))
+
+    def render(self) -> str:
+        kb = self.kv_buffer
+        return compiler.render(
+            "prefill.cu.j2", name=self.name, ctype=CTYPES[self.dtype], head_dim=self.head_dim, BM=self.BM, BN=self.BN,
+            BK=self.BK, stages=self.stages, page_size=0 if self.convert_once else self.page_size,
+            num_repeats=kb.num_repeats,
+            smem_stage_size=kb.smem_stage_size, num_k_tiles=kb.num_k_tiles, num_k_mmas2=kb.num_k_mmas2,
+            full_kv=kb.full_kv, num_threads=self.num_threads, num_v_slices=self.num_v_slices,
+            smem_bytes=self.smem_bytes, args_bytes=PREFILL_ARGS.itemsize,
+            quantized=self.quantized and not self.convert_once,
+            scale_block=self.scale_block, producer_registers=self.producer_registers,
+            consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
+            kscale_bytes=self.kscale_bytes, ks_mma=self.ks_mma, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES,
+            pingpong=self.pingpong, once_page=self.page_size if self.convert_once else 0,
+            once_args_bytes=ONCE_ARGS.itemsize, persistent=self.persistent)
+
+    @cached_property
+    def compiled(self) -> compiler.CompiledModule:
+        return compiler.compile_source(self.name, self.render())
+
+
+#: documented defaults per head dim (BM, BN, BK, stages); see docs in README "Prefill configs"
+DEFAULTS = {
+    64: (192, 96, 64, 6),
+    80: (128, 128, 128, 4),
+    96: (128, 128, 128, 4),
+    128: (128, 128, 128, 4),
+    192: (128, 64, 192, 4),
+    256: (128, 64, 256, 4),
+    512: (64, 64, 256, 4),
+}
+
+#: FP8 caches whose producer also dequantizes K (block scales, float16 queries) start from these tiles instead of
+#: DEFAULTS: d128 moved to 128 x 128 in session 19 (16-bit and ``fp8_scores`` measured faster there), but these kernels
+#: were measured only at 192 x 64
+DEQUANT_TILES = {128: (192, 64, 128, 4)}
+#: ``fp8_scores`` tiles take DEFAULTS but for these BN limits: at BN=128 the 88-register producer beside two
+#: consumer warpgroups spills (ptxas, d80/d96)
+FP8_SCORES_BN = {80: 64, 96: 64}
+#: head dims whose FP8 default keeps K dequantized although ``fp8_scores`` applies, unless the codes come by TMA: at
+#: d64 the per-score K scale multiply lands on the consumers' softmax, which bounds the short d64 tiles (H100, cp.async
+#: producer: 0.77x of bf16 against 0.89x; d80-d256 gain 4-37%, benchmarks/NOTES.md session 9). With the TMA producer
+#: d64 measured 0.90x with e4m3 scores against 0.85x dequantized (session 11).
+FP8_SCORES_OFF = (64,)
+#: (head dim, scales) whose ``fp8_scores`` default issues S in ring order (``PrefillConfig.pingpong``): H100, four A/B
+#: calls (session 17), token scales 2-4% faster at d128 and d256, per-tensor 1-7% at d128; d64 2% slower; others not
+#: measured. Per-tensor d256 spills 12 bytes with it (ptxas, 168 registers), so it stays off.
+FP8_PINGPONG = {(128, "token"), (128, "tensor"), (256, "token")}
+
+
+def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int) -> str | None:
+    """Why S = Q K^T cannot run on the e4m3 tensor cores for these parameters (None: it can)."""
+    if kv_dtype is None:
+        return "kv_dtype='fp8_e4m3'"
+    if dtype != "bfloat16":
+        # two e4m3 terms keep about 8 significant bits: bf16's, not float16's 11 (float16 queries keep the
+        # dequantizing path, which stages K in float16)
+        return "dtype='bfloat16'"
+    if scale_block not in (0, head_dim):
+        return "one scale per K row (scale_granularity 'token' or 'tensor'), not blocks of dims"
+    if head_dim > 256:
+        return "head_dim <= 256"
+    return None
+
+
+def tma_box_rows(page_size: int, BN: int) -> int:
+    """Tokens per tensor copy: the most rows that stay inside one page (if paged: ``page_size`` > 0) and inside a
+    producer warp's BN / 4 rows."""
+    return math.gcd(page_size, BN // 4)
+
+
+def tma_applies(page_size: int, BN: int) -> bool:
+    """Whether a tile of BN keys can come by tensor copies from pages of ``page_size`` (0: contiguous K/V): the
+    boxes must be whole 8-row swizzle groups."""
+    return tma_box_rows(page_size, BN) % 8 == 0
+
+
+def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
+    """The 16-bit config of this tile with the producer the defaults use: tensor copies (``tma``) wherever the
+    pages allow them (3-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md session 18)."""
+    return PrefillConfig(dtype, head_dim, page_size, BM, BN, BK, stages, tma=tma_applies(page_size, BN))
+
+
+def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
+                   scale_block: int = 0) -> PrefillConfig:
+    """The documented default (or this GPU's autotuned winner). FP8 caches where S can run on the e4m3 tensor
+    cores (``fp8_scores``: bf16 queries, token or tensor scales, head dim 80-256; not 64, measured slower)
+    take the 16-bit default tile, with ``pingpong`` (S issued in warpgroup ring order) where FP8_PINGPONG says.
+    Other FP8 caches take it with BN halved until BN * BK <= 8192 (4096 with 32-dim scale blocks):
+    wider tiles measured no faster there (the producer's conversion bounds them either way,
+    benchmarks/NOTES.md) and need more shared memory."""
+    if head_dim not in DEFAULTS:
+        raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
+    bm, bn, bk, st = DEFAULTS[head_dim]
+    if kv_dtype is not None and fp8_scores_unsupported(dtype, kv_dtype, scale_block, head_dim) is None:
+        bn8 = min(bn, FP8_SCORES_BN.get(head_dim, bn))
+        tma = tma_applies(page_size, bn8)
+        if head_dim not in FP8_SCORES_OFF or tma:
+            return PrefillConfig(dtype, head_dim, page_size, bm, bn8, bk, st, kv_dtype=kv_dtype,
+                                 scale_block=scale_block, fp8_scores=True, tma=tma,
+                                 pingpong=(head_dim, "tensor" if scale_block == 0 else "token") in FP8_PINGPONG)
+    if kv_dtype is not None:
+        bm, bn, bk, st = DEQUANT_TILES.get(head_dim, (bm, bn, bk, st))
+        # 32-dim scale blocks hold two scales per 64-dim chunk column: half the rows again (measured spills)
+        limit = 4096 if scale_block == 32 else 8192
+        while bn * bk > limit and bn > 16:
+            bn //= 2
+        return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
+                             tma=tma_applies(page_size, bn))
+    from .autotune import lookup
+
+    tuned = lookup(dtype, head_dim, page_size)
+    if tuned is not None:
+        return tuned
+    return tile_config(dtype, head_dim, page_size, bm, bn, bk, st)
