@@ -6,9 +6,10 @@ Causal prompts of equal length, MHA or GQA, BM a multiple of BN. The model:
   items heaviest first (the last query tiles of every sequence first). An item walks its key tiles from its
   diagonal down to 0, one tile per `--step-us`, and waits for a tile until its four quarters are converted.
 - `3 * --sms` converter warps take quarters (KV head, tile, quarter) from one counter, `--quarter-us` each, in
-  the order `--order` gives a KV head's tiles: `seq_up` (the kernel's default: sequence by sequence, bottom up) or
-  `top_down` (`CUKV_ONCE_ORDER=1`, `prefill.once_tile_order`: from every sequence's top tile down). `--ahead N`
-  holds a converter until an item of KV head k - N is taken (`CUKV_ONCE_AHEAD`).
+  the order `--order` gives a KV head's tiles: `seq_up` (the kernel's: sequence by sequence, bottom up) or
+  `top_down` (from every sequence's top tile down). `--ahead N` holds a converter until an item of KV head k - N is
+  taken. Both levers were built as kernel macros in session 31 and removed in session 33, when neither won on the
+  H100 (benchmarks/NOTES.md).
 - L2 is one LRU of `--l2-mb` over quarter-sized pieces: converters read codes and write the workspace through it,
   consumers read the workspace.
 
@@ -22,12 +23,21 @@ import argparse
 import heapq
 from collections import OrderedDict
 
-from cukv.prefill import once_tile_order
+import numpy as np
+
+
+def once_tile_order(tiles_per_seq) -> np.ndarray:
+    """The workspace tiles (sequences' tiles back to back) by distance below their sequence's top tile, longer
+    sequences first among equals: the order the heaviest work items demand them in."""
+    t = np.asarray(tiles_per_seq, dtype=np.int64)
+    start = np.concatenate([[0], np.cumsum(t)[:-1]]).astype(np.int64)
+    seq = np.repeat(np.arange(t.size), t)
+    n = np.arange(int(t.sum())) - start[seq]
+    return np.lexsort((seq, -t[seq], t[seq] - 1 - n)).astype(np.int32)
 
 
 def tile_order(order, seqs, kv_tiles):
-    """A KV head's (sequence, tile) pairs in the converters' order: the kernel's default, or the host's order for
-    CUKV_ONCE_ORDER (the same function)."""
+    """A KV head's (sequence, tile) pairs in the converters' order: the kernel's, or from the tops down."""
     if order == "seq_up":
         return [(s, n) for s in range(seqs) for n in range(kv_tiles)]
     return [divmod(int(i), kv_tiles) for i in once_tile_order([kv_tiles] * seqs)]

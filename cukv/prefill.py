@@ -66,10 +66,13 @@ DEQUANT_MIN_ROWS_PER_KEY = 2048
 DEQUANT_MIN_ROWS_PER_KEY_TENSOR = 8192
 #: 'auto' dequantizes first only if the workspace (16-bit K and V of every planned key) fits this many bytes
 DEQUANT_WORKSPACE_LIMIT = 1 << 30
-#: 'auto' converts once (token scales, these head dims) from ONCE_MIN_ROWS_PER_KEY query rows per key up to, not
-#: including, ONCE_MAX_ROWS_PER_KEY, where dequantizing first is as fast. Session 28 (persistent grid up to d128), one
-#: call, convert_once / dequantize_first: GQA 4 d128 b4 L4096 (8448) 1.07 / 0.97, b1 L16384 (33024) 0.98 / 1.02, MHA
-#: d128 b8 L2048 (1088) 1.03 / 0.82, MHA d256 b4 L4096 (2112) 0.89 / 0.88, d64 GQA 4 b8 L2048 (4096) 1.07 / 0.97.
+#: 'auto' converts once (token scales, these head dims) from ONCE_MIN_ROWS_PER_KEY query rows per key, with no
+#: upper bound since session 33: at b1 L16384 GQA 4 d128 (33024 rows per key), where 'auto' had dequantized first,
+#: the bench's interleaved rounds gave convert_once / dequantize_first 3.667 / 3.794 ms (token), 3.624 / 3.722
+#: (tensor), 3.542 / 3.814 (64-dim blocks), bf16 3.65-3.76 (until then ONCE_MAX_ROWS_PER_KEY = 16384, from session
+#: 28's one call). Session 28 (persistent grid up to d128), one call, convert_once / dequantize_first: GQA 4 d128
+#: b4 L4096 (8448) 1.07 / 0.97, b1 L16384 (33024) 0.98 / 1.02, MHA d128 b8 L2048 (1088) 1.03 / 0.82, MHA d256 b4
+#: L4096 (2112) 0.89 / 0.88, d64 GQA 4 b8 L2048 (4096) 1.07 / 0.97.
 #: Per-tensor scales (bench, session 28), convert_once / 'auto' before: 1.03 / 0.95 (dequantize_first) at GQA 4 b4
 #: L4096, 1.06 / 0.98 (fused) at MHA d128, 1.08 / 0.98 (fused) at d64; 0.98 / 1.04 at b1 L16384; at d256 (no
 #: persistent grid) 0.92 / 1.02 (fused): per-tensor scales convert once only where the grid is persistent.
@@ -82,7 +85,6 @@ DEQUANT_WORKSPACE_LIMIT = 1 << 30
 #: against 0.97 / 0.98, session 26). At d64 (three consumer warpgroups) converting once lost everywhere (0.76-0.82
 #: against 0.87-0.92) before the persistent grid. Block scales are unmeasured.
 ONCE_MIN_ROWS_PER_KEY = 1024
-ONCE_MAX_ROWS_PER_KEY = 16384
 ONCE_HEAD_DIMS = (64, 128, 256)
 #: Where the grid is persistent, up to ONCE_LOW_MAX_HEAD_DIM, 'auto' converts once from fewer rows per key: token
 #: scales from ONCE_MIN_ROWS_PER_KEY_PERSISTENT, block scales (whose fused kernel is the slowest) from
@@ -126,23 +128,6 @@ def _once_min_rows(head_dim: int, scale_block: int) -> int | None:
     if scale_block == head_dim:
         return ONCE_MIN_ROWS_PER_KEY_PERSISTENT if head_dim <= ONCE_LOW_MAX_HEAD_DIM else ONCE_MIN_ROWS_PER_KEY
     return ONCE_MIN_ROWS_PER_KEY_BLOCK
-
-
-def once_tile_order(tiles_per_seq) -> np.ndarray:
-    """The workspace tiles (sequences' tiles back to back) in the order a persistent converter takes them within a
-    KV head under ``CUKV_ONCE_ORDER`` (templates/prefill.cuh): by distance below their sequence's top tile, longer
-    sequences first among equals. Every work item walks its keys from its last tile down, and the heaviest-first
-    order starts the items with the highest last tiles first, so those tiles are demanded first (a schedule model,
-    benchmarks/model_once_schedule.py: 1-2% at MHA d256 against sequence by sequence, bottom up)."""
-    t = np.asarray(tiles_per_seq)
-    if t.ndim != 1 or (t.size and (t.dtype.kind not in "iu" or t.min() < 0)):
-        raise ValueError(f"once_tile_order: tiles_per_seq must be a 1-D array of non-negative integers, got "
-                         f"{np.asarray(tiles_per_seq).tolist()!r}")
-    t = t.astype(np.int64)
-    start = np.concatenate([[0], np.cumsum(t)[:-1]]).astype(np.int64)
-    seq = np.repeat(np.arange(t.size), t)
-    n = np.arange(int(t.sum())) - start[seq]
-    return np.lexsort((seq, -t[seq], t[seq] - 1 - n)).astype(np.int32)
 
 
 def once_unsupported(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int) -> str | None:
@@ -193,8 +178,8 @@ class BatchPrefill:
         (``PrefillConfig.convert_once``); it needs no separate pass, and the workspace is only ever read after its
         flag says it is ready. The fused kernel converts each K/V tile once for every query tile that visits it,
         the other two once in all, so they win when many query rows share each key. ``'auto'`` (the default)
-        takes ``'convert_once'`` below ``ONCE_MAX_ROWS_PER_KEY`` query rows per key (query heads of a KV head
-        included): up to ``ONCE_LOW_MAX_HEAD_DIM`` from ``ONCE_MIN_ROWS_PER_KEY_PERSISTENT`` for token scales,
+        takes ``'convert_once'`` by query rows per key (query heads of a KV head included, no upper bound): up
+        to ``ONCE_LOW_MAX_HEAD_DIM`` from ``ONCE_MIN_ROWS_PER_KEY_PERSISTENT`` for token scales,
         ``ONCE_MIN_ROWS_PER_KEY_BLOCK`` for block scales and ``ONCE_MIN_ROWS_PER_KEY_TENSOR`` for per-tensor
         scales; at d256 for token scales from ``ONCE_MIN_ROWS_PER_KEY`` and block scales from
         ``ONCE_MIN_ROWS_PER_KEY_BLOCK``; else
@@ -315,7 +300,7 @@ class BatchPrefill:
         if workspace > DEQUANT_WORKSPACE_LIMIT:
             return "fused"
         once_lo = _once_min_rows(self.head_dim, cfg.scale_block)
-        if (once_lo is not None and once_lo <= rows_per_key < ONCE_MAX_ROWS_PER_KEY
+        if (once_lo is not None and once_lo <= rows_per_key
                 and once_unsupported(self.dtype, self.head_dim, cfg.page_size, cfg.kv_dtype, cfg.scale_block) is None):
             return "convert_once"
         many = rows_per_key >= (DEQUANT_MIN_ROWS_PER_KEY_TENSOR if cfg.scale_block == 0 else DEQUANT_MIN_ROWS_PER_KEY)
@@ -351,9 +336,7 @@ class BatchPrefill:
                                                   tma.SWIZZLE_128B) for n, a in (("k", ws_k), ("v", ws_v))])
         ws_tiles = int(offs[-1]) // cfg.BN
         tile_seq = np.repeat(np.arange(kl.size, dtype=np.int32), padded // cfg.BN)  # the sequence of each tile
-        # then the persistent converters' tile order under CUKV_ONCE_ORDER (templates/prefill.cuh), and a last 0 so
-        # that the array is never empty (a real pointer)
-        tile_seq = np.concatenate([tile_seq, once_tile_order(padded // cfg.BN), [0]]).astype(np.int32)
+        tile_seq = np.concatenate([tile_seq, [0]]).astype(np.int32)  # a last 0: never empty (a real pointer)
         self._once = dict(cfg=cfg, work=work, num_work=num_work, k=ws_k, v=ws_v, offsets=ws_offs, kv=ws, maps=maps,
                           ws_tiles=ws_tiles, tile_seq=cp.asarray(tile_seq),
                           # 32 ints first: ONCE_STATS, and the persistent grid's two counters

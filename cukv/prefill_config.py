@@ -188,6 +188,23 @@ class PrefillConfig:
         check_rule(c, "stages", self.stages,
                    not (self.BM == 128 and self.BK >= 128 and self.BN >= 96) or self.stages == 4,
                    "must be 4 when BM=128, BK>=128 and BN>=96 (other depths spill there)")
+        # the same, found by compiling every BM 128/192 shape at head_dim >= 192 (session 32, benchmarks/NOTES.md):
+        # whole elements of 48-80 rows copied without tensor copies spill 12-96 bytes at depths 3 and 5-7
+        kb = self.kv_buffer
+        check_rule(c, "stages", self.stages,
+                   not (self.BM == 128 and self.head_dim >= 192 and kb.full_kv and 48 <= self.BN <= 80
+                        and not self.tma) or self.stages in (2, 4),
+                   "must be 2 or 4 when BM=128 copies whole elements of head_dim>=192 in tiles of BN=48..80 rows "
+                   "without tensor copies (tma=False; other depths spill there)")
+        check_rule(c, "stages", self.stages,
+                   not (self.BM == 64 and self.head_dim == 256 and self.BN == 128 and kb.full_kv)
+                   or self.stages != 3,
+                   "must not be 3 when BM=64 copies whole d256 elements in tiles of BN=128 rows (it spills 168-280 "
+                   "bytes there)")
+        check_rule(c, "BN", self.BN, not (self.head_dim == 192 and self.BK == 64 and self.BM >= 128)
+                   or self.BN <= 112,
+                   "must be <= 112 when head_dim=192 streams BK=64 blocks beside two or more consumer warpgroups "
+                   "(BM>=128; BN=128 spills 20-40 bytes there)")
         limit = self.consumer_registers - 24
         check_rule(c, "BN", self.BN, self.register_estimate <= limit,
                    f"S ({self.BN // 2}) + O ({self.v_cols // 2}) + P ({self.BN // 4}) accumulator registers per thread "

@@ -76,18 +76,6 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int src_byt
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-// The same with an L2 eviction policy (l2_evict_first_policy: data read once, which should not push out what is
-// read again).
-__device__ __forceinline__ u64 l2_evict_first_policy() {
-  u64 p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ void cp_async16_hint(u32 dst, const void* src, int src_bytes, u64 policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;"
-               :: "r"(dst), "l"(src), "r"(src_bytes), "l"(policy) : "memory");
-}
-
 // The same with an L2 prefetch hint: a miss brings BYTES (64, 128 or 256) from DRAM at once, for rows that
 // are read whole (decode strips).
 template <int BYTES>

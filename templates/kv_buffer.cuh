@@ -116,8 +116,7 @@ struct KVBuffer {
   template <int SB> static constexpr int raw_elem_bytes() { return raw_code_bytes + BN * scales_per_row<SB>() * 4; }
   static_assert(kWarpRows <= 32, "a producer lane forms each row's offsets");
 
-  // EVICT_FIRST: the codes' copies carry L2's evict-first policy (convert-once reads each code once)
-  template <int SB, bool EVICT_FIRST = false, typename RowOffset>
+  template <int SB, typename RowOffset>
   __device__ __forceinline__ void copy_raw_fp8(u32 dst, const unsigned char* base, const float* scales, RowOffset row_off,
                                                i64 lane_row, i64 lane_scale, int col0, int ncols, int pw, int lane) const {
 #pragma unroll
@@ -128,10 +127,7 @@ struct KVBuffer {
         const bool ok = off >= 0 && col < ncols;
         const u32 to = dst + (u32)((pw * kWarpChunks + c) * 16);
         const unsigned char* from = ok ? base + off + col0 + col : base;
-        if constexpr (EVICT_FIRST)
-          cp_async16_hint(to, from, ok ? 16 : 0, l2_evict_first_policy());  // made per copy: no register held
-        else
-          cp_async16(to, from, ok ? 16 : 0);
+        cp_async16(to, from, ok ? 16 : 0);
       }
     }
     copy_raw_scales<SB>(dst, scales, lane_row, lane_scale, col0, ncols, pw, lane);

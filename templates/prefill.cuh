@@ -61,8 +61,7 @@ struct alignas(64) PrefillMaps {
 struct alignas(8) OnceArgs {
   KVCacheParams fp8;    // the FP8 cache and its page table (lengths: the keys per sequence)
   int* flags;           // [workspace tiles, kv heads, 4], after 32 ints: statistics, [30] and [31] PERSISTENT's counters
-  const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters);
-                        // then [workspace tiles]: CUKV_ONCE_ORDER's tile order
+  const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters)
   i64 num_kv_heads;
   int num_work;         // work items per head (PERSISTENT)
   int ws_tiles;         // workspace tiles
@@ -355,25 +354,6 @@ struct PrefillKernel {
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
 #endif
-// Candidate lever, off by default (0; benchmarks/NOTES.md session 31): N > 0 holds a persistent converter whose
-// quarter is of KV head k until an item of KV head k - N has been taken. Unthrottled, the converters finish the whole
-// workspace in the first ~40% of the kernel (d256 b4 L4096), so the consumers read most tiles back from HBM; with
-// N = 1 a head's tiles are written shortly before they are read and may still be in L2 (the schedule model,
-// benchmarks/model_once_schedule.py: ~170 MB fewer HBM reads with a 50 MB L2, none with 25 MB). No deadlock: a
-// sleeping converter holds a quarter of a head past the latest item's head + N, so every quarter the items taken so
-// far need was claimed by a converter that is not sleeping.
-#ifndef CUKV_ONCE_AHEAD
-#define CUKV_ONCE_AHEAD 0
-#endif
-// Candidate lever, off by default (0): 1 makes the persistent converters take each KV head's tiles from the top of
-// every sequence down (prefill.once_tile_order), the order the heaviest items walk them in.
-#ifndef CUKV_ONCE_ORDER
-#define CUKV_ONCE_ORDER 0
-#endif
-// Candidate lever beside them, off by default (0): 1 gives the converters' code copies L2's evict-first policy.
-#ifndef CUKV_ONCE_EVICT
-#define CUKV_ONCE_EVICT 0
-#endif
 
   // kOnce's producer (benchmarks/NOTES.md sessions 26-28). Warp 0 only feeds the ring: per visited tile it waits
   // until the tile's four quarters are ready in the workspace and loads them by TMA, so nothing it does waits on a
@@ -467,7 +447,7 @@ struct PrefillKernel {
         if constexpr (SCALE_BLOCK > 0)
           lane_scale = f.template scale_ptr<SCALE_BLOCK>(IS_K, row, k, 0) - (IS_K ? o.fp8.k_scales : o.fp8.v_scales);
       }
-      buf.template copy_raw_fp8<SCALE_BLOCK, CUKV_ONCE_EVICT != 0>(
+      buf.template copy_raw_fp8<SCALE_BLOCK>(
           sm.raw + (u32)(IS_K ? 0 : kRawElemBytes), static_cast<const unsigned char*>(IS_K ? o.fp8.k : o.fp8.v),
           IS_K ? o.fp8.k_scales : o.fp8.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, lane_off, r); },
           lane_off, lane_scale, 0, DEPTH, pw, lane);
@@ -605,18 +585,6 @@ struct PrefillKernel {
     }
   }
 
-  static __device__ __forceinline__ void wait_items_reach(const PrefillArgs& a, const OnceArgs& o, int kv_head,
-                                                          int lane) {
-    const int per_kv_head = o.num_work * a.group;  // items of one KV head (its query heads' work items)
-    for (;;) {
-      int taken = 0;  // items taken past the first wave; the latest taken is item gridDim.x - 1 + taken
-      if (lane == 0) taken = ld_relaxed_gpu(o.flags - 2);
-      taken = __shfl_sync(0xffffffffu, taken, 0);
-      if (((int)gridDim.x - 1 + taken) / per_kv_head >= kv_head) return;
-      __nanosleep(1024);
-    }
-  }
-
   static __device__ __forceinline__ void convert_persistent(const PrefillArgs& a, const OnceArgs& o, const Smem& sm,
                                                             const Buf& buf, const Cache& ws, int pw, int lane) {
     if (CUKV_ONCE_UB == 1) return;
@@ -629,10 +597,7 @@ struct PrefillKernel {
       i = __shfl_sync(0xffffffffu, i, 0);
       if (i >= total) return;
       const int k = i / per_head, q = i % 4;
-      // CUKV_ONCE_ORDER: the host's order (prefill.once_tile_order, after the tile -> sequence map); else sequence
-      // by sequence, bottom up
-      const int tile = CUKV_ONCE_ORDER ? __ldg(o.tile_seq + o.ws_tiles + (i % per_head) / 4) : (i % per_head) / 4;
-      if (CUKV_ONCE_AHEAD > 0 && k > CUKV_ONCE_AHEAD) wait_items_reach(a, o, k - CUKV_ONCE_AHEAD, lane);
+      const int tile = (i % per_head) / 4;  // sequence by sequence, bottom up (benchmarks/NOTES.md session 33)
       const int b = __ldg(o.tile_seq + tile);
       const int ws0 = (int)ws.row_key(b, 0);
       const int kv_len = min(f.cache_length(b), ws.cache_length(b));

@@ -211,13 +211,13 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
 
 
 def test_fp8_prefill_strategy_choice():
-    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY*, sessions 27-30; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
+    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY*, sessions 27-30 and 33; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
     session 23; on H100)."""
     import cukv
     from cukv.prefill import DEQUANT_WORKSPACE_LIMIT
 
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4) == "convert_once"         # 8448 rows per key
-    assert _strategy(32, 8, 128, [16384], [16384]) == "dequantize_first"           # 33024
+    assert _strategy(32, 8, 128, [16384], [16384]) == "convert_once"               # 33024: no upper bound (s. 33)
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8) == "convert_once"          # 4096, d64
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8) == "convert_once"        # MHA, 1088
     assert _strategy(32, 32, 128, [8192] * 2, [8192] * 2) == "convert_once"        # MHA, 4160
@@ -234,17 +234,17 @@ def test_fp8_prefill_strategy_choice():
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
     assert _strategy(32, 32, 128, [256] * 64, [256] * 64, gran=64) == "convert_once"  # 208
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
-    assert _strategy(32, 8, 128, [16384], [16384], gran=64) == "dequantize_first"  # 33151
+    assert _strategy(32, 8, 128, [16384], [16384], gran=64) == "convert_once"      # 33151
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=64) == "dequantize_first"
     # d256 on the persistent grid (session 30): 128-dim blocks from ONCE_MIN_ROWS_PER_KEY_BLOCK, token scales at GQA
     assert _strategy(16, 16, 256, [512] * 32, [512] * 32, gran=128) == "convert_once"  # 320
     assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4) == "convert_once"        # GQA 4 d256, 8448
-    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM); at d256 the fused kernel is as fast;
-    # dequantized first from 8192 rows per key
+    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 the fused
+    # kernel is as fast
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
-    assert _strategy(32, 8, 128, [16384], [16384], gran="tensor") == "dequantize_first"
+    assert _strategy(32, 8, 128, [16384], [16384], gran="tensor") == "convert_once"
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "fused"
     assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16, gran="tensor") == "convert_once"  # 576
     assert _strategy(32, 32, 128, [512] * 32, [512] * 32, gran="tensor") == "fused"          # 320
@@ -276,22 +276,6 @@ def test_persistent_domain():
     assert "const __grid_constant__ CUtensorMap q" in ok.render() and ok.name.endswith("_once_pers_d128_p16_m128_n128_k128_s4")
 
 
-def test_once_tile_order_walks_every_sequence_from_its_top():
-    from cukv.prefill import once_tile_order
-
-    # tiles back to back: sequence 0 holds tiles 0-1, sequence 1 tiles 2-6, sequence 2 tiles 7-9
-    order = once_tile_order([2, 5, 3])
-    assert sorted(order) == list(range(10))  # a permutation: every quarter is still converted once
-    # the tops first (the longest sequence's first), then one tile below each top, ...
-    assert list(order) == [6, 9, 1, 5, 8, 0, 4, 7, 3, 2]
-    assert list(once_tile_order([3, 3])) == [2, 5, 1, 4, 0, 3]  # equal lengths: interleaved, top down
-    assert list(once_tile_order([0, 2])) == [1, 0] and once_tile_order([]).size == 0
-    assert once_tile_order([4]).dtype == np.int32
-    for bad in ([2, -1], [[1, 2]], [1.5, 2]):
-        with pytest.raises(ValueError, match="tiles_per_seq must be a 1-D array of non-negative integers"):
-            once_tile_order(bad)
-
-
 def test_once_schedule_model_runs_and_prefers_top_down_at_d256():
     import importlib.util
     import pathlib
@@ -306,6 +290,10 @@ def test_once_schedule_model_runs_and_prefers_top_down_at_d256():
         assert r["ws_reads"] == 3 * 2 * 4 * sum(2 * j + 2 for j in range(4))  # every item's tiles, four quarters each
         assert r["end_us"] > 0 and r["converted_us"] > 0
     assert model.simulate(ahead=1, **small)["end_us"] > 0
-    # the figure the order's docstring quotes (benchmarks/NOTES.md session 31)
+    # tiles back to back: sequence 0 holds tiles 0-1, sequence 1 tiles 2-6, sequence 2 tiles 7-9; the tops first
+    # (the longest sequence's first), then one tile below each top, ...
+    assert list(model.once_tile_order([2, 5, 3])) == [6, 9, 1, 5, 8, 0, 4, 7, 3, 2]
+    assert list(model.once_tile_order([3, 3])) == [2, 5, 1, 4, 0, 3] and model.once_tile_order([]).size == 0
+    # the model's figure (benchmarks/NOTES.md session 31); the H100 disagreed (session 33)
     up, down = model.simulate(order="seq_up"), model.simulate(order="top_down")
     assert down["end_us"] < up["end_us"] and down["waits_us_per_sm"] < up["waits_us_per_sm"]

@@ -245,14 +245,19 @@ def test_convert_once_rereads_the_cache_every_run(rng):
 
 
 def test_auto_strategy_by_rows_per_key(rng):
-    # one 1024-token prompt, 8 query heads per KV head: about 4600 query rows per key, token scales at d128: inside
-    # [ONCE_MIN_ROWS_PER_KEY, ONCE_MAX_ROWS_PER_KEY)
+    # one 1024-token prompt, 8 query heads per KV head: about 4600 query rows per key, token scales at d128: past
+    # ONCE_MIN_ROWS_PER_KEY_PERSISTENT
     _check(rng, [1024], [0], 16, 2, 128, 16, "bfloat16", "token")
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 1024]), np.array([1024]))
     assert pf.strategy == "convert_once"
-    # 4096 tokens: about 16900 rows per key, past ONCE_MAX_ROWS_PER_KEY
+    # 4096 tokens: about 16900 rows per key; converting once has no upper bound (session 33)
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 4096]), np.array([4096]))
-    assert pf.strategy == "dequantize_first"
+    assert pf.strategy == "convert_once"
+    # 64-dim blocks at d256 do not fit convert-once's shared memory: dequantize first past DEQUANT_MIN_ROWS_PER_KEY,
+    # fused below it
+    pf = cukv.BatchPrefill(16, 2, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64)
+    assert pf.plan(np.array([0, 4096]), np.array([4096])).strategy == "dequantize_first"
+    assert pf.plan(np.array([0, 64]), np.array([64])).strategy == "fused"
     # per-tensor scales convert once where the grid is persistent (up to d128); at d256 the fused kernel is as fast
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor")
     assert pf.plan(np.array([0, 1024]), np.array([1024])).strategy == "convert_once"
