@@ -7,7 +7,7 @@ import math
 import re
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cukv.operand import PREFILL_ARGS
