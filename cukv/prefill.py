@@ -98,8 +98,8 @@ ONCE_HEAD_DIMS = (64, 128, 256)
 #: 1.01, GQA 4 b4 L4096 (8572) 0.58 / 0.99 / 1.02, b1 L16384 (33151) 0.62 / 0.97 / 0.99, 32-dim blocks at d64 GQA 4
 #: b8 L2048 (4476) 0.54 / 0.97 / 1.07 and at d128 0.40-0.63 / 0.71-1.01 / 0.95-1.05 (344 to 8572); per-tensor MHA
 #: d128 b32 L512 (320) 1.04 / - / 1.00, b16 L1024 (576) 1.03 / - / 1.07, GQA 4 b64 L256 (768) 1.02 / - / 1.31. At
-#: d256 (launch per item) token scales keep ONCE_MIN_ROWS_PER_KEY (b16 L1024 (576): 0.86 / 0.74 / 0.84), and 32- and
-#: 64-dim blocks do not fit convert-once's shared memory (128-dim blocks are unmeasured there).
+#: d256 (launch per item) token scales keep ONCE_MIN_ROWS_PER_KEY (b16 L1024 (576): 0.86 / 0.74 / 0.84); block
+#: scales at d256: ONCE_MIN_ROWS_PER_KEY_BLOCK_D256.
 ONCE_MIN_ROWS_PER_KEY_PERSISTENT = 256
 ONCE_MIN_ROWS_PER_KEY_BLOCK = 192
 ONCE_MIN_ROWS_PER_KEY_TENSOR = 512
@@ -108,16 +108,23 @@ ONCE_MIN_ROWS_PER_KEY_TENSOR = 512
 #: / 0.81, b16 L1024 (576) 0.86 / 0.74 / 0.87, b4 L4096 (2112) - / - / 1.02, b2 L8192 (4160) 0.81 / 0.95 / 1.00, GQA 4
 #: b4 L4096 (8448) 0.86 / 0.92 / 1.07: token scales keep ONCE_MIN_ROWS_PER_KEY there. 128-dim blocks 0.74 / 0.68 /
 #: 0.78 (320), 0.59 / 0.74 / 0.85 (576), 0.51 / 0.91 / 1.00 (2112), 0.51 / 1.02 / 1.03 (8448):
-#: ONCE_MIN_ROWS_PER_KEY_BLOCK.
+#: ONCE_MIN_ROWS_PER_KEY_BLOCK_D256.
 #: Per-tensor 0.97 / - / 0.83 (320), 0.97 / - / 0.89 (576), 1.00 / - / 0.97 (2112), 1.01 / - / 1.02 (8448): fused
 #: stays, so per-tensor and the low token threshold apply up to ONCE_LOW_MAX_HEAD_DIM.
 ONCE_LOW_MAX_HEAD_DIM = 128
+#: Block scales at d256 convert once from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256. Session 34 (32- and 64-dim blocks fit
+#: convert-once there since; benchmarks/probe_prefill_once.py, one call, MHA h16, bf16/FP8 for fused /
+#: dequantize_first / convert_once): 64-dim blocks b64 L256 (192) 0.82 / 0.65 / 0.72, b32 L512 (320) 0.73 / 0.69 /
+#: 0.80, b16 L1024 (576) 0.58 / 0.74 / 0.84, b4 L4096 (2112) 0.47 / 0.89 / 0.98; 32-dim blocks 0.64 / 0.65 / 0.71,
+#: 0.53 / 0.68 / 0.79, 0.40 / 0.74 / 0.84, 0.31 / 0.90 / 0.97. With 128-dim blocks (above) convert-once won from 320
+#: rows; at 192 the fused kernel won for 64-dim blocks.
+ONCE_MIN_ROWS_PER_KEY_BLOCK_D256 = 320
 
 
 def _once_min_rows(head_dim: int, scale_block: int) -> int | None:
     """The rows per key from which 'auto' converts once, or None. On the persistent grid up to ONCE_LOW_MAX_HEAD_DIM:
     every granularity (token / block / per-tensor thresholds); at d256 token scales from ONCE_MIN_ROWS_PER_KEY and
-    block scales (where they fit) from ONCE_MIN_ROWS_PER_KEY_BLOCK (per-tensor: the fused kernel is as fast); on a
+    block scales from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256 (per-tensor: the fused kernel is as fast); on a
     launch-per-item grid token scales only."""
     if head_dim not in ONCE_HEAD_DIMS:
         return None
@@ -127,7 +134,7 @@ def _once_min_rows(head_dim: int, scale_block: int) -> int | None:
         return ONCE_MIN_ROWS_PER_KEY_TENSOR if head_dim <= ONCE_LOW_MAX_HEAD_DIM else None
     if scale_block == head_dim:
         return ONCE_MIN_ROWS_PER_KEY_PERSISTENT if head_dim <= ONCE_LOW_MAX_HEAD_DIM else ONCE_MIN_ROWS_PER_KEY
-    return ONCE_MIN_ROWS_PER_KEY_BLOCK
+    return ONCE_MIN_ROWS_PER_KEY_BLOCK if head_dim <= ONCE_LOW_MAX_HEAD_DIM else ONCE_MIN_ROWS_PER_KEY_BLOCK_D256
 
 
 def once_unsupported(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int) -> str | None:
@@ -182,7 +189,7 @@ class BatchPrefill:
         to ``ONCE_LOW_MAX_HEAD_DIM`` from ``ONCE_MIN_ROWS_PER_KEY_PERSISTENT`` for token scales,
         ``ONCE_MIN_ROWS_PER_KEY_BLOCK`` for block scales and ``ONCE_MIN_ROWS_PER_KEY_TENSOR`` for per-tensor
         scales; at d256 for token scales from ``ONCE_MIN_ROWS_PER_KEY`` and block scales from
-        ``ONCE_MIN_ROWS_PER_KEY_BLOCK``; else
+        ``ONCE_MIN_ROWS_PER_KEY_BLOCK_D256``; else
         ``'dequantize_first'`` from ``DEQUANT_MIN_ROWS_PER_KEY`` rows per key (``DEQUANT_MIN_ROWS_PER_KEY_TENSOR``
         for per-tensor scales, whose fused kernel runs near bf16 speed), else ``'fused'``; the workspaces must
         fit ``DEQUANT_WORKSPACE_LIMIT`` bytes. ``strategy`` says which one ``plan`` chose. All read the plan's

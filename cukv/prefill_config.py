@@ -328,8 +328,8 @@ class PrefillConfig:
         kb = self.kv_buffer
         scales_per_row = -(-kb.BK // self.scale_block) if self.scale_block else 0
         per_elem = self.BN * kb.BK + self.BN * scales_per_row * 4
-        if self.convert_once:
-            return 2 * per_elem  # one raw tile, K and V, for the tiles a block converts
+        if self.convert_once:  # a quarter of K's and V's rows per converter warp (the persistent warp 0 has none)
+            return (4 - (1 if self.persistent else 0)) * 2 * per_elem // 4
         return 2 * ((0 if self.fp8_scores else kb.num_k_tiles) + 1) * per_elem
 
     @property

@@ -102,7 +102,8 @@ struct KVBuffer {
   // the rows' scales (kScalesPerRow floats a row; none per tensor). copy_raw_fp8: producer warp pw copies its
   // BN / 4 rows, chunk c = lane + 32 t of the warp's rows being row c / kChunksPerRow, so a warp's copies and
   // reads are consecutive 512-byte runs; lane j < BN / 4 copies row j's scales itself (it formed that row's
-  // offsets). Rows that read as zeros, and dims past ncols, get zero codes and a zero scale.
+  // offsets). Rows that read as zeros, and dims past ncols, get zero codes and a zero scale. CODE_BYTES: where
+  // the scales start (convert-once gives each converter warp its own quarter: its rows' codes, then their scales).
   // convert_raw_fp8 (after this lane's cp.async.wait_group and a __syncwarp for the scales other lanes copied):
   // 16 codes times their scale, stored as two swizzled 16-byte chunks of T in the ring element. A lane converts
   // the chunks it copied, or with PAIRS the chunks conv_chunk gives it (the raw slot came by TMA). The caller fences
@@ -116,7 +117,7 @@ struct KVBuffer {
   template <int SB> static constexpr int raw_elem_bytes() { return raw_code_bytes + BN * scales_per_row<SB>() * 4; }
   static_assert(kWarpRows <= 32, "a producer lane forms each row's offsets");
 
-  template <int SB, typename RowOffset>
+  template <int SB, int CODE_BYTES = raw_code_bytes, typename RowOffset>
   __device__ __forceinline__ void copy_raw_fp8(u32 dst, const unsigned char* base, const float* scales, RowOffset row_off,
                                                i64 lane_row, i64 lane_scale, int col0, int ncols, int pw, int lane) const {
 #pragma unroll
@@ -130,15 +131,15 @@ struct KVBuffer {
         cp_async16(to, from, ok ? 16 : 0);
       }
     }
-    copy_raw_scales<SB>(dst, scales, lane_row, lane_scale, col0, ncols, pw, lane);
+    copy_raw_scales<SB, CODE_BYTES>(dst, scales, lane_row, lane_scale, col0, ncols, pw, lane);
   }
   // The scale part of copy_raw_fp8 (the TMA producer copies only this; its codes come by tensor copies).
-  template <int SB>
+  template <int SB, int CODE_BYTES = raw_code_bytes>
   __device__ __forceinline__ void copy_raw_scales(u32 dst, const float* scales, i64 lane_row, i64 lane_scale, int col0,
                                                   int ncols, int pw, int lane) const {
     if constexpr (SB > 0) {
       if (lane < kWarpRows) {
-        const u32 sdst = dst + (u32)(raw_code_bytes + (pw * kWarpRows + lane) * scales_per_row<SB>() * 4);
+        const u32 sdst = dst + (u32)(CODE_BYTES + (pw * kWarpRows + lane) * scales_per_row<SB>() * 4);
 #pragma unroll
         for (int s = 0; s < scales_per_row<SB>(); ++s) {
           const bool ok = lane_row >= 0 && s * SB < ncols;
@@ -250,7 +251,7 @@ struct KVBuffer {
 #ifndef CUKV_ONCE_MINLEFT
 #define CUKV_ONCE_MINLEFT 2
 #endif
-  template <int SB>
+  template <int SB, int CODE_BYTES = raw_code_bytes>
   __device__ __forceinline__ void convert_raw_fp8_to_global(u32 src, T* dst, i64 row_stride, float tensor_scale,
                                                             int ncols, int pw, int lane) const {
     constexpr int kHalves = 2 * kWarpChunks, kPasses = (kHalves + 31) / 32;
@@ -265,7 +266,7 @@ struct KVBuffer {
         if constexpr (SB > 0)
           asm volatile("ld.shared.f32 %0, [%1];"
                        : "=f"(sc)
-                       : "r"(src + (u32)(raw_code_bytes + ((pw * kWarpRows + r) * scales_per_row<SB>() + col / SB) * 4))
+                       : "r"(src + (u32)(CODE_BYTES + ((pw * kWarpRows + r) * scales_per_row<SB>() + col / SB) * 4))
                        : "memory");
         uint4 v = dequant8<T>(raw, sc);
         if (CUKV_ONCE_DIAG == 3) v = make_uint4(raw.x, raw.y, raw.x, raw.y);

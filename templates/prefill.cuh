@@ -155,8 +155,16 @@ struct PrefillKernel {
   // raw slots, a tile ahead of the conversion into the ring (kRawElemBytes per element).
   static constexpr int kRawElemBytes = Buf::template raw_elem_bytes<SCALE_BLOCK>();
   static constexpr int kRawTileBytes = QUANTIZED ? ((FP8_SCORES ? 0 : kKElems) + 1) * kRawElemBytes : 0;
-  // kOnce: one raw tile (K and V) the convert path copies into before converting it
-  static constexpr int kRawBytes = kOnce ? 2 * kRawElemBytes : 2 * kRawTileBytes;
+  // kOnce: a raw quarter per converter warp (its rows of K, then of V: codes, then scales). Warp 0 converts
+  // nothing; the launch-per-item kernel keeps its quarter for the tiles-issued word, the persistent one drops it,
+  // which is what lets 32- and 64-dim scale blocks fit at d256.
+  static constexpr int kOnceCodeBytes = Buf::kWarpRows * BK;
+  static constexpr int kOnceElemBytes = kRawElemBytes / Buf::kProducerWarps;
+  static constexpr int kOnceQuarterBytes = 2 * kOnceElemBytes;
+  static constexpr int kOnceFirstQuarter = PERSISTENT ? 1 : 0;
+  static constexpr int kRawBytes =
+      kOnce ? (Buf::kProducerWarps - kOnceFirstQuarter) * kOnceQuarterBytes : 2 * kRawTileBytes;
+  static_assert(!kOnce || kOnceElemBytes * Buf::kProducerWarps == kRawElemBytes, "a quarter's rows, K or V");
   // FP8 TMA: one per raw slot; PERSISTENT: q_empty and the staged item (kItemInts)
   static constexpr int kItemInts = 10;
   static constexpr int kBarBytes =
@@ -292,7 +300,7 @@ struct PrefillKernel {
         if (warp == 0)
           feed_persistent(a, maps, *once, qmap, sm, buf, cache, lane);
         else
-          convert_persistent(a, *once, sm, buf, cache, warp, lane);
+          convert_persistent(a, *once, sm, buf, cache, raw_quarter(sm, warp), lane);
       } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
         int count = 0;
@@ -429,12 +437,12 @@ struct PrefillKernel {
     return o.flags + ((i64)(ws0 / BN + n) * o.num_kv_heads + k) * 4 + q;
   }
 
-  // Converter warp pw: quarter q of sequence b's tile n for KV head k (rows past kv_len as zeros) through raw quarter
-  // pw into the workspace, then its flag released (2).
+  // A converter warp: quarter q of sequence b's tile n for KV head k (rows past kv_len as zeros) through its raw
+  // quarter (raw_quarter) into the workspace, then its flag released (2).
   static __device__ __forceinline__ void convert_quarter(const PrefillArgs& a, const OnceArgs& o, const Smem& sm,
                                                          const Buf& buf, const Fp8Cache& f, float k_scale,
                                                          float v_scale, int b, int kv_len, int ws0, int n, int k,
-                                                         int q, int pw, int lane) {
+                                                         int q, u32 quarter, int lane) {
     constexpr int kWarpRows = BN / Buf::kProducerWarps;
     const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
     const int tok_lane = n * BN + q * kWarpRows + lane;
@@ -447,10 +455,10 @@ struct PrefillKernel {
         if constexpr (SCALE_BLOCK > 0)
           lane_scale = f.template scale_ptr<SCALE_BLOCK>(IS_K, row, k, 0) - (IS_K ? o.fp8.k_scales : o.fp8.v_scales);
       }
-      buf.template copy_raw_fp8<SCALE_BLOCK>(
-          sm.raw + (u32)(IS_K ? 0 : kRawElemBytes), static_cast<const unsigned char*>(IS_K ? o.fp8.k : o.fp8.v),
+      buf.template copy_raw_fp8<SCALE_BLOCK, kOnceCodeBytes>(
+          quarter + (u32)(IS_K ? 0 : kOnceElemBytes), static_cast<const unsigned char*>(IS_K ? o.fp8.k : o.fp8.v),
           IS_K ? o.fp8.k_scales : o.fp8.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, lane_off, r); },
-          lane_off, lane_scale, 0, DEPTH, pw, lane);
+          lane_off, lane_scale, 0, DEPTH, 0, lane);
     };
     if (CUKV_ONCE_DIAG != 4 && CUKV_ONCE_DIAG != 5) {
       copy(Bool<true>());
@@ -461,13 +469,13 @@ struct PrefillKernel {
     __syncwarp();  // and the scales the rows' lanes copied
     const i64 row0 = ws0 + n * BN + q * kWarpRows;
     if (CUKV_ONCE_DIAG != 1 && CUKV_ONCE_DIAG != 5) {
-      buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
-          sm.raw, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, k, 0),
-          a.kv.k_stride[1], k_scale, DEPTH, pw, lane);
-      buf.template convert_raw_fp8_to_global<SCALE_BLOCK>(
-          sm.raw + (u32)kRawElemBytes,
+      buf.template convert_raw_fp8_to_global<SCALE_BLOCK, kOnceCodeBytes>(
+          quarter, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, k, 0),
+          a.kv.k_stride[1], k_scale, DEPTH, 0, lane);
+      buf.template convert_raw_fp8_to_global<SCALE_BLOCK, kOnceCodeBytes>(
+          quarter + (u32)kOnceElemBytes,
           static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, k, 0), a.kv.v_stride[1],
-          v_scale, DEPTH, pw, lane);
+          v_scale, DEPTH, 0, lane);
     }
     if (CUKV_ONCE_DIAG != 2 && CUKV_ONCE_DIAG != 5) __threadfence();  // this lane's workspace rows are visible
     __syncwarp();     // every lane's, and every lane has read its raw chunks before the next copy
@@ -528,7 +536,8 @@ struct PrefillKernel {
           if (stop()) return;
           const int j = base + __ffs(free) - 1;
           if (claim(top - j / 4, k, j % 4))
-            convert_quarter(a, o, sm, buf, f, k_scale, v_scale, b, kv_len, ws0, top - j / 4, k, j % 4, pw, lane);
+            convert_quarter(a, o, sm, buf, f, k_scale, v_scale, b, kv_len, ws0, top - j / 4, k, j % 4,
+                            raw_quarter(sm, pw), lane);
         }
       }
     };
@@ -585,8 +594,13 @@ struct PrefillKernel {
     }
   }
 
+  // Converter warp pw's raw quarter.
+  static __device__ __forceinline__ u32 raw_quarter(const Smem& sm, int pw) {
+    return sm.raw + (u32)((pw - kOnceFirstQuarter) * kOnceQuarterBytes);
+  }
+
   static __device__ __forceinline__ void convert_persistent(const PrefillArgs& a, const OnceArgs& o, const Smem& sm,
-                                                            const Buf& buf, const Cache& ws, int pw, int lane) {
+                                                            const Buf& buf, const Cache& ws, u32 quarter, int lane) {
     if (CUKV_ONCE_UB == 1) return;
     const Fp8Cache f(o.fp8);
     const float k_scale = tensor_scale(f, true), v_scale = tensor_scale(f, false);
@@ -601,7 +615,7 @@ struct PrefillKernel {
       const int b = __ldg(o.tile_seq + tile);
       const int ws0 = (int)ws.row_key(b, 0);
       const int kv_len = min(f.cache_length(b), ws.cache_length(b));
-      convert_quarter(a, o, sm, buf, f, k_scale, v_scale, b, kv_len, ws0, tile - ws0 / BN, k, q, pw, lane);
+      convert_quarter(a, o, sm, buf, f, k_scale, v_scale, b, kv_len, ws0, tile - ws0 / BN, k, q, quarter, lane);
     }
   }
 

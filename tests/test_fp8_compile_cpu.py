@@ -1,6 +1,7 @@
 """Every FP8 decode and prefill specialization the benchmarks and defaults use compiles for sm_90a with no
 spills (NVRTC needs no GPU). The append kernels are covered in test_fp8_cpu.py."""
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -176,7 +177,7 @@ def test_dequantize_kv_compiles_without_spills_or_stack(dtype, d, sb, ps):
 @pytest.mark.parametrize("dtype,d,sb,ps", [(dt, d, d, 16) for dt in ("bfloat16", "float16") for d in ONCE_HEAD_DIMS]
                          + [("bfloat16", 128, sb, 16) for sb in (0, 32, 64)]
                          + [("bfloat16", 64, 64, 16), ("bfloat16", 80, 80, 1), ("bfloat16", 256, 128, 16),
-                            ("bfloat16", 128, 64, 48)])
+                            ("bfloat16", 256, 64, 16), ("bfloat16", 256, 32, 16), ("bfloat16", 128, 64, 48)])
 def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
     from cukv.prefill import once_config
 
@@ -230,13 +231,15 @@ def test_fp8_prefill_strategy_choice():
     assert _strategy(32, 8, 128, [256] * 64, [256] * 64) == "convert_once"         # GQA 4, 768
     assert _strategy(16, 16, 256, [1024] * 16, [1024] * 16) == "fused"             # MHA d256, 576
     assert _strategy(32, 32, 80, [4096] * 4, [4096] * 4) == "dequantize_first"     # d80: unmeasured
-    # block scales: converted once on the persistent grid; at d256 32- and 64-dim blocks do not fit its shared memory
+    # block scales: converted once on the persistent grid (at d256 32- and 64-dim blocks too, since session 34)
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
     assert _strategy(32, 32, 128, [256] * 64, [256] * 64, gran=64) == "convert_once"  # 208
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
     assert _strategy(32, 8, 128, [16384], [16384], gran=64) == "convert_once"      # 33151
-    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=64) == "dequantize_first"
-    # d256 on the persistent grid (session 30): 128-dim blocks from ONCE_MIN_ROWS_PER_KEY_BLOCK, token scales at GQA
+    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=64) == "convert_once"
+    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=32) == "convert_once"
+    assert _strategy(16, 16, 256, [256] * 64, [256] * 64, gran=64) == "fused"       # 192: ONCE_MIN_ROWS_PER_KEY_BLOCK_D256
+    # d256 on the persistent grid (session 30): 128-dim blocks from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256, token scales at GQA
     assert _strategy(16, 16, 256, [512] * 32, [512] * 32, gran=128) == "convert_once"  # 320
     assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4) == "convert_once"        # GQA 4 d256, 8448
     # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 the fused
@@ -260,8 +263,16 @@ def test_fp8_prefill_strategy_choice():
         cukv.BatchPrefill(32, 8, 128, 16, kv_dtype="fp8_e4m3", fp8_prefill="two_pass")
     with pytest.raises(ValueError, match="convert_once.*head_dim up to 256, not 512"):
         cukv.BatchPrefill(32, 8, 512, 16, kv_dtype="fp8_e4m3", fp8_prefill="convert_once")
-    with pytest.raises(ValueError, match="convert_once.*head_dim=256 with scale_granularity 64.*shared memory"):
-        cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64, fp8_prefill="convert_once")
+    # the launch-per-item kernel keeps warp 0's raw quarter: 64-dim blocks at d256 fit only the persistent grid
+    P = sys.modules["cukv.prefill"]
+    P.ONCE_PERSISTENT = False
+    try:
+        with pytest.raises(ValueError, match="convert_once.*head_dim=256 with scale_granularity 64.*shared memory"):
+            cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64, fp8_prefill="convert_once")
+    finally:
+        P.ONCE_PERSISTENT = None
+    assert cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=32,
+                             fp8_prefill="convert_once").fp8_prefill == "convert_once"
 
 
 

@@ -213,7 +213,8 @@ def test_dequant_strategy_granularities(rng, gran, dtype, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("d,ps,gran", [(64, 16, "token"), (256, 16, 128), (80, 1, "token"), (128, 48, 64)])
+@pytest.mark.parametrize("d,ps,gran", [(64, 16, "token"), (256, 16, 128), (256, 16, 64), (256, 16, 32), (80, 1, "token"),
+                                        (128, 48, 64)])
 def test_dequant_strategy_head_dims_and_pages(rng, d, ps, gran, strategy):
     _check(rng, [200, 65], [50, 300], 8, 2, d, ps, "bfloat16", gran, fp8_prefill=strategy)
 
@@ -253,11 +254,11 @@ def test_auto_strategy_by_rows_per_key(rng):
     # 4096 tokens: about 16900 rows per key; converting once has no upper bound (session 33)
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 4096]), np.array([4096]))
     assert pf.strategy == "convert_once"
-    # 64-dim blocks at d256 do not fit convert-once's shared memory: dequantize first past DEQUANT_MIN_ROWS_PER_KEY,
-    # fused below it
-    pf = cukv.BatchPrefill(16, 2, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64)
-    assert pf.plan(np.array([0, 4096]), np.array([4096])).strategy == "dequantize_first"
-    assert pf.plan(np.array([0, 64]), np.array([64])).strategy == "fused"
+    # 64-dim blocks at d256 (MHA) convert once from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256 (they fit its shared memory
+    # since session 34), fused below it
+    pf = cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64)
+    assert pf.plan(np.array([0, 4096]), np.array([4096])).strategy == "convert_once"
+    assert pf.plan(np.array([0, 16]), np.array([16])).strategy == "fused"
     # per-tensor scales convert once where the grid is persistent (up to d128); at d256 the fused kernel is as fast
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor")
     assert pf.plan(np.array([0, 1024]), np.array([1024])).strategy == "convert_once"
