@@ -391,6 +391,12 @@ FP8_SCORES_OFF = (64,)
 #: calls (session 17), token scales 2-4% faster at d128 and d256, per-tensor 1-7% at d128; d64 2% slower; others not
 #: measured. Per-tensor d256 spills 12 bytes with it (ptxas, 168 registers), so it stays off.
 FP8_PINGPONG = {(128, "token"), (128, "tensor"), (256, "token")}
+#: head dims whose 16-bit default (and so convert-once's kernel, which runs the 16-bit consumers) issues S in ring
+#: order. H100, session 34 (benchmarks/probe_once_pingpong.py, two calls of 15 interleaved rounds, bf16 cache, causal):
+#: MHA d256 b4 L4096 1.061 -> 1.016 and 1.059 -> 1.020 ms, b2 L8192 2.001 -> 1.946 and 2.010 -> 1.958 (3-4% faster;
+#: convert-once 1-3% faster); d128 mixed (MHA b8 L2048 0.644 -> 0.635, GQA 4 b4 L4096 1.062 -> 1.073), so off.
+#: Session 17 had measured 1-2% at d256 on the kernel of the time and left it off.
+PINGPONG_16BIT = {256}
 
 
 def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int) -> str | None:
@@ -457,4 +463,5 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
     tuned = lookup(dtype, head_dim, page_size)
     if tuned is not None:
         return tuned
-    return tile_config(dtype, head_dim, page_size, bm, bn, bk, st)
+    return dataclasses.replace(tile_config(dtype, head_dim, page_size, bm, bn, bk, st),
+                               pingpong=head_dim in PINGPONG_16BIT)

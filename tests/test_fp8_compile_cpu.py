@@ -142,12 +142,19 @@ def test_pingpong_domain():
         PrefillConfig("bfloat16", 128, 16, 64, 64, 128, 4, pingpong=True)
     with pytest.raises(ValueError, match="pingpong=1 is not valid"):
         PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, pingpong=1)
-    # defaults: FP8 e4m3-score tiles at d128 and d256 (measured faster there; per-tensor d256 would spill)
-    for d, token, tensor in ((64, False, False), (80, False, False), (128, True, True), (192, False, False),
-                             (256, True, False)):
+    # defaults: FP8 e4m3-score tiles at d128 and d256 (measured faster there; per-tensor d256 would spill); 16-bit
+    # tiles, and so convert-once's, at d256 (session 34)
+    from cukv.prefill import once_config
+
+    for d, token, tensor, b16 in ((64, False, False, False), (80, False, False, False), (128, True, True, False),
+                                  (192, False, False, False), (256, True, False, True)):
         assert default_config("bfloat16", d, 16, "fp8_e4m3", d).pingpong is token, d
         assert default_config("bfloat16", d, 16, "fp8_e4m3", 0).pingpong is tensor, d
-        assert not default_config("bfloat16", d, 16).pingpong
+        for dtype in ("bfloat16", "float16"):
+            assert default_config(dtype, d, 16).pingpong is b16, d
+            assert default_config(dtype, d, 0).pingpong is b16, d
+            if d in ONCE_HEAD_DIMS:
+                assert once_config(dtype, d, 16, "fp8_e4m3", d).pingpong is b16, d
     assert not default_config("float16", 128, 16, "fp8_e4m3", 128).pingpong
     assert not default_config("bfloat16", 128, 16, "fp8_e4m3", 64).pingpong
 
@@ -282,8 +289,10 @@ def test_persistent_domain():
         PrefillConfig("bfloat16", 128, 16, 128, 128, 128, 4, tma=True, persistent=True)
     ok = PrefillConfig("bfloat16", 128, 16, 128, 128, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, tma=True,
                        convert_once=True, persistent=True)
-    # q_empty and the staged work item beside the other barriers; the query's tensor map as a fourth argument
-    assert ok.smem_bytes == dataclasses.replace(ok, persistent=False).smem_bytes + 48
+    # q_empty and the staged work item beside the other barriers, less warp 0's raw quarter (it converts nothing:
+    # K and V rows of BN / 4 codes and scales); the query's tensor map as a fourth argument
+    quarter = 2 * (128 // 4) * (128 + 4)
+    assert ok.smem_bytes == dataclasses.replace(ok, persistent=False).smem_bytes + 48 - quarter
     assert "const __grid_constant__ CUtensorMap q" in ok.render() and ok.name.endswith("_once_pers_d128_p16_m128_n128_k128_s4")
 
 

@@ -1,0 +1,54 @@
+"""The 16-bit prefill and convert-once (token scales), each with S issued in warpgroup ring order
+(``PrefillConfig.pingpong``) and without, in interleaved rounds on causal bench shapes (batch x L x hq x hkv x d).
+Session 34 made the ring order the d256 default from it (``prefill_config.PINGPONG_16BIT``).
+
+    PYTHONPATH=. python3 benchmarks/probe_once_pingpong.py 4x4096x16x16x256,8x2048x32x32x128 15
+"""
+import dataclasses
+import sys
+
+import cupy as cp
+
+import cukv
+from cukv.bench.decode import interleaved_medians
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+from cukv.bench.timing import Timer
+from cukv.prefill import default_config
+
+
+def main(shapes: str, rounds: int) -> None:
+    P = sys.modules["cukv.prefill"]  # the module (cukv.prefill is the function)
+    once_config = P.once_config
+    timer = Timer()
+    for shape in shapes.split(","):
+        batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
+        data = _build(batch, seq_len, hq, hkv, d)
+        q, k, v, cache, pt, offsets, lengths = data
+        fcache = fp8_cache_like(data, "token")
+        out = cp.empty_like(q)
+        fns = {}
+        for name, pp in (("bf16", False), ("bf16_pp", True)):
+            cfg = dataclasses.replace(default_config(DTYPE, d, PAGE_SIZE), pingpong=pp)
+            bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, config=cfg).plan(offsets, lengths,
+                                                                                                   mask="causal")
+            bf.run(q, (cache, pt), out=out)
+            fns[name] = lambda bf=bf: bf.run(q, (cache, pt), out=out)
+        for name, pp in (("once", False), ("once_pp", True)):
+            P.once_config = lambda *a, pp=pp, **kw: dataclasses.replace(once_config(*a, **kw), pingpong=pp)
+            try:
+                pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                                       scale_granularity="token", fp8_prefill="convert_once").plan(offsets, lengths,
+                                                                                                   mask="causal")
+            finally:
+                P.once_config = once_config
+            pf.run(q, (fcache, pt), out=out)
+            fns[name] = lambda pf=pf: pf.run(q, (fcache, pt), out=out)
+        cp.cuda.Device().synchronize()
+        med = interleaved_medians(timer, fns, reps=20, rounds=rounds)
+        base = med["bf16"]
+        print(shape, "  ".join(f"{n} {m:.3f} ({base / m:.3f})" for n, m in med.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "4x4096x16x16x256,2x8192x16x16x256",
+         int(sys.argv[2]) if len(sys.argv) > 2 else 9)
