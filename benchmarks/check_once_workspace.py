@@ -29,9 +29,8 @@ for grid in (None, 5):
                                scale_granularity=GRAN)
     c, bt = case["cache"], case["block_table"]
     # edge values on live tokens: scales whose product with 2^120 overflows float32, and one NaN code
-    for b, j in ((0, 3), (0, 1000), (2, 50), (4, 198)):
-        if GRAN != "tensor":
-            c.k_scales[int(bt[b, j // 16]), j % 16] *= 2.0 ** 17  # token scales ~0.007: past 2^8
+    for b, j in ((0, 3), (0, 1000), (2, 50), (4, 198)) if GRAN != "tensor" else ():
+        c.k_scales[int(bt[b, j // 16]), j % 16] *= 2.0 ** 17  # token scales ~0.007: past 2^8
     c.v[int(bt[0, 7 // 16]), 7 % 16, 3, 5] = 0x7F
     kv = (case["cache"], case["table"])
     outs = {}

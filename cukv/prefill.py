@@ -17,8 +17,8 @@ from .config import check_in
 from .operand import KV_PARAMS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 # the configs and their defaults live in prefill_config; re-exported here, where users and tests have always found them
 from .prefill_config import (DEFAULTS, DEQUANT_TILES, FP8_PINGPONG, FP8_SCORES_BN, FP8_SCORES_OFF, HEAD_DIMS,  # noqa: F401
-                             PINGPONG_16BIT, SMEM_LIMIT, KVBufferConfig, PrefillConfig, default_config, fp8_scores_unsupported,
-                             tile_config, tma_applies, tma_box_rows)
+                             PINGPONG_16BIT, SMEM_LIMIT, KVBufferConfig, PrefillConfig, default_config,
+                             fp8_scores_unsupported, pingpong_16bit, tile_config, tma_applies, tma_box_rows)
 
 MASKS = ("none", "causal")
 
@@ -39,13 +39,13 @@ ONCE_GRID: int | None = None
 def once_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int,
                 persistent: bool | None = None) -> PrefillConfig:
     """The convert-once kernel (``PrefillConfig.convert_once``) of an FP8 cache: the 16-bit default tile of the
-    head dim and its ``pingpong`` (its consumers are the 16-bit kernel's), on a persistent grid up to ``ONCE_PERSISTENT_MAX_HEAD_DIM``
-    unless ``persistent`` (or ``ONCE_PERSISTENT``) says otherwise."""
+    head dim and its ``pingpong`` (its consumers are the 16-bit kernel's), on a persistent grid up to
+    ``ONCE_PERSISTENT_MAX_HEAD_DIM`` unless ``persistent`` (or ``ONCE_PERSISTENT``) says otherwise."""
     if head_dim not in DEFAULTS or head_dim > 256:
         raise ValueError(f"fp8_prefill='convert_once' supports head_dim up to 256, not {head_dim}")
     bm, bn, bk, st = DEFAULTS[head_dim]
     return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
-                         tma=True, convert_once=True, pingpong=head_dim in PINGPONG_16BIT,
+                         tma=True, convert_once=True, pingpong=pingpong_16bit(head_dim, bm),
                          persistent=_once_persistent(head_dim) if persistent is None else persistent)
 
 

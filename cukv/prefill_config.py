@@ -399,6 +399,12 @@ FP8_PINGPONG = {(128, "token"), (128, "tensor"), (256, "token")}
 PINGPONG_16BIT = {256}
 
 
+def pingpong_16bit(head_dim: int, BM: int) -> bool:
+    """Whether a 16-bit tile (and convert-once's, which runs the 16-bit consumers) issues S in ring order: at the
+    PINGPONG_16BIT head dims, where there are two or more consumer warpgroups to order."""
+    return head_dim in PINGPONG_16BIT and BM >= 128
+
+
 def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int) -> str | None:
     """Why S = Q K^T cannot run on the e4m3 tensor cores for these parameters (None: it can)."""
     if kv_dtype is None:
@@ -427,9 +433,12 @@ def tma_applies(page_size: int, BN: int) -> bool:
 
 
 def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
-    """The 16-bit config of this tile with the producer the defaults use: tensor copies (``tma``) wherever the
-    pages allow them (3-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md session 18)."""
-    return PrefillConfig(dtype, head_dim, page_size, BM, BN, BK, stages, tma=tma_applies(page_size, BN))
+    """The 16-bit config of this tile with the producer and issue order the defaults use: tensor copies (``tma``)
+    wherever the pages allow them (3-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md
+    session 18), S in warpgroup ring order where ``pingpong_16bit`` says (session 34). The documented default, the
+    autotuner's candidates and its stored records all come from here, so a tuned tile keeps the same order."""
+    return PrefillConfig(dtype, head_dim, page_size, BM, BN, BK, stages, tma=tma_applies(page_size, BN),
+                         pingpong=pingpong_16bit(head_dim, BM))
 
 
 def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
@@ -463,5 +472,4 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
     tuned = lookup(dtype, head_dim, page_size)
     if tuned is not None:
         return tuned
-    return dataclasses.replace(tile_config(dtype, head_dim, page_size, bm, bn, bk, st),
-                               pingpong=head_dim in PINGPONG_16BIT)
+    return tile_config(dtype, head_dim, page_size, bm, bn, bk, st)

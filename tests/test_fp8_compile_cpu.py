@@ -155,6 +155,14 @@ def test_pingpong_domain():
             assert default_config(dtype, d, 0).pingpong is b16, d
             if d in ONCE_HEAD_DIMS:
                 assert once_config(dtype, d, 16, "fp8_e4m3", d).pingpong is b16, d
+    # the rule lives in tile_config, so the autotuner's default and its records keep it; one consumer warpgroup
+    # has nothing to order
+    from cukv.autotune import default_prefill_config
+    from cukv.prefill import tile_config
+
+    assert default_prefill_config("bfloat16", 256, 16) == default_config("bfloat16", 256, 16)
+    assert tile_config("bfloat16", 256, 16, 128, 32, 256, 4).pingpong
+    assert not tile_config("bfloat16", 256, 16, 64, 64, 256, 4).pingpong
     assert not default_config("float16", 128, 16, "fp8_e4m3", 128).pingpong
     assert not default_config("bfloat16", 128, 16, "fp8_e4m3", 64).pingpong
 
