@@ -36,17 +36,37 @@ ONCE_PERSISTENT: bool | None = None
 ONCE_GRID: int | None = None
 
 
+#: Convert-once tiles (BM, BN, BK, stages) per head dim where they differ from the 16-bit DEFAULTS; a tile that does not
+#: fit (shared memory) falls back to the default. H100, session 35 (benchmarks/probe_once_tiles.py, 15 interleaved
+#: rounds, bf16/FP8 for 128 x 64 x 4 stages / 128 x 80 x 3): MHA d256 b2 L8192 token 0.987 / 1.017, 64-dim blocks
+#: 0.989 / 1.017, 32-dim 0.987 / 1.024, per-tensor 1.000 / 1.030; b4 L4096 0.996 / 0.990, 0.991 / 0.990, 0.972 /
+#: 0.976, 0.986 / 0.984; GQA 4 b4 L4096 1.030 / 1.041, 1.036 / 1.046; b16 L1024 0.859 / 0.858. A first call had 80 x
+#: 3 at 0.985 against 0.973 (b4 L4096) and 1.016 against 1.001 (b2 L8192); 80 x 2, 48 x 5 and 64 x 3 were 3-12%
+#: slower. The 16-bit kernel stays at 64 x 4 (80 x 4: 0.91 of it; 64 x 5: 0.99).
+ONCE_TILES: dict = {256: (128, 80, 256, 3)}
+
+
 def once_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int,
                 persistent: bool | None = None) -> PrefillConfig:
-    """The convert-once kernel (``PrefillConfig.convert_once``) of an FP8 cache: the 16-bit default tile of the
-    head dim and its ``pingpong`` (its consumers are the 16-bit kernel's), on a persistent grid up to
-    ``ONCE_PERSISTENT_MAX_HEAD_DIM`` unless ``persistent`` (or ``ONCE_PERSISTENT``) says otherwise."""
+    """The convert-once kernel (``PrefillConfig.convert_once``) of an FP8 cache: the head dim's ``ONCE_TILES`` tile
+    where it fits, else the 16-bit default tile, with the 16-bit ``pingpong`` (its consumers are the 16-bit
+    kernel's), on a persistent grid up to ``ONCE_PERSISTENT_MAX_HEAD_DIM`` unless ``persistent`` (or
+    ``ONCE_PERSISTENT``) says otherwise."""
     if head_dim not in DEFAULTS or head_dim > 256:
         raise ValueError(f"fp8_prefill='convert_once' supports head_dim up to 256, not {head_dim}")
-    bm, bn, bk, st = DEFAULTS[head_dim]
-    return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
-                         tma=True, convert_once=True, pingpong=pingpong_16bit(head_dim, bm),
-                         persistent=_once_persistent(head_dim) if persistent is None else persistent)
+    persistent = _once_persistent(head_dim) if persistent is None else persistent
+
+    def build(tile):
+        bm, bn, bk, st = tile
+        return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
+                             tma=True, convert_once=True, pingpong=pingpong_16bit(head_dim, bm), persistent=persistent)
+
+    if head_dim in ONCE_TILES:
+        try:
+            return build(ONCE_TILES[head_dim])
+        except ValueError:  # e.g. 32- and 64-dim blocks at d256 launched per item: the default tile says why not
+            pass
+    return build(DEFAULTS[head_dim])
 
 
 def _once_persistent(head_dim: int) -> bool:
@@ -119,19 +139,24 @@ ONCE_LOW_MAX_HEAD_DIM = 128
 #: 0.53 / 0.68 / 0.79, 0.40 / 0.74 / 0.84, 0.31 / 0.90 / 0.97. With 128-dim blocks (above) convert-once won from 320
 #: rows; at 192 the fused kernel won for 64-dim blocks.
 ONCE_MIN_ROWS_PER_KEY_BLOCK_D256 = 320
+#: Per-tensor scales at d256 convert once from ONCE_MIN_ROWS_PER_KEY_TENSOR_D256 (before session 35: never). H100,
+#: session 35, convert-once's 128 x 80 x 3 tile (ONCE_TILES; benchmarks/probe_once_tiles.py --fused, 15 rounds),
+#: bf16/FP8 for fused / convert_once: MHA b2 L8192 (4160 rows per key) 0.999 / 1.030, b4 L4096 (2112) 0.987 / 0.984,
+#: b16 L1024 (576) 0.944 / 0.887.
+ONCE_MIN_ROWS_PER_KEY_TENSOR_D256 = 4096
 
 
 def _once_min_rows(head_dim: int, scale_block: int) -> int | None:
     """The rows per key from which 'auto' converts once, or None. On the persistent grid up to ONCE_LOW_MAX_HEAD_DIM:
-    every granularity (token / block / per-tensor thresholds); at d256 token scales from ONCE_MIN_ROWS_PER_KEY and
-    block scales from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256 (per-tensor: the fused kernel is as fast); on a
-    launch-per-item grid token scales only."""
+    every granularity (token / block / per-tensor thresholds); at d256 token scales from ONCE_MIN_ROWS_PER_KEY,
+    block scales from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256 and per-tensor scales (whose fused kernel is nearly as fast)
+    from ONCE_MIN_ROWS_PER_KEY_TENSOR_D256; on a launch-per-item grid token scales only."""
     if head_dim not in ONCE_HEAD_DIMS:
         return None
     if not _once_persistent(head_dim):
         return ONCE_MIN_ROWS_PER_KEY if scale_block == head_dim else None
-    if scale_block == 0:  # at d256 the fused per-tensor kernel is as fast or faster
-        return ONCE_MIN_ROWS_PER_KEY_TENSOR if head_dim <= ONCE_LOW_MAX_HEAD_DIM else None
+    if scale_block == 0:
+        return ONCE_MIN_ROWS_PER_KEY_TENSOR if head_dim <= ONCE_LOW_MAX_HEAD_DIM else ONCE_MIN_ROWS_PER_KEY_TENSOR_D256
     if scale_block == head_dim:
         return ONCE_MIN_ROWS_PER_KEY_PERSISTENT if head_dim <= ONCE_LOW_MAX_HEAD_DIM else ONCE_MIN_ROWS_PER_KEY
     return ONCE_MIN_ROWS_PER_KEY_BLOCK if head_dim <= ONCE_LOW_MAX_HEAD_DIM else ONCE_MIN_ROWS_PER_KEY_BLOCK_D256
@@ -188,8 +213,8 @@ class BatchPrefill:
         takes ``'convert_once'`` by query rows per key (query heads of a KV head included, no upper bound): up
         to ``ONCE_LOW_MAX_HEAD_DIM`` from ``ONCE_MIN_ROWS_PER_KEY_PERSISTENT`` for token scales,
         ``ONCE_MIN_ROWS_PER_KEY_BLOCK`` for block scales and ``ONCE_MIN_ROWS_PER_KEY_TENSOR`` for per-tensor
-        scales; at d256 for token scales from ``ONCE_MIN_ROWS_PER_KEY`` and block scales from
-        ``ONCE_MIN_ROWS_PER_KEY_BLOCK_D256``; else
+        scales; at d256 for token scales from ``ONCE_MIN_ROWS_PER_KEY``, block scales from
+        ``ONCE_MIN_ROWS_PER_KEY_BLOCK_D256`` and per-tensor scales from ``ONCE_MIN_ROWS_PER_KEY_TENSOR_D256``; else
         ``'dequantize_first'`` from ``DEQUANT_MIN_ROWS_PER_KEY`` rows per key (``DEQUANT_MIN_ROWS_PER_KEY_TENSOR``
         for per-tensor scales, whose fused kernel runs near bf16 speed), else ``'fused'``; the workspaces must
         fit ``DEQUANT_WORKSPACE_LIMIT`` bytes. ``strategy`` says which one ``plan`` chose. All read the plan's
@@ -247,7 +272,7 @@ class BatchPrefill:
         self.head_dim, self.page_size, self.dtype, self.config = int(head_dim), page_size, dt, config
         self.fp8_prefill = fp8_prefill
         self.strategy = "fused" if kvd is not None else None
-        self._dequant = None
+        self._dequant = self._once = None
         self._planned = False
 
     def plan(self, q_offsets, kv_lengths, *, mask: str = "causal", window: int | None = None,
@@ -288,6 +313,17 @@ class BatchPrefill:
             self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
         self._planned = True
         return self
+
+    @property
+    def kernel_config(self) -> PrefillConfig:
+        """The config of the attention kernel ``run`` launches, once planned: ``config`` for the fused kernel (and
+        16-bit caches), the convert-once kernel's (``once_config``: its own tile at d256), or the 16-bit kernel that
+        'dequantize_first' runs over its workspace."""
+        if self._once is not None:
+            return self._once["cfg"]
+        if self._dequant is not None:
+            return self._dequant["inner"].config
+        return self.config
 
     def _choose_strategy(self, work, kv_lengths, q_lengths) -> str:
         """'fused', 'dequantize_first' or 'convert_once' for an FP8 cache (see the class docstring): query rows per

@@ -192,7 +192,8 @@ def test_dequantize_kv_compiles_without_spills_or_stack(dtype, d, sb, ps):
 @pytest.mark.parametrize("dtype,d,sb,ps", [(dt, d, d, 16) for dt in ("bfloat16", "float16") for d in ONCE_HEAD_DIMS]
                          + [("bfloat16", 128, sb, 16) for sb in (0, 32, 64)]
                          + [("bfloat16", 64, 64, 16), ("bfloat16", 80, 80, 1), ("bfloat16", 256, 128, 16),
-                            ("bfloat16", 256, 64, 16), ("bfloat16", 256, 32, 16), ("bfloat16", 128, 64, 48)])
+                            ("bfloat16", 256, 64, 16), ("bfloat16", 256, 32, 16), ("bfloat16", 256, 0, 16),
+                            ("bfloat16", 128, 64, 48)])
 def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
     from cukv.prefill import once_config
 
@@ -201,6 +202,24 @@ def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
     assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
     assert cfg.producer_registers == (80 if cfg.BM == 192 else 72) and cfg.smem_bytes <= 227 * 1024
     assert cfg.persistent and "_pers_" in cfg.name  # every head dim convert-once takes (d256 from session 30)
+
+
+def test_convert_once_takes_its_own_d256_tile_where_it_fits(monkeypatch):
+    # ONCE_TILES (session 35): 128 x 80 x 3 at d256 for every granularity on the persistent grid; a tile that does not
+    # fit falls back to the 16-bit default, and where neither fits the default's error says why
+    from cukv.prefill import ONCE_TILES, once_config
+
+    for sb in (256, 128, 64, 32, 0):
+        c = once_config("bfloat16", 256, 16, "fp8_e4m3", sb)
+        assert (c.BM, c.BN, c.BK, c.stages) == ONCE_TILES[256] == (128, 80, 256, 3), sb
+    c = once_config("bfloat16", 256, 16, "fp8_e4m3", 256, persistent=False)  # fits launched per item too
+    assert (c.BN, c.stages, c.persistent) == (80, 3, False)
+    assert once_config("bfloat16", 128, 16, "fp8_e4m3", 128).BN == DEFAULTS[128][1]  # d128: the default tile
+    monkeypatch.setitem(sys.modules["cukv.prefill"].ONCE_TILES, 256, (128, 128, 256, 4))  # 290 KB: too big
+    c = once_config("bfloat16", 256, 16, "fp8_e4m3", 256)
+    assert (c.BM, c.BN, c.BK, c.stages) == DEFAULTS[256]
+    with pytest.raises(ValueError, match="shared memory"):
+        once_config("bfloat16", 256, 16, "fp8_e4m3", 64, persistent=False)
 
 
 def test_dequant_config_domain():
@@ -257,13 +276,15 @@ def test_fp8_prefill_strategy_choice():
     # d256 on the persistent grid (session 30): 128-dim blocks from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256, token scales at GQA
     assert _strategy(16, 16, 256, [512] * 32, [512] * 32, gran=128) == "convert_once"  # 320
     assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4) == "convert_once"        # GQA 4 d256, 8448
-    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 the fused
-    # kernel is as fast
+    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 from 4096
+    # (ONCE_MIN_ROWS_PER_KEY_TENSOR_D256, session 35), below which the fused kernel is as fast
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [16384], [16384], gran="tensor") == "convert_once"
-    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "fused"
+    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "fused"            # 2112
+    assert _strategy(16, 16, 256, [8192] * 2, [8192] * 2, gran="tensor") == "convert_once"     # 4160
+    assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"      # GQA 4, 8448
     assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16, gran="tensor") == "convert_once"  # 576
     assert _strategy(32, 32, 128, [512] * 32, [512] * 32, gran="tensor") == "fused"          # 320
     assert _strategy(32, 8, 128, [1] * 64, [4096] * 64) == "fused"                  # decode-like steps

@@ -243,6 +243,8 @@ def _fp8_fns(row, hq, hkv, d, data, granularity, fns):
         fns[f"fp8_{strategy}"] = lambda pf=pf, o=o: pf.run(q, (fcache, pt), out=o)
         if strategy == "fused":
             row["fp8_config"] = pf.config.name
+        if strategy == chosen:
+            row["fp8_kernel"] = pf.kernel_config.name
     row["fp8_strategy"] = chosen
     return out
 
@@ -392,7 +394,7 @@ def format_table(result) -> str:
                   + (f"; bf16 and every strategy timed in {rounds} interleaved rounds (medians of the round medians)"
                      if rounds else ""),
                   "| shape | bf16 ms | fp8 ms | bf16/fp8 (>= 1: FP8 no slower) | rounds' bf16/fp8 | strategy | fused ms | "
-                  "dequantize_first ms | convert_once ms | max |fp8-bf16| | fused config |",
+                  "dequantize_first ms | convert_once ms | max |fp8-bf16| | kernel 'auto' runs |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["rows"]:
             if "fp8_ms" in r:
@@ -401,7 +403,8 @@ def format_table(result) -> str:
                 lines.append(f"| {shape_label(r)} | {_num(r.get('paged_ms'), '.3f')} | {_num(r.get('fp8_ms'), '.3f')} | "
                              f"{_num(r.get('fp8_vs_bf16'), '.2f')} | {spread} | {r.get('fp8_strategy', '')} | "
                              f"{_num(r.get('fp8_fused_ms'), '.3f')} | {_num(r.get('fp8_dequantize_first_ms'), '.3f')} | "
-                             f"{_num(r.get('fp8_convert_once_ms'), '.3f')} | {_num(r.get('maxdiff_fp8_bf16'), '.3f')} | {r.get('fp8_config', r.get('fp8_error', ''))} |")
+                             f"{_num(r.get('fp8_convert_once_ms'), '.3f')} | {_num(r.get('maxdiff_fp8_bf16'), '.3f')} | "
+                             f"{r.get('fp8_kernel', r.get('fp8_config', r.get('fp8_error', '')))} |")
     if s.get("peers_missing"):
         lines.append(f"peers: {s['peers_missing']}")
         notes = [n for n in notes if s["peers_missing"] not in n]

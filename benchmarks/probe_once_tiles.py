@@ -1,0 +1,71 @@
+"""Convert-once and bf16 prefill over other tiles than the head dim's default (BN x stages), interleaved rounds
+(medians), bf16/FP8 ratios against the shipped bf16 default.
+
+    PYTHONPATH=. python3 benchmarks/probe_once_tiles.py --shapes 4x4096x16x16x256 --tiles 64x4,80x3,48x5 \
+        --bf16-tiles 80x4
+"""
+import argparse
+import sys
+
+import cupy as cp
+
+import cukv
+from cukv.bench.decode import interleaved_medians
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+from cukv.bench.timing import Timer
+from cukv.prefill_config import DEFAULTS, tile_config
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4x4096x16x16x256,2x8192x16x16x256")
+    ap.add_argument("--gran", default="token")
+    ap.add_argument("--tiles", default="64x4,80x3,80x2,48x5,64x3", help="convert-once BN x stages (BM, BK: default)")
+    ap.add_argument("--bf16-tiles", default="80x4,64x5", help="bf16 BN x stages beside the default")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--fused", action="store_true", help="also time fp8_prefill='fused'")
+    args = ap.parse_args()
+    args.gran = int(args.gran) if args.gran.isdigit() else args.gran
+    P = sys.modules["cukv.prefill"]
+    timer = Timer()
+    for shape in args.shapes.split(","):
+        batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
+        data = _build(batch, seq_len, hq, hkv, d)
+        q, k, v, cache, pt, offsets, lengths = data
+        fcache = fp8_cache_like(data, args.gran)
+        out = cp.empty_like(q)
+        bm, bn0, bk, st0 = DEFAULTS[d]
+        bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
+        fns = {"bf16": lambda bf=bf: bf.run(q, (cache, pt), out=out)}
+        for t in filter(None, args.bf16_tiles.split(",")):
+            bn, st = map(int, t.split("x"))
+            cfg = tile_config(DTYPE, d, PAGE_SIZE, bm, bn, bk, st)
+            p = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, config=cfg).plan(offsets, lengths)
+            fns[f"bf16_{t}"] = lambda p=p: p.run(q, (cache, pt), out=out)
+        if args.fused:
+            p = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                                  scale_granularity=args.gran, fp8_prefill="fused").plan(offsets, lengths)
+            fns["fused"] = lambda p=p: p.run(q, (fcache, pt), out=out)
+        for t in filter(None, args.tiles.split(",")):
+            bn, st = map(int, t.split("x"))
+            P.ONCE_TILES = {d: (bm, bn, bk, st)}
+            p = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                                  scale_granularity=args.gran, fp8_prefill="convert_once").plan(offsets, lengths)
+            P.ONCE_TILES = {}
+            fns[f"once_{t}"] = lambda p=p: p.run(q, (fcache, pt), out=out)
+        ref = bf.run(q, (cache, pt)).view(cp.uint16).astype(cp.uint32) << 16  # bf16 bits -> float32
+        diffs = {}
+        for n, f in fns.items():  # compiles; a broken tile shows in its largest difference from the bf16 default
+            out.fill(0x7FC0)
+            f()
+            got = (out.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
+            diffs[n] = float(cp.nan_to_num(cp.abs(got - ref.view(cp.float32)), nan=cp.inf).max())
+        cp.cuda.Device().synchronize()
+        med = interleaved_medians(timer, fns, reps=20, rounds=args.rounds)
+        base = med["bf16"]
+        print(f"{shape} {args.gran}: " + "  ".join(f"{n} {m:.3f} ({base / m:.3f})" for n, m in med.items())
+              + "  max|diff| " + " ".join(f"{n} {x:.3g}" for n, x in diffs.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
