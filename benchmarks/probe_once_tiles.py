@@ -20,7 +20,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4x4096x16x16x256,2x8192x16x16x256")
     ap.add_argument("--gran", default="token")
-    ap.add_argument("--tiles", default="64x4,80x3,80x2,48x5,64x3", help="convert-once BN x stages (BM, BK: default)")
+    ap.add_argument("--tiles", default="64x4,80x3,80x2,48x5,64x3",
+                    help="convert-once BN x stages (BM, BK: default), optionally :pp / :nopp")
     ap.add_argument("--bf16-tiles", default="80x4,64x5", help="bf16 BN x stages beside the default")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--fused", action="store_true", help="also time fp8_prefill='fused'")
@@ -47,11 +48,15 @@ def main():
                                   scale_granularity=args.gran, fp8_prefill="fused").plan(offsets, lengths)
             fns["fused"] = lambda p=p: p.run(q, (fcache, pt), out=out)
         for t in filter(None, args.tiles.split(",")):
-            bn, st = map(int, t.split("x"))
+            # "80x3" takes the shipped ring order (pingpong_16bit); "80x3:pp" / "80x3:nopp" force it on / off
+            bn, st = map(int, t.split(":")[0].split("x"))
+            tiles, ring = P.ONCE_TILES, P.pingpong_16bit
             P.ONCE_TILES = {d: (bm, bn, bk, st)}
+            if ":" in t:
+                P.pingpong_16bit = lambda *a, on=t.endswith(":pp"): on
             p = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
                                   scale_granularity=args.gran, fp8_prefill="convert_once").plan(offsets, lengths)
-            P.ONCE_TILES = {}
+            P.ONCE_TILES, P.pingpong_16bit = tiles, ring
             fns[f"once_{t}"] = lambda p=p: p.run(q, (fcache, pt), out=out)
         ref = bf.run(q, (cache, pt)).view(cp.uint16).astype(cp.uint32) << 16  # bf16 bits -> float32
         diffs = {}
