@@ -1,7 +1,7 @@
 """Convert-once and bf16 prefill over other tiles than the head dim's default (BN x stages), interleaved rounds
 (medians), bf16/FP8 ratios against the shipped bf16 default.
 
-    PYTHONPATH=. python3 benchmarks/probe_once_tiles.py --shapes 4x4096x16x16x256 --tiles 64x4,80x3,48x5 \
+    PYTHONPATH=. python3 benchmarks/probe_once_tiles.py --shapes 4x4096x16x16x256 --tiles 64x4,80x3,80x3:nopp \
         --bf16-tiles 80x4
 """
 import argparse
@@ -10,8 +10,7 @@ import sys
 import cupy as cp
 
 import cukv
-from cukv.bench.decode import interleaved_medians
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _as_float, probe_cases, probe_report
 from cukv.bench.timing import Timer
 from cukv.prefill_config import DEFAULTS, tile_config
 
@@ -29,24 +28,24 @@ def main():
     args.gran = int(args.gran) if args.gran.isdigit() else args.gran
     P = sys.modules["cukv.prefill"]
     timer = Timer()
-    for shape in args.shapes.split(","):
-        batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
-        data = _build(batch, seq_len, hq, hkv, d)
+    for shape, (batch, seq_len, hq, hkv, d), data, fcache, out in probe_cases(args.shapes, args.gran):
         q, k, v, cache, pt, offsets, lengths = data
-        fcache = fp8_cache_like(data, args.gran)
-        out = cp.empty_like(q)
-        bm, bn0, bk, st0 = DEFAULTS[d]
+        bm, _, bk, _ = DEFAULTS[d]
+
+        def fp8(**kw):
+            p = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                                  scale_granularity=args.gran, **kw).plan(offsets, lengths)
+            return lambda: p.run(q, (fcache, pt), out=out)
+
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
-        fns = {"bf16": lambda bf=bf: bf.run(q, (cache, pt), out=out)}
+        fns = {"bf16": lambda: bf.run(q, (cache, pt), out=out)}
         for t in filter(None, args.bf16_tiles.split(",")):
             bn, st = map(int, t.split("x"))
-            cfg = tile_config(DTYPE, d, PAGE_SIZE, bm, bn, bk, st)
-            p = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, config=cfg).plan(offsets, lengths)
+            p = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE,
+                                  config=tile_config(DTYPE, d, PAGE_SIZE, bm, bn, bk, st)).plan(offsets, lengths)
             fns[f"bf16_{t}"] = lambda p=p: p.run(q, (cache, pt), out=out)
         if args.fused:
-            p = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                                  scale_granularity=args.gran, fp8_prefill="fused").plan(offsets, lengths)
-            fns["fused"] = lambda p=p: p.run(q, (fcache, pt), out=out)
+            fns["fused"] = fp8(fp8_prefill="fused")
         for t in filter(None, args.tiles.split(",")):
             # "80x3" takes the shipped ring order (pingpong_16bit); "80x3:pp" / "80x3:nopp" force it on / off
             bn, st = map(int, t.split(":")[0].split("x"))
@@ -54,22 +53,16 @@ def main():
             P.ONCE_TILES = {d: (bm, bn, bk, st)}
             if ":" in t:
                 P.pingpong_16bit = lambda *a, on=t.endswith(":pp"): on
-            p = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                                  scale_granularity=args.gran, fp8_prefill="convert_once").plan(offsets, lengths)
+            fns[f"once_{t}"] = fp8(fp8_prefill="convert_once")
             P.ONCE_TILES, P.pingpong_16bit = tiles, ring
-            fns[f"once_{t}"] = lambda p=p: p.run(q, (fcache, pt), out=out)
-        ref = bf.run(q, (cache, pt)).view(cp.uint16).astype(cp.uint32) << 16  # bf16 bits -> float32
+        ref = _as_float(bf.run(q, (cache, pt)))
         diffs = {}
         for n, f in fns.items():  # compiles; a broken tile shows in its largest difference from the bf16 default
             out.fill(0x7FC0)
             f()
-            got = (out.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
-            diffs[n] = float(cp.nan_to_num(cp.abs(got - ref.view(cp.float32)), nan=cp.inf).max())
+            diffs[n] = float(cp.nan_to_num(cp.abs(_as_float(out) - ref), nan=cp.inf).max())
         cp.cuda.Device().synchronize()
-        med = interleaved_medians(timer, fns, reps=20, rounds=args.rounds)
-        base = med["bf16"]
-        print(f"{shape} {args.gran}: " + "  ".join(f"{n} {m:.3f} ({base / m:.3f})" for n, m in med.items())
-              + "  max|diff| " + " ".join(f"{n} {x:.3g}" for n, x in diffs.items()), flush=True)
+        probe_report(f"{shape} {args.gran}", timer, fns, args.rounds, diffs, digits=3)
 
 
 if __name__ == "__main__":

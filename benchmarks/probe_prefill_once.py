@@ -9,8 +9,7 @@ import sys
 import cupy as cp
 
 import cukv
-from cukv.bench.decode import interleaved_medians
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _as_float, _build, fp8_cache_like, once_variant
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _as_float, once_variant, probe_cases, probe_report
 from cukv.bench.timing import Timer
 
 
@@ -25,12 +24,8 @@ def main():
     args = ap.parse_args()
     args.gran = int(args.gran) if args.gran.isdigit() else args.gran  # 32, 64, 128: block scales
     timer = Timer()
-    for shape in args.shapes.split(","):
-        batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
-        data = _build(batch, seq_len, hq, hkv, d)
+    for shape, (batch, seq_len, hq, hkv, d), data, fcache, out in probe_cases(args.shapes, args.gran):
         q, k, v, cache, pt, offsets, lengths = data
-        fcache = fp8_cache_like(data, args.gran)
-        out = cp.empty_like(q)
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
         fns = {"bf16": lambda bf=bf: bf.run(q, (cache, pt), out=out)}
         ref = _as_float(bf.run(q, (cache, pt)))  # each strategy's first output against it: a broken variant shows
@@ -56,10 +51,7 @@ def main():
                 st = pf._once["flags"][:32].get()
                 print(f"{shape} stats {list(st)}", flush=True)
         cp.cuda.Device().synchronize()
-        med = interleaved_medians(timer, fns, reps=20, rounds=args.rounds)
-        base = med["bf16"]
-        print(f"{shape} {args.gran}: " + "  ".join(f"{n} {m:.3f} ({base / m:.2f})" for n, m in med.items())
-              + "  max|fp8-bf16| " + " ".join(f"{n} {x:.3g}" for n, x in diffs.items()), flush=True)
+        probe_report(f"{shape} {args.gran}", timer, fns, args.rounds, diffs)
 
 
 if __name__ == "__main__":

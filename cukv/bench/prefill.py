@@ -202,6 +202,31 @@ def fp8_cache_like(data, granularity):
     return fcache
 
 
+def probe_cases(shapes: str, granularity):
+    """The FP8 probes' cases (benchmarks/probe_*.py): for each ``'BxLxHQxHKVxD'`` of the comma-separated ``shapes``,
+    ``(shape, (batch, seq_len, hq, hkv, d), data, fcache, out)``: the bench's bf16 paged case (``_build``), the same
+    tokens in an FP8 cache of ``granularity`` and an output buffer. The memory pool is emptied after each shape."""
+    import cupy as cp
+
+    for shape in shapes.split(","):
+        dims = tuple(map(int, shape.split("x")))
+        data = _build(*dims)
+        yield shape, dims, data, fp8_cache_like(data, granularity), cp.empty_like(data[0])
+        cp.get_default_memory_pool().free_all_blocks()
+
+
+def probe_report(label: str, timer, fns: dict, rounds: int, diffs: dict | None = None, digits: int = 2) -> dict:
+    """Times ``fns`` (the first is the baseline) in interleaved rounds and prints one line: each one's median ms and
+    baseline/it, then the largest differences in ``diffs``. Returns the medians."""
+    from .timing import interleaved_medians
+
+    med = interleaved_medians(timer, fns, reps=20, rounds=rounds)
+    base = next(iter(med.values()))
+    print(f"{label}: " + "  ".join(f"{n} {m:.3f} ({base / m:.{digits}f})" for n, m in med.items())
+          + ("  max|diff| " + " ".join(f"{n} {x:.3g}" for n, x in diffs.items()) if diffs else ""), flush=True)
+    return med
+
+
 def once_variant(strategy: str):
     """A probe's strategy name to ``(fp8_prefill, prefill.ONCE_PERSISTENT, prefill.ONCE_GRID)``:
     ``'convert_once:np'`` runs convert-once on the launch-per-item grid, ``'convert_once:gN'`` on a persistent grid of
