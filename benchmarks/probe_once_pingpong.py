@@ -10,8 +10,7 @@ import sys
 import cupy as cp
 
 import cukv
-from cukv.bench.decode import interleaved_medians
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, probe_cases, probe_report
 from cukv.bench.timing import Timer
 from cukv.prefill import default_config
 
@@ -20,12 +19,8 @@ def main(shapes: str, rounds: int) -> None:
     P = sys.modules["cukv.prefill"]  # the module (cukv.prefill is the function)
     once_config = P.once_config
     timer = Timer()
-    for shape in shapes.split(","):
-        batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
-        data = _build(batch, seq_len, hq, hkv, d)
+    for shape, (batch, seq_len, hq, hkv, d), data, fcache, out in probe_cases(shapes, "token"):
         q, k, v, cache, pt, offsets, lengths = data
-        fcache = fp8_cache_like(data, "token")
-        out = cp.empty_like(q)
         fns = {}
         for name, pp in (("bf16", False), ("bf16_pp", True)):
             cfg = dataclasses.replace(default_config(DTYPE, d, PAGE_SIZE), pingpong=pp)
@@ -44,9 +39,7 @@ def main(shapes: str, rounds: int) -> None:
             pf.run(q, (fcache, pt), out=out)
             fns[name] = lambda pf=pf: pf.run(q, (fcache, pt), out=out)
         cp.cuda.Device().synchronize()
-        med = interleaved_medians(timer, fns, reps=20, rounds=rounds)
-        base = med["bf16"]
-        print(shape, "  ".join(f"{n} {m:.3f} ({base / m:.3f})" for n, m in med.items()), flush=True)
+        probe_report(shape, timer, fns, rounds, digits=3)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ import argparse
 import cupy as cp
 
 import cukv
-from cukv.bench.decode import interleaved_medians
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, _maxdiff, fp8_cache_like
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _maxdiff, probe_cases, probe_report
 from cukv.bench.timing import Timer
 
 # over the combined storage [pages, 2, page_size, H, D], 8 codes per thread; token scales [pages, 2, page_size, H, 1]
@@ -48,11 +47,8 @@ def main():
     args = ap.parse_args()
     kern = cp.RawKernel("#include <cuda_fp8.h>\n" + _SRC, "dq", options=("-std=c++17",))
     timer = Timer()
-    for shape in args.shapes.split(","):
-        batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
-        data = _build(batch, seq_len, hq, hkv, d)
+    for shape, (batch, seq_len, hq, hkv, d), data, fcache, _ in probe_cases(args.shapes, args.gran):
         q, k, v, cache, pt, offsets, lengths = data
-        fcache = fp8_cache_like(data, args.gran)
         dcache = cukv.PagedKVCache(cache.num_pages, cache.page_size, hkv, d, dtype=DTYPE)
         n8 = fcache.storage.size // 8
         per_row = int(args.gran == "token")
@@ -75,12 +71,9 @@ def main():
         for fn in fns.values():
             fn()
         cp.cuda.Device().synchronize()
-        got = interleaved_medians(timer, fns, reps=5 * args.rounds, rounds=args.rounds)
-        t0 = got["bf16"]
-        print(shape, " | ".join(f"{n} {t:.3f} ms ({t0 / t:.2f})" for n, t in got.items()),
-              f"| maxdiff fused-vs-dequant {_maxdiff(out_f, out_d):.4g}", flush=True)
+        probe_report(shape, timer, fns, args.rounds, {"fused-vs-dequant": _maxdiff(out_f, out_d)},
+                     reps=5 * args.rounds)
         fns.clear()
-        cp.get_default_memory_pool().free_all_blocks()
 
 
 if __name__ == "__main__":

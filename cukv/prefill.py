@@ -217,7 +217,8 @@ class BatchPrefill:
         ``ONCE_MIN_ROWS_PER_KEY_BLOCK_D256`` and per-tensor scales from ``ONCE_MIN_ROWS_PER_KEY_TENSOR_D256``; else
         ``'dequantize_first'`` from ``DEQUANT_MIN_ROWS_PER_KEY`` rows per key (``DEQUANT_MIN_ROWS_PER_KEY_TENSOR``
         for per-tensor scales, whose fused kernel runs near bf16 speed), else ``'fused'``; the workspaces must
-        fit ``DEQUANT_WORKSPACE_LIMIT`` bytes. ``strategy`` says which one ``plan`` chose. All read the plan's
+        fit ``DEQUANT_WORKSPACE_LIMIT`` bytes. ``strategy`` says which one ``plan`` chose, ``kernel_config`` the
+        kernel it runs. All read the plan's
         ``kv_lengths`` keys per sequence; the table's lengths must agree.
 
     Examples

@@ -215,12 +215,13 @@ def probe_cases(shapes: str, granularity):
         cp.get_default_memory_pool().free_all_blocks()
 
 
-def probe_report(label: str, timer, fns: dict, rounds: int, diffs: dict | None = None, digits: int = 2) -> dict:
-    """Times ``fns`` (the first is the baseline) in interleaved rounds and prints one line: each one's median ms and
-    baseline/it, then the largest differences in ``diffs``. Returns the medians."""
+def probe_report(label: str, timer, fns: dict, rounds: int, diffs: dict | None = None, digits: int = 2,
+                 reps: int = 20) -> dict:
+    """Times ``fns`` (the first is the baseline) in ``rounds`` interleaved rounds of ``reps`` calls in all and prints
+    one line: each one's median ms and baseline/it, then the largest differences in ``diffs``. Returns the medians."""
     from .timing import interleaved_medians
 
-    med = interleaved_medians(timer, fns, reps=20, rounds=rounds)
+    med = interleaved_medians(timer, fns, reps=reps, rounds=rounds)
     base = next(iter(med.values()))
     print(f"{label}: " + "  ".join(f"{n} {m:.3f} ({base / m:.{digits}f})" for n, m in med.items())
           + ("  max|diff| " + " ".join(f"{n} {x:.3g}" for n, x in diffs.items()) if diffs else ""), flush=True)
