@@ -238,7 +238,9 @@ struct KVBuffer {
   // src goes to dst + r * row_stride (elements), dims below ncols (the prefill's convert-once workspace). Each lane
   // converts 8 codes and writes one 16-byte piece, so a warp store covers whole rows (full 32-byte sectors).
 // timing only (benchmarks/NOTES.md session 26): 1 skips the conversion's arithmetic and stores, 2 its __threadfence,
-// 3 stores the raw codes without converting them, 4 skips its cp.async copies (and waits), 5 all of 1, 2 and 4
+// 3 stores the raw codes without converting them, 4 skips its cp.async copies (and waits), 5 all of 1, 2 and 4,
+// 6 stores every quarter into the workspace's first 1024 rows (L2-resident), 7 drops each quarter's workspace lines
+// from L2 right after storing them (discard.global.L2): 6 and 7 time the workspace's write-back (session 36)
 #ifndef CUKV_ONCE_DIAG
 #define CUKV_ONCE_DIAG 0
 #endif
