@@ -245,7 +245,7 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
     return pf._choose_strategy(work, np.asarray(kv_lens), np.asarray(q_lens))
 
 
-def test_fp8_prefill_strategy_choice():
+def test_fp8_prefill_strategy_choice(monkeypatch):
     """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY*, sessions 27-30 and 33; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
     session 23; on H100)."""
     import cukv
@@ -300,13 +300,10 @@ def test_fp8_prefill_strategy_choice():
     with pytest.raises(ValueError, match="convert_once.*head_dim up to 256, not 512"):
         cukv.BatchPrefill(32, 8, 512, 16, kv_dtype="fp8_e4m3", fp8_prefill="convert_once")
     # the launch-per-item kernel keeps warp 0's raw quarter: 64-dim blocks at d256 fit only the persistent grid
-    P = sys.modules["cukv.prefill"]
-    P.ONCE_PERSISTENT = False
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules["cukv.prefill"], "ONCE_PERSISTENT", False)
         with pytest.raises(ValueError, match="convert_once.*head_dim=256 with scale_granularity 64.*shared memory"):
             cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64, fp8_prefill="convert_once")
-    finally:
-        P.ONCE_PERSISTENT = None
     assert cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=32,
                              fp8_prefill="convert_once").fp8_prefill == "convert_once"
 
