@@ -58,6 +58,11 @@ struct alignas(64) PrefillMaps {
 // workspace once a tile's four flags read ready, and warps 1-3 claim free quarters, convert them from the FP8 cache
 // (rows past the sequence as zeros) into the workspace and release them (produce_once). Each quarter is converted
 // once per call instead of once per visiting query tile (benchmarks/NOTES.md sessions 25-27).
+// A/B switch (session 38): 0 stores per-tensor convert-once workspaces as code x scale (the layout before)
+#ifndef CUKV_ONCE_TENSOR_CODES
+#define CUKV_ONCE_TENSOR_CODES 1
+#endif
+
 struct alignas(8) OnceArgs {
   KVCacheParams fp8;    // the FP8 cache and its page table (lengths: the keys per sequence)
   int* flags;           // [workspace tiles, kv heads, 4], after 32 ints: statistics, [30] and [31] PERSISTENT's counters
@@ -126,6 +131,11 @@ struct PrefillKernel {
   // V with a per-tensor scale is staged as the codes' exact f16 values and P V runs in f16 (P in [0, 1] keeps
   // 11 bits there); the scale multiplies the output once. One cvt per code pair instead of six instructions.
   static constexpr bool kVCodes = QUANTIZED && SCALE_BLOCK == 0;
+  // Convert-once with per-tensor scales: the workspace holds the codes' exact values and the two scales join the
+  // consumers' score factor and output normalization, as kVCodes does for V. The matrix units then multiply 3-bit
+  // mantissas instead of full ones, which draws less power where the prefill runs at the H100's power limit: 2-4%
+  // faster (benchmarks/NOTES.md session 38), and the scale is applied in float32 instead of rounded into bf16.
+  static constexpr bool kOnceCodes = kOnce && SCALE_BLOCK == 0 && CUKV_ONCE_TENSOR_CODES;
   // The producer converts in Buf::conv_chunk's row pairs (no bank conflict on its ring stores) where the raw slot
   // comes by TMA and only V is converted: elsewhere a lane converts the chunks it copied, and the producers that
   // also convert K spilled with the pairs' addressing (ptxas, 4-12 bytes).
@@ -309,7 +319,7 @@ struct PrefillKernel {
           const Item t = load_item(sm.item);
           if (t.b < 0) return;
           consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, 0,
-                  warp - 4, lane, count, i & 1);
+                  warp - 4, lane, count, i & 1, once);
         }
       }
       return;
@@ -331,7 +341,7 @@ struct PrefillKernel {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
       int count = 0;
       consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, vslice,
-              warp - 4, lane, count, 0);
+              warp - 4, lane, count, 0, once);
     }
   }
 
@@ -427,9 +437,10 @@ struct PrefillKernel {
     }
   }
 
-  // the FP8 cache's per-tensor K or V scale (token and block scales: 0, unused)
+  // what the converters multiply a per-tensor cache's codes by: its K or V scale, or 1 where the workspace holds the
+  // codes (kOnceCodes); token and block scales: 0, unused (each row's scales come with its codes)
   static __device__ __forceinline__ float tensor_scale(const Fp8Cache& f, bool is_k) {
-    return SCALE_BLOCK == 0 ? f.template load_scale<0>(is_k, 0, 0, 0) : 0.f;
+    return SCALE_BLOCK > 0 ? 0.f : kOnceCodes ? 1.f : f.template load_scale<0>(is_k, 0, 0, 0);
   }
 
   // the flag of quarter q of the sequence's workspace tile n (its first row ws0) for KV head k
@@ -970,7 +981,7 @@ struct PrefillKernel {
   static __device__ __forceinline__ void consume(const PrefillArgs& a, const Smem& sm, const Buf& buf, const Cache& cache,
                                                  int head, int q_begin, int q0, int rows, int kv_len, int shift,
                                                  int n_first, int n_tiles, int vslice, int warp, int lane, int& count,
-                                                 int q_phase) {
+                                                 int q_phase, const OnceArgs* once = nullptr) {
     typedef Wgmma<T, BN> MmaS;
     typedef Wgmma8<BN> MmaS8;
     typedef Wgmma<__nv_bfloat16, kKsMma ? BN / 2 : 16> MmaKs;
@@ -1004,6 +1015,11 @@ struct PrefillKernel {
     } else {
       mbar_wait(sm.q_full, q_phase);
       fence_proxy_async();
+    }
+    if constexpr (kOnceCodes) {  // the workspace's K holds codes: its tensor scale scales the scores
+      const float ks = Fp8Cache(once->fp8).template load_scale<0>(true, 0, 0, 0);
+      f0 *= ks;
+      f1 *= ks;
     }
     const float sl0 = capped ? kLog2e : scale_log2 * f0, sl1 = capped ? kLog2e : scale_log2 * f1;
     const float cap0 = a.sm_scale * f0 / a.softcap, cap1 = a.sm_scale * f1 / a.softcap;
@@ -1194,7 +1210,9 @@ struct PrefillKernel {
       d1 += fast_exp2(sk - base1);
     }
     // V staged as codes: its tensor scale joins the normalization
-    const float vs = kVCodes ? cache.template load_scale<0>(false, 0, 0, 0) : 1.f;
+    const float vs = kVCodes      ? cache.template load_scale<0>(false, 0, 0, 0)
+                     : kOnceCodes ? Fp8Cache(once->fp8).template load_scale<0>(false, 0, 0, 0)
+                                  : 1.f;
     const float inv0 = d0 > 0.f ? vs / d0 : 0.f, inv1 = d1 > 0.f ? vs / d1 : 0.f;
     T* out = static_cast<T*>(a.out);
     const int col_base = vslice * kVCols;
