@@ -142,8 +142,10 @@ ONCE_MIN_ROWS_PER_KEY_BLOCK_D256 = 320
 #: Per-tensor scales at d256 convert once from ONCE_MIN_ROWS_PER_KEY_TENSOR_D256 (before session 35: never). H100,
 #: session 35, convert-once's 128 x 80 x 3 tile (ONCE_TILES; benchmarks/probe_once_tiles.py --fused, 15 rounds),
 #: bf16/FP8 for fused / convert_once: MHA b2 L8192 (4160 rows per key) 0.999 / 1.030, b4 L4096 (2112) 0.987 / 0.984,
-#: b16 L1024 (576) 0.944 / 0.887.
-ONCE_MIN_ROWS_PER_KEY_TENSOR_D256 = 4096
+#: b16 L1024 (576) 0.944 / 0.887. Session 38 (the workspace holds a per-tensor cache's codes; H100,
+#: benchmarks/ab_macros.sh CUKV_ONCE_TENSOR_CODES, probe_prefill_once.py --gran tensor, 9 rounds): b4 L4096 fused
+#: 1.00 / convert_once 1.02 (0.98 before), so from 2048.
+ONCE_MIN_ROWS_PER_KEY_TENSOR_D256 = 2048
 
 
 def _once_min_rows(head_dim: int, scale_block: int) -> int | None:

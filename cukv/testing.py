@@ -208,14 +208,16 @@ def random_prefill_case(rng, *, q_lens, cache_lens, num_qo_heads, num_kv_heads, 
     return case
 
 
-def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False, round_v: bool | None = None, **kw):
+def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False, round_v: bool | None = None,
+                      round_k: bool | None = None, **kw):
     """float64 prefill of a :func:`random_prefill_case`, reading back only the slots the table reaches
     (gathered on the device, like :func:`reference_decode`). ``kw`` are :func:`cukv.reference.prefill_contiguous`'s
     options (``mask``, ``window``, ``chunk``, ``softcap``, ``sink``, ``sm_scale``); a device ``sink`` is copied
     to the host. ``staged='bfloat16'`` (or 'float16') reads an FP8 cache as the prefill kernel stages it
     (``code * scale`` in float32, rounded to that type; V exact with a per-tensor scale, which the kernel applies
     to the output); with ``fp8_scores`` (``PrefillConfig.fp8_scores``) K stays exact and the query is read as the
-    kernel splits it (:func:`cukv.fp8.split_query`). ``round_v``: see :func:`cache_values_host`."""
+    kernel splits it (:func:`cukv.fp8.split_query`). ``round_v``, ``round_k`` (default: not ``fp8_scores``): see
+    :func:`cache_values_host`; ``fp8_prefill='convert_once'`` over a per-tensor cache stages both exact."""
     import cupy as cp
 
     if kw.get("sink") is not None and hasattr(kw["sink"], "get") and not isinstance(kw["sink"], np.ndarray):
@@ -225,7 +227,8 @@ def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False,
     pos = [np.arange(int(n)) for n in lengths]
     rp = np.concatenate([table[b, p // ps] for b, p in enumerate(pos)] + [np.zeros(0, np.int64)]).astype(np.int64)
     ro = np.concatenate([p % ps for p in pos] + [np.zeros(0, np.int64)]).astype(np.int64)
-    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)), staged, round_k=not fp8_scores, round_v=round_v)
+    round_k = not fp8_scores if round_k is None else round_k
+    k, v = cache_values_host(cache, (cp.asarray(rp), cp.asarray(ro)), staged, round_k=round_k, round_v=round_v)
     q = case["q_host"]
     if fp8_scores:
         from .fp8 import split_query

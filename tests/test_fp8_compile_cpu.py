@@ -276,13 +276,14 @@ def test_fp8_prefill_strategy_choice(monkeypatch):
     # d256 on the persistent grid (session 30): 128-dim blocks from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256, token scales at GQA
     assert _strategy(16, 16, 256, [512] * 32, [512] * 32, gran=128) == "convert_once"  # 320
     assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4) == "convert_once"        # GQA 4 d256, 8448
-    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 from 4096
-    # (ONCE_MIN_ROWS_PER_KEY_TENSOR_D256, session 35), below which the fused kernel is as fast
+    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 from 2048
+    # (ONCE_MIN_ROWS_PER_KEY_TENSOR_D256, session 38), below which the fused kernel is as fast
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [16384], [16384], gran="tensor") == "convert_once"
-    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "fused"            # 2112
+    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"     # 2112 (session 38)
+    assert _strategy(16, 16, 256, [2048] * 8, [2048] * 8, gran="tensor") == "fused"            # 1088
     assert _strategy(16, 16, 256, [8192] * 2, [8192] * 2, gran="tensor") == "convert_once"     # 4160
     assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"      # GQA 4, 8448
     assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16, gran="tensor") == "convert_once"  # 576

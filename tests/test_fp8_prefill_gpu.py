@@ -47,10 +47,13 @@ def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="t
     if fp8_prefill != "auto":
         assert pf.strategy == fp8_prefill
     assert pf.kernel_config.convert_once is (pf.strategy == "convert_once")
-    # dequantize_first stages K and V in the query dtype, V too with a per-tensor scale
+    # dequantize_first stages K and V in the query dtype, V too with a per-tensor scale; convert_once does so with
+    # token and block scales, and stages a per-tensor cache's codes exact (its scales apply in float32)
     fp8_scores = pf.kernel_config.fp8_scores  # only the fused kernel runs e4m3 scores
-    round_v = True if pf.strategy in ("dequantize_first", "convert_once") else None
-    ref_o, ref_lse = reference_prefill(case, staged=dtype, fp8_scores=fp8_scores, round_v=round_v, **plan_kw, **kw)
+    once_codes = pf.strategy == "convert_once" and case["cache"].scale_block == 0
+    round_v = (not once_codes) if pf.strategy in ("dequantize_first", "convert_once") else None
+    ref_o, ref_lse = reference_prefill(case, staged=dtype, fp8_scores=fp8_scores, round_v=round_v,
+                                       round_k=False if once_codes else None, **plan_kw, **kw)
     got = from_storage(out.get(), dtype)
     # outputs are compared in units of `unit` (a V scale far from 1 scales them; the LSE does not move); "row": each
     # output row in units of its own largest reference value (rows far apart would hide each other's errors)
@@ -265,7 +268,7 @@ def test_auto_strategy_by_rows_per_key(rng):
     pf = cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64)
     assert pf.plan(np.array([0, 4096]), np.array([4096])).strategy == "convert_once"
     assert pf.plan(np.array([0, 16]), np.array([16])).strategy == "fused"
-    # per-tensor scales convert once up to d128 from 512 rows per key, at d256 from 4096 (session 35): GQA 8 over
+    # per-tensor scales convert once up to d128 from 512 rows per key, at d256 from 2048 (session 38): GQA 8 over
     # 1024 tokens has about 4200, MHA about 520
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor")
     assert pf.plan(np.array([0, 1024]), np.array([1024])).strategy == "convert_once"
@@ -302,6 +305,33 @@ def test_convert_once_d256_tile_launched_per_item(rng, monkeypatch):
 
     monkeypatch.setattr(sys.modules["cukv.prefill"], "ONCE_PERSISTENT", False)
     _check(rng, [300, 81, 1], [60, 0, 159], 8, 4, 256, 16, "bfloat16", "token", fp8_prefill="convert_once")
+
+
+def test_convert_once_tensor_scales_are_read_at_run_time(rng):
+    """convert_once over a per-tensor cache stages the codes and applies both scales in the kernel: a graph replay
+    after set_tensor_scales (device-to-device, as in a serving loop) must use the new scales."""
+    import cupy as cp
+
+    case = _case(rng, [600, 40], [0, 200], 8, 2, 128, 16, "bfloat16", "tensor")
+    pf = cukv.BatchPrefill(8, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor", fp8_prefill="convert_once")
+    pf.plan(case["q_offsets"], case["kv_lens"])
+    out = cp.full(case["q"].shape, 0x7FC0, case["q"].dtype)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
+        stream.begin_capture()
+        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
+        graph = stream.end_capture()
+    c = case["cache"]
+    for kf, vf in ((1.0, 1.0), (0.5, 3.0), (2.0, 0.25)):
+        c.set_tensor_scales(c.k_scales * cp.float32(kf), c.v_scales * cp.float32(vf))
+        out.fill(0x7FC0)
+        graph.launch(stream)
+        stream.synchronize()
+        ref, _ = reference_prefill(case, staged="bfloat16", round_k=False, round_v=False)
+        unit = max(1.0, float(np.abs(ref).max()))
+        assert_close(from_storage(out.get(), "bfloat16") / unit, ref / unit, "bfloat16",
+                     name=f"replay after scales x ({kf}, {vf}) vs reference")
 
 
 @pytest.mark.parametrize("strategy", ["fused"] + STRATEGIES)
