@@ -307,6 +307,19 @@ def test_convert_once_d256_tile_launched_per_item(rng, monkeypatch):
     _check(rng, [300, 81, 1], [60, 0, 159], 8, 4, 256, 16, "bfloat16", "token", fp8_prefill="convert_once")
 
 
+def _capture(pf, case, out):
+    """A direct run (compiles and allocates), then one run captured on a side stream: (graph, stream)."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
+        stream.begin_capture()
+        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
+        graph = stream.end_capture()
+    return graph, stream
+
+
 def test_convert_once_tensor_scales_are_read_at_run_time(rng):
     """convert_once over a per-tensor cache stages the codes and applies both scales in the kernel: a graph replay
     after set_tensor_scales (device-to-device, as in a serving loop) must use the new scales."""
@@ -316,12 +329,7 @@ def test_convert_once_tensor_scales_are_read_at_run_time(rng):
     pf = cukv.BatchPrefill(8, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor", fp8_prefill="convert_once")
     pf.plan(case["q_offsets"], case["kv_lens"])
     out = cp.full(case["q"].shape, 0x7FC0, case["q"].dtype)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
-        stream.begin_capture()
-        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
-        graph = stream.end_capture()
+    graph, stream = _capture(pf, case, out)
     c = case["cache"]
     for kf, vf in ((1.0, 1.0), (0.5, 3.0), (2.0, 0.25)):
         c.set_tensor_scales(c.k_scales * cp.float32(kf), c.v_scales * cp.float32(vf))
@@ -344,12 +352,7 @@ def test_fp8_prefill_graph_capture_and_replay(rng, strategy):
     pf = cukv.BatchPrefill(8, 2, 128, 16, kv_dtype="fp8_e4m3", fp8_prefill=strategy)
     pf.plan(case["q_offsets"], case["kv_lens"])
     out = cp.empty(case["q"].shape, case["q"].dtype)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
-        stream.begin_capture()
-        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
-        graph = stream.end_capture()
+    graph, stream = _capture(pf, case, out)
     for _ in range(2):
         # new contents in the captured arrays: every used slot appended again (codes and scales), new queries
         kv = [cp.asarray(to_storage(rng.standard_normal(case["k"].shape).astype(np.float32), "bfloat16"))
