@@ -133,7 +133,7 @@ struct PrefillKernel {
   static constexpr bool kVCodes = QUANTIZED && SCALE_BLOCK == 0;
   // Convert-once with per-tensor scales: the workspace holds the codes' exact values and the two scales join the
   // consumers' score factor and output normalization, as kVCodes does for V. The matrix units then multiply 3-bit
-  // mantissas instead of full ones, which draws less power where the prefill runs at the H100's power limit: 2-4%
+  // mantissas instead of full ones, which draws less power where the prefill runs at the H100's power limit: 0-4%
   // faster (benchmarks/NOTES.md session 38), and the scale is applied in float32 instead of rounded into bf16.
   static constexpr bool kOnceCodes = kOnce && SCALE_BLOCK == 0 && CUKV_ONCE_TENSOR_CODES;
   // The producer converts in Buf::conv_chunk's row pairs (no bank conflict on its ring stores) where the raw slot
