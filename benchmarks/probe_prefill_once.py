@@ -48,8 +48,18 @@ def main():
                 P.ONCE_GRID = None
             fns[s] = fn
             if args.stats and s.startswith("convert_once"):
+                pf.run(q, (fcache, pt), out=out)  # warm: the stats of a second run
                 st = pf._once["flags"][:32].get()
                 print(f"{shape} stats {list(st)}", flush=True)
+                u = st.view("u8")  # [10..15] as three u64: ~start, end, ~first end (ns)
+                start, end, first_end = ~int(u[5]) & (2**64 - 1), int(u[6]), ~int(u[7]) & (2**64 - 1)
+                if end:
+                    from cukv.device import sm_count
+                    blocks = sm_count()
+                    print(f"{shape} first-item waits: mean {st[7] * 64 / 1e3 / blocks:.1f} us per block, longest "
+                          f"{st[8] * 64 / 1e3:.1f} us; all waits {st[5] * 64 / 1e3 / blocks:.1f} us per block; kernel "
+                          f"{(end - start) / 1e3:.1f} us, tail (first block done -> last) {(end - first_end) / 1e3:.1f}"
+                          f" us", flush=True)
         cp.cuda.Device().synchronize()
         probe_report(f"{shape} {args.gran}", timer, fns, args.rounds, diffs)
 

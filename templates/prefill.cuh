@@ -58,6 +58,19 @@ struct alignas(64) PrefillMaps {
 // workspace once a tile's four flags read ready, and warps 1-3 claim free quarters, convert them from the FP8 cache
 // (rows past the sequence as zeros) into the workspace and release them (produce_once). Each quarter is converted
 // once per call instead of once per visiting query tile (benchmarks/NOTES.md sessions 25-27).
+// timing aid: 1 counts visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats): [1] quarters
+// converted, [2] warp 0's flag reads that found their tiles ready, [3] those that had to wait, [4] its polls, [5] its
+// wait time in 64 ns units, [6] the converters' time in 64 ns units, [7] / [8] the blocks' first items' waits, summed
+// / longest, in 64 ns units ([30] and [31] are PERSISTENT's counters)
+#ifndef CUKV_ONCE_STATS
+#define CUKV_ONCE_STATS 0
+#endif
+// A/B switch (session 40): 1 makes the persistent convert-once grid walk each item's key tiles bottom up (first
+// tile first) and its converters take each KV head's tiles bottom up across the sequences (the host's order after
+// OnceArgs.tile_seq), so that the first wave of items all start on the same few tiles
+#ifndef CUKV_ONCE_WALKUP
+#define CUKV_ONCE_WALKUP 0
+#endif
 // A/B switch (session 38): 0 stores per-tensor convert-once workspaces as code x scale (the layout before)
 #ifndef CUKV_ONCE_TENSOR_CODES
 #define CUKV_ONCE_TENSOR_CODES 1
@@ -66,7 +79,8 @@ struct alignas(64) PrefillMaps {
 struct alignas(8) OnceArgs {
   KVCacheParams fp8;    // the FP8 cache and its page table (lengths: the keys per sequence)
   int* flags;           // [workspace tiles, kv heads, 4], after 32 ints: statistics, [30] and [31] PERSISTENT's counters
-  const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters)
+  const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters); then
+                        // [workspace tiles]: the converters' tile order under kWalkUp
   i64 num_kv_heads;
   int num_work;         // work items per head (PERSISTENT)
   int ws_tiles;         // workspace tiles
@@ -97,6 +111,11 @@ struct PrefillKernel {
                 "element");
   typedef KVCacheOperand<unsigned char, (ONCE_PAGE > 0 ? ONCE_PAGE : 1), true> Fp8Cache;
   static_assert(!PERSISTENT || kOnce, "the persistent grid is convert-once's");
+  // the key tiles of an item in walk order: the last (diagonal) first, or under kWalkUp the first first
+  static constexpr bool kWalkUp = PERSISTENT && CUKV_ONCE_WALKUP;
+  static __device__ __forceinline__ int walk_tile(int n_first, int n_tiles, int it) {
+    return kWalkUp ? n_first + it : n_first + n_tiles - 1 - it;
+  }
   static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
@@ -305,6 +324,9 @@ struct PrefillKernel {
     Buf buf;
     buf.ring = sm.ring;
     if constexpr (PERSISTENT) {
+      // timing aid: [10..11] ~(earliest block start), [12..13] latest consumer end, [14..15] ~(earliest end), ns
+      if (CUKV_ONCE_STATS && threadIdx.x == 0)
+        atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 10), ~(unsigned long long)globaltimer_ns());
       if (warp < 4) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
         if (warp == 0)
@@ -317,7 +339,14 @@ struct PrefillKernel {
         for (int i = 0;; ++i) {
           mbar_wait(sm.q_full, i & 1);
           const Item t = load_item(sm.item);
-          if (t.b < 0) return;
+          if (t.b < 0) {
+            if (CUKV_ONCE_STATS && warp == 4 && lane == 0) {
+              const unsigned long long now = globaltimer_ns();
+              atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 12), now);
+              atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 14), ~now);
+            }
+            return;
+          }
           consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, 0,
                   warp - 4, lane, count, i & 1, once);
         }
@@ -366,12 +395,6 @@ struct PrefillKernel {
 #ifndef CUKV_ONCE_UB
 #define CUKV_ONCE_UB 0
 #endif
-// timing aid: 1 counts visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats): [1] quarters
-// converted, [2] warp 0's flag reads that found their tiles ready, [3] those that had to wait, [4] its polls, [5] its
-// wait time in 64 ns units, [6] the converters' time in 64 ns units ([30] and [31] are PERSISTENT's counters)
-#ifndef CUKV_ONCE_STATS
-#define CUKV_ONCE_STATS 0
-#endif
 
   // kOnce's producer (benchmarks/NOTES.md sessions 26-28). Warp 0 only feeds the ring: per visited tile it waits
   // until the tile's four quarters are ready in the workspace and loads them by TMA, so nothing it does waits on a
@@ -380,15 +403,16 @@ struct PrefillKernel {
   // quarter is released once its rows are in the workspace; its claimer never waits on anything but its own copies
   // and stores, so warp 0's unbounded wait always ends.
 
-  // Warp 0's ring loads of one item's tiles, the last first (`count`: ring elements issued so far, kept across
-  // items by the persistent kernel).
+  // Warp 0's ring loads of one item's tiles in walk order (walk_tile; `count`: ring elements issued so far, kept
+  // across items by the persistent kernel).
   static __device__ __forceinline__ void feed_once(const PrefillMaps* maps, const OnceArgs& o, const Smem& sm,
                                                    const Buf& buf, int ws0, int kv_head, int n_first, int n_tiles,
                                                    int& count, int lane) {
-    const int n_last = n_first + n_tiles - 1;
     int ready_to = 0;  // tiles [it, ready_to) of the walk are known ready
+    const bool first_item = CUKV_ONCE_STATS && count == 0;
+    u64 first_wait = 0;
     for (int it = 0; it < n_tiles; ++it) {
-      const int n = n_last - it;
+      const int n = walk_tile(n_first, n_tiles, it);
       if (CUKV_ONCE_UB != 1 && it >= ready_to) {
         // lane l acquires quarter l % 4 of the walk's tile it + l / 4: one round trip covers the next 8 tiles (a
         // flag per tile cost a round trip and a proxy fence on the ring's path each). The ballot orders those
@@ -397,7 +421,7 @@ struct PrefillKernel {
         int ready = t >= n_tiles, polls = 0;
         const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
         for (;;) {
-          if (!ready) ready = ld_acquire_gpu(once_flag(o, ws0, n_last - t, kv_head, lane % 4)) == 2;
+          if (!ready) ready = ld_acquire_gpu(once_flag(o, ws0, walk_tile(n_first, n_tiles, t), kv_head, lane % 4)) == 2;
           const unsigned late = __ballot_sync(0xffffffffu, !ready);
           const int upto = late ? (__ffs(late) - 1) / 4 : 8;  // whole tiles ready from it on
           if (upto > 0) {
@@ -411,6 +435,7 @@ struct PrefillKernel {
           atomicAdd(o.flags - 32 + (polls ? 3 : 2), 1);
           atomicAdd(o.flags - 32 + 4, polls);
           if (polls) atomicAdd(o.flags - 32 + 5, (int)((globaltimer_ns() - t0) >> 6));
+          if (polls && first_item) first_wait += globaltimer_ns() - t0;
         }
         if (lane == 0) fence_proxy_async_global();  // the acquired rows -> this thread's tensor copies
       }
@@ -434,6 +459,10 @@ struct PrefillKernel {
       // tiles issued so far, for the converters' stop rule (the first word of warp 0's raw quarter, which it never
       // uses; the persistent converters have no stop rule)
       if (!PERSISTENT && lane == 0) asm volatile("st.volatile.shared.u32 [%0], %1;" :: "r"(sm.raw), "r"(it + 1) : "memory");
+    }
+    if (CUKV_ONCE_STATS && first_item && lane == 0) {  // [7] the first items' waits, [8] the longest (64 ns units)
+      atomicAdd(o.flags - 32 + 7, (int)(first_wait >> 6));
+      atomicMax(o.flags - 32 + 8, (int)(first_wait >> 6));
     }
   }
 
@@ -632,7 +661,9 @@ struct PrefillKernel {
       i = __shfl_sync(0xffffffffu, i, 0);
       if (i >= total) return;
       const int k = i / per_head, q = i % 4;
-      const int tile = (i % per_head) / 4;  // sequence by sequence, bottom up (benchmarks/NOTES.md session 33)
+      // sequence by sequence, bottom up (benchmarks/NOTES.md session 33); kWalkUp: the host's order, bottom up
+      // across the sequences (prefill.once_tile_order)
+      const int tile = kWalkUp ? __ldg(o.tile_seq + o.ws_tiles + (i % per_head) / 4) : (i % per_head) / 4;
       const int b = __ldg(o.tile_seq + tile);
       const int ws0 = (int)ws.row_key(b, 0);
       const int kv_len = min(f.cache_length(b), ws.cache_length(b));
@@ -1035,7 +1066,7 @@ struct PrefillKernel {
     // and the last skips its final pass, so every named barrier sees as many passes as waits.
     const int ring_next = 4 + (wg + 1) % kConsumerWGs;
     for (int it = 0; it < n_tiles; ++it) {
-      const int n = n_first + n_tiles - 1 - it;
+      const int n = walk_tile(n_first, n_tiles, it);
       float s[kSRegs];
       trace_mark(it, 0);
       const bool ring_wait = PINGPONG && !(wg == 0 && it == 0);
