@@ -10,6 +10,19 @@
 #include "kv_buffer.cuh"
 #include "trace.cuh"  // trace_mark(it, event): benchmarks/trace_prefill.py; compiles to nothing as shipped
 
+// timing aid, off (0): 1 sums the consumer warpgroups' waits into cukv_wait_stats (ns; benchmarks/probe_waits.py):
+// [0] K tiles, [1] V tiles, [2] the ring order's named barrier, [3] consume() in all, [4] tiles, [5] items; convert
+// once: [6] K waits and [7] tiles of the items begun in the first 400 us (from the earliest block start, the word
+// ONCE_STATS keeps)
+#ifndef CUKV_WAIT_STATS
+#define CUKV_WAIT_STATS 0
+#endif
+#if CUKV_WAIT_STATS
+extern "C" {
+__device__ unsigned long long cukv_wait_stats[8];  // a definition: the block form of extern "C"
+}
+#endif
+
 namespace cukv {
 
 struct alignas(8) PrefillArgs {
@@ -61,15 +74,10 @@ struct alignas(64) PrefillMaps {
 // timing aid: 1 counts visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats): [1] quarters
 // converted, [2] warp 0's flag reads that found their tiles ready, [3] those that had to wait, [4] its polls, [5] its
 // wait time in 64 ns units, [6] the converters' time in 64 ns units, [7] / [8] the blocks' first items' waits, summed
-// / longest, in 64 ns units ([30] and [31] are PERSISTENT's counters)
+// / longest, in 64 ns units, [16] the consumers' query waits at item boundaries (64 ns units; [10..15]: see run())
+// ([30] and [31] are PERSISTENT's counters)
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
-#endif
-// A/B switch (session 40): 1 makes the persistent convert-once grid walk each item's key tiles bottom up (first
-// tile first) and its converters take each KV head's tiles bottom up across the sequences (the host's order after
-// OnceArgs.tile_seq), so that the first wave of items all start on the same few tiles
-#ifndef CUKV_ONCE_WALKUP
-#define CUKV_ONCE_WALKUP 0
 #endif
 // A/B switch (session 38): 0 stores per-tensor convert-once workspaces as code x scale (the layout before)
 #ifndef CUKV_ONCE_TENSOR_CODES
@@ -79,8 +87,7 @@ struct alignas(64) PrefillMaps {
 struct alignas(8) OnceArgs {
   KVCacheParams fp8;    // the FP8 cache and its page table (lengths: the keys per sequence)
   int* flags;           // [workspace tiles, kv heads, 4], after 32 ints: statistics, [30] and [31] PERSISTENT's counters
-  const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters); then
-                        // [workspace tiles]: the converters' tile order under kWalkUp
+  const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters)
   i64 num_kv_heads;
   int num_work;         // work items per head (PERSISTENT)
   int ws_tiles;         // workspace tiles
@@ -111,11 +118,6 @@ struct PrefillKernel {
                 "element");
   typedef KVCacheOperand<unsigned char, (ONCE_PAGE > 0 ? ONCE_PAGE : 1), true> Fp8Cache;
   static_assert(!PERSISTENT || kOnce, "the persistent grid is convert-once's");
-  // the key tiles of an item in walk order: the last (diagonal) first, or under kWalkUp the first first
-  static constexpr bool kWalkUp = PERSISTENT && CUKV_ONCE_WALKUP;
-  static __device__ __forceinline__ int walk_tile(int n_first, int n_tiles, int it) {
-    return kWalkUp ? n_first + it : n_first + n_tiles - 1 - it;
-  }
   static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
@@ -325,8 +327,11 @@ struct PrefillKernel {
     buf.ring = sm.ring;
     if constexpr (PERSISTENT) {
       // timing aid: [10..11] ~(earliest block start), [12..13] latest consumer end, [14..15] ~(earliest end), ns
-      if (CUKV_ONCE_STATS && threadIdx.x == 0)
-        atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 10), ~(unsigned long long)globaltimer_ns());
+      if ((CUKV_ONCE_STATS || CUKV_WAIT_STATS) && threadIdx.x == 0) {
+        const unsigned long long now = globaltimer_ns();
+        atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 10), ~now);
+        if (CUKV_ONCE_STATS) once_block_stats(*once)[0] = now;
+      }
       if (warp < 4) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
         if (warp == 0)
@@ -337,13 +342,17 @@ struct PrefillKernel {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
         int count = 0;
         for (int i = 0;; ++i) {
+          const u64 tq0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
           mbar_wait(sm.q_full, i & 1);
+          if (CUKV_ONCE_STATS && i > 0 && (warp == 4 || warp == 8) && lane == 0)  // [16]: the item boundary's query waits
+            atomicAdd(once->flags - 32 + 16, (int)((globaltimer_ns() - tq0) >> 6));
           const Item t = load_item(sm.item);
           if (t.b < 0) {
             if (CUKV_ONCE_STATS && warp == 4 && lane == 0) {
               const unsigned long long now = globaltimer_ns();
               atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 12), now);
               atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 14), ~now);
+              once_block_stats(*once)[1] = now;
             }
             return;
           }
@@ -403,16 +412,17 @@ struct PrefillKernel {
   // quarter is released once its rows are in the workspace; its claimer never waits on anything but its own copies
   // and stores, so warp 0's unbounded wait always ends.
 
-  // Warp 0's ring loads of one item's tiles in walk order (walk_tile; `count`: ring elements issued so far, kept
-  // across items by the persistent kernel).
+  // Warp 0's ring loads of one item's tiles, the last first (`count`: ring elements issued so far, kept across
+  // items by the persistent kernel).
   static __device__ __forceinline__ void feed_once(const PrefillMaps* maps, const OnceArgs& o, const Smem& sm,
                                                    const Buf& buf, int ws0, int kv_head, int n_first, int n_tiles,
                                                    int& count, int lane) {
+    const int n_last = n_first + n_tiles - 1;
     int ready_to = 0;  // tiles [it, ready_to) of the walk are known ready
     const bool first_item = CUKV_ONCE_STATS && count == 0;
     u64 first_wait = 0;
     for (int it = 0; it < n_tiles; ++it) {
-      const int n = walk_tile(n_first, n_tiles, it);
+      const int n = n_last - it;
       if (CUKV_ONCE_UB != 1 && it >= ready_to) {
         // lane l acquires quarter l % 4 of the walk's tile it + l / 4: one round trip covers the next 8 tiles (a
         // flag per tile cost a round trip and a proxy fence on the ring's path each). The ballot orders those
@@ -421,7 +431,7 @@ struct PrefillKernel {
         int ready = t >= n_tiles, polls = 0;
         const u64 t0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
         for (;;) {
-          if (!ready) ready = ld_acquire_gpu(once_flag(o, ws0, walk_tile(n_first, n_tiles, t), kv_head, lane % 4)) == 2;
+          if (!ready) ready = ld_acquire_gpu(once_flag(o, ws0, n_last - t, kv_head, lane % 4)) == 2;
           const unsigned late = __ballot_sync(0xffffffffu, !ready);
           const int upto = late ? (__ffs(late) - 1) / 4 : 8;  // whole tiles ready from it on
           if (upto > 0) {
@@ -618,6 +628,12 @@ struct PrefillKernel {
     mbar_arrive(sm.q_full);  // release: the item
   }
 
+  // timing aid (CUKV_ONCE_STATS, the persistent grid): 4 u64 per block past the flags (the probe allocates them):
+  // start, consumers' end, items taken | their tiles << 32, when the last item was taken (ns)
+  static __device__ __forceinline__ unsigned long long* once_block_stats(const OnceArgs& o) {
+    return reinterpret_cast<unsigned long long*>(o.flags + (i64)o.ws_tiles * o.num_kv_heads * 4) + 4 * blockIdx.x;
+  }
+
   static __device__ __forceinline__ void feed_persistent(const PrefillArgs& a, const PrefillMaps* maps,
                                                          const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm,
                                                          const Buf& buf, const Cache& ws, int lane) {
@@ -626,10 +642,19 @@ struct PrefillKernel {
     Item t;
     t.b = -1;
     if ((int)blockIdx.x < total) t = make_item(a, &o, ws, blockIdx.x);
+    unsigned long long last_taken = 0, tiles_taken = 0;
     for (int i = 0;; ++i) {
       if (i > 0) mbar_wait(sm.q_empty, (i - 1) & 1);  // the consumers are done with the staged query and item
       if (lane == 0) stage_item(sm, qmap, t);
+      if (CUKV_ONCE_STATS && lane == 0 && t.b < 0) {
+        once_block_stats(o)[2] = (unsigned long long)i | tiles_taken << 32;
+        once_block_stats(o)[3] = last_taken;
+      }
       if (t.b < 0) return;
+      if (CUKV_ONCE_STATS) {
+        last_taken = globaltimer_ns();
+        tiles_taken += (unsigned long long)t.n_tiles;
+      }
       if (t.n_tiles > 0)
         feed_once(maps, o, sm, buf, (int)ws.row_key(t.b, 0), t.kv_head, t.n_first, t.n_tiles, count, lane);
       // The next item, taken only now that this one's tiles are issued (its consumers are a ring behind): a block
@@ -661,9 +686,7 @@ struct PrefillKernel {
       i = __shfl_sync(0xffffffffu, i, 0);
       if (i >= total) return;
       const int k = i / per_head, q = i % 4;
-      // sequence by sequence, bottom up (benchmarks/NOTES.md session 33); kWalkUp: the host's order, bottom up
-      // across the sequences (prefill.once_tile_order)
-      const int tile = kWalkUp ? __ldg(o.tile_seq + o.ws_tiles + (i % per_head) / 4) : (i % per_head) / 4;
+      const int tile = (i % per_head) / 4;  // sequence by sequence, bottom up (benchmarks/NOTES.md session 33)
       const int b = __ldg(o.tile_seq + tile);
       const int ws0 = (int)ws.row_key(b, 0);
       const int kv_len = min(f.cache_length(b), ws.cache_length(b));
@@ -1062,11 +1085,17 @@ struct PrefillKernel {
     const u32 q_wg = sm.q + (u32)(wg * 64 * kAtomRowBytes);
 
     int pending_v = -1;
+    u32 ws_k = 0, ws_v = 0, ws_bar = 0, ws_k_early = 0;  // ns, 32 bits: an item's waits stay far below 4 s
+    const u32 ws_t0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
+    // PERSISTENT: an item begun in the kernel's first 400 us (while the converters run), from the blocks' start
+    const bool early = CUKV_WAIT_STATS && PERSISTENT &&
+                       globaltimer_ns() - ~*reinterpret_cast<const volatile unsigned long long*>(once->flags - 32 + 10) <
+                           400000ull;
     // PINGPONG: wait for the previous warpgroup's S issue, then let the next one go. Warpgroup 0 goes first
     // and the last skips its final pass, so every named barrier sees as many passes as waits.
     const int ring_next = 4 + (wg + 1) % kConsumerWGs;
     for (int it = 0; it < n_tiles; ++it) {
-      const int n = walk_tile(n_first, n_tiles, it);
+      const int n = n_first + n_tiles - 1 - it;
       float s[kSRegs];
       trace_mark(it, 0);
       const bool ring_wait = PINGPONG && !(wg == 0 && it == 0);
@@ -1097,11 +1126,19 @@ struct PrefillKernel {
                     plain_desc(sm.kscale + (u32)(kKsOnesBytes + stage * (BN / 2) * kKsRowBytes), 0, 128), 0);
         wgmma_commit();
       } else {
+        const u32 tb0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
         if (ring_wait) named_barrier_sync<256>(4 + wg);
+        if (CUKV_WAIT_STATS) ws_bar += (u32)globaltimer_ns() - tb0;
 #pragma unroll
         for (int e = 0; e < kKElems; ++e) {
           const int stage = (count + e) % STAGES;
+          const u32 tk0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
           mbar_wait(sm.full + 8 * stage, ((count + e) / STAGES) & 1);
+          if (CUKV_WAIT_STATS) {
+            const u32 dk = (u32)globaltimer_ns() - tk0;
+            ws_k += dk;
+            if (early) ws_k_early += dk;
+          }
           trace_mark(it, 1);
           fence_proxy_async();
           wgmma_fence();
@@ -1210,7 +1247,9 @@ struct PrefillKernel {
       // ---- O += P V (P from registers: k16 step kk uses score columns 16kk .. 16kk + 15)
       const int vstage = count % STAGES;
       trace_mark(it, 3);
+      const u32 tv0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
       mbar_wait(sm.full + 8 * vstage, (count / STAGES) & 1);
+      if (CUKV_WAIT_STATS) ws_v += (u32)globaltimer_ns() - tv0;
       trace_mark(it, 4);
       fence_proxy_async();
       wgmma_fence();
@@ -1229,6 +1268,18 @@ struct PrefillKernel {
     fence_regs(o);
     if (lane == 0 && pending_v >= 0) mbar_arrive(sm.empty + 8 * pending_v);
     if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(sm.q_empty);
+#if CUKV_WAIT_STATS
+    if (wq == 0 && lane == 0) {
+      atomicAdd(&cukv_wait_stats[0], (unsigned long long)ws_k);
+      atomicAdd(&cukv_wait_stats[1], (unsigned long long)ws_v);
+      atomicAdd(&cukv_wait_stats[2], (unsigned long long)ws_bar);
+      atomicAdd(&cukv_wait_stats[3], (unsigned long long)((u32)globaltimer_ns() - ws_t0));
+      atomicAdd(&cukv_wait_stats[4], (unsigned long long)n_tiles);
+      atomicAdd(&cukv_wait_stats[5], 1ull);
+      atomicAdd(&cukv_wait_stats[6], (unsigned long long)ws_k_early);
+      if (early) atomicAdd(&cukv_wait_stats[7], (unsigned long long)n_tiles);
+    }
+#endif
 
     // ---- epilogue: normalize, sink, write O and LSE
     l0 = quad_sum(l0);
