@@ -7,7 +7,6 @@ import argparse
 import sys
 
 import cupy as cp
-import numpy as np
 
 import cukv
 from cukv.bench.prefill import DTYPE, PAGE_SIZE, _as_float, once_variant, probe_cases, probe_report
@@ -38,8 +37,6 @@ def main():
                                    scale_granularity=args.gran, fp8_prefill=fp8_prefill).plan(offsets, lengths,
                                                                                               mask="causal")
             P.ONCE_PERSISTENT = None
-            if args.stats and pf._once is not None:  # room for the per-block records past the flags
-                pf._once["flags"] = cp.zeros(pf._once["flags"].size + 8 * 1024, cp.int32)
             # compiles; and fills a convert-once workspace (CUKV_ONCE_UB reads it)
             diffs[s] = float(cp.nan_to_num(cp.abs(_as_float(pf.run(q, (fcache, pt))) - ref), nan=cp.inf).max())
             grid = P.ONCE_GRID
@@ -64,25 +61,6 @@ def main():
                           f"{(end - start) / 1e3:.1f} us, tail (first block done -> last) {(end - first_end) / 1e3:.1f}"
                           f" us; the consumers' query waits at item boundaries {st[16] * 64 / 1e3 / blocks / 2:.1f} us per "
                           f"warpgroup", flush=True)
-                per = pf._once["flags"][-8 * 1024:].get().view("u8").reshape(-1, 4)
-                per = per[per[:, 0] > 0]
-                if len(per):
-                    t0 = per[:, 0].min()
-                    ends = np.sort((per[:, 1] - t0) / 1e3)
-                    last = per[np.argsort(per[:, 1])]
-                    print(f"{shape} blocks {len(per)}: start spread {(per[:, 0].max() - t0) / 1e3:.1f} us; ends (us) "
-                          f"min {ends[0]:.1f} p10 {ends[len(ends) // 10]:.1f} median {np.median(ends):.1f} max "
-                          f"{ends[-1]:.1f}; items per block {np.min(per[:, 2] & 0xffffffff)}-"
-                          f"{np.max(per[:, 2] & 0xffffffff)}", flush=True)
-                    for r in list(last[:3]) + list(last[-3:]):
-                        print(f"    block end {(r[1] - t0) / 1e3:7.1f} us, items {r[2] & 0xffffffff}, tiles "
-                              f"{r[2] >> 32}, last item taken at {(r[3] - t0) / 1e3:7.1f} us", flush=True)
-                    # each block's span as tiles x a + items x b (+ c): what an item costs beyond its tiles
-                    items, tiles = (per[:, 2] & 0xffffffff).astype(float), (per[:, 2] >> 32).astype(float)
-                    span = (per[:, 1] - per[:, 0]) / 1e3
-                    fit = np.linalg.lstsq(np.stack([tiles, items, np.ones_like(tiles)], 1), span, rcond=None)[0]
-                    print(f"{shape} block span ~ {fit[0]:.3f} us x tiles + {fit[1]:.2f} us x items + {fit[2]:.1f} us;"
-                          f" tiles per block {tiles.min():.0f}-{tiles.max():.0f}", flush=True)
         cp.cuda.Device().synchronize()
         probe_report(f"{shape} {args.gran}", timer, fns, args.rounds, diffs)
 

@@ -43,8 +43,6 @@ def main():
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
         f8 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
                                scale_granularity=gran, fp8_prefill="convert_once").plan(offsets, lengths, mask="causal")
-        # room past the flags for CUKV_ONCE_STATS's per-block records (templates/prefill.cuh once_block_stats)
-        f8._once["flags"] = cp.zeros(f8._once["flags"].size + 8 * 1024, cp.int32)
         print(f"{shape}: {bf.config.name} / {f8._once['cfg'].name}", flush=True)
         rows = {
             "bf16": waits(bf.config.compiled.module(), lambda: bf.run(q, (cache, pt), out=out)),

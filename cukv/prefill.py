@@ -164,18 +164,6 @@ def _once_min_rows(head_dim: int, scale_block: int) -> int | None:
     return ONCE_MIN_ROWS_PER_KEY_BLOCK if head_dim <= ONCE_LOW_MAX_HEAD_DIM else ONCE_MIN_ROWS_PER_KEY_BLOCK_D256
 
 
-def once_tile_order(tiles_per_seq) -> np.ndarray:
-    """The workspace tiles (sequences' tiles back to back) in the order the persistent converters take them within
-    a KV head under ``CUKV_ONCE_WALKUP`` (templates/prefill.cuh): by position in their sequence, bottom up, the
-    sequences interleaved. Every work item then walks its keys from its first tile up, so tile n of every sequence
-    is wanted at about the same time."""
-    t = np.asarray(tiles_per_seq, np.int64)
-    start = np.concatenate([[0], np.cumsum(t)[:-1]]).astype(np.int64)
-    seq = np.repeat(np.arange(t.size), t)
-    n = np.arange(int(t.sum())) - start[seq]
-    return np.lexsort((seq, n)).astype(np.int32)
-
-
 def once_unsupported(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int) -> str | None:
     """Why ``fp8_prefill='convert_once'`` cannot run this cache (its kernel is invalid: head dim, shared memory), or
     None."""
@@ -394,8 +382,7 @@ class BatchPrefill:
                                                   tma.SWIZZLE_128B) for n, a in (("k", ws_k), ("v", ws_v))])
         ws_tiles = int(offs[-1]) // cfg.BN
         tile_seq = np.repeat(np.arange(kl.size, dtype=np.int32), padded // cfg.BN)  # the sequence of each tile
-        # then the converters' tile order under CUKV_ONCE_WALKUP (templates/prefill.cuh), and a last 0: never empty
-        tile_seq = np.concatenate([tile_seq, once_tile_order(padded // cfg.BN), [0]]).astype(np.int32)
+        tile_seq = np.concatenate([tile_seq, [0]]).astype(np.int32)  # a last 0: never empty (a real pointer)
         self._once = dict(cfg=cfg, work=work, num_work=num_work, k=ws_k, v=ws_v, offsets=ws_offs, kv=ws, maps=maps,
                           ws_tiles=ws_tiles, tile_seq=cp.asarray(tile_seq),
                           # 32 ints first: ONCE_STATS, and the persistent grid's two counters

@@ -327,11 +327,8 @@ struct PrefillKernel {
     buf.ring = sm.ring;
     if constexpr (PERSISTENT) {
       // timing aid: [10..11] ~(earliest block start), [12..13] latest consumer end, [14..15] ~(earliest end), ns
-      if ((CUKV_ONCE_STATS || CUKV_WAIT_STATS) && threadIdx.x == 0) {
-        const unsigned long long now = globaltimer_ns();
-        atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 10), ~now);
-        if (CUKV_ONCE_STATS) once_block_stats(*once)[0] = now;
-      }
+      if ((CUKV_ONCE_STATS || CUKV_WAIT_STATS) && threadIdx.x == 0)
+        atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 10), ~(unsigned long long)globaltimer_ns());
       if (warp < 4) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
         if (warp == 0)
@@ -352,7 +349,6 @@ struct PrefillKernel {
               const unsigned long long now = globaltimer_ns();
               atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 12), now);
               atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 14), ~now);
-              once_block_stats(*once)[1] = now;
             }
             return;
           }
@@ -628,12 +624,6 @@ struct PrefillKernel {
     mbar_arrive(sm.q_full);  // release: the item
   }
 
-  // timing aid (CUKV_ONCE_STATS, the persistent grid): 4 u64 per block past the flags (the probe allocates them):
-  // start, consumers' end, items taken | their tiles << 32, when the last item was taken (ns)
-  static __device__ __forceinline__ unsigned long long* once_block_stats(const OnceArgs& o) {
-    return reinterpret_cast<unsigned long long*>(o.flags + (i64)o.ws_tiles * o.num_kv_heads * 4) + 4 * blockIdx.x;
-  }
-
   static __device__ __forceinline__ void feed_persistent(const PrefillArgs& a, const PrefillMaps* maps,
                                                          const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm,
                                                          const Buf& buf, const Cache& ws, int lane) {
@@ -642,19 +632,10 @@ struct PrefillKernel {
     Item t;
     t.b = -1;
     if ((int)blockIdx.x < total) t = make_item(a, &o, ws, blockIdx.x);
-    unsigned long long last_taken = 0, tiles_taken = 0;
     for (int i = 0;; ++i) {
       if (i > 0) mbar_wait(sm.q_empty, (i - 1) & 1);  // the consumers are done with the staged query and item
       if (lane == 0) stage_item(sm, qmap, t);
-      if (CUKV_ONCE_STATS && lane == 0 && t.b < 0) {
-        once_block_stats(o)[2] = (unsigned long long)i | tiles_taken << 32;
-        once_block_stats(o)[3] = last_taken;
-      }
       if (t.b < 0) return;
-      if (CUKV_ONCE_STATS) {
-        last_taken = globaltimer_ns();
-        tiles_taken += (unsigned long long)t.n_tiles;
-      }
       if (t.n_tiles > 0)
         feed_once(maps, o, sm, buf, (int)ws.row_key(t.b, 0), t.kv_head, t.n_first, t.n_tiles, count, lane);
       // The next item, taken only now that this one's tiles are issued (its consumers are a ring behind): a block
