@@ -483,3 +483,28 @@ def test_trace_build_is_opt_in(cache, monkeypatch):
         assert mod.functions[cfg.name].spills == 0
     finally:
         compiler._jinja_env.cache_clear()
+
+
+def test_timing_macros_are_off_and_the_wait_stats_build_compiles(cache, monkeypatch):
+    """The prefill header's timing aids ship off, and the CUKV_WAIT_STATS build benchmarks/probe_waits.py runs (through
+    benchmarks/ab_macros.sh, which rewrites the #define) exports its counters and compiles without spills."""
+    import shutil
+
+    from cukv.prefill import default_config
+
+    shipped = (compiler.template_dir() / "prefill.cuh").read_text()
+    headers = shipped + (compiler.template_dir() / "kv_buffer.cuh").read_text()
+    for macro in ("CUKV_WAIT_STATS", "CUKV_ONCE_STATS", "CUKV_ONCE_UB", "CUKV_ONCE_DIAG"):
+        assert re.search(rf"^#define {macro} 0$", headers, re.M), macro
+    dst = cache / "wait_stats_templates"
+    shutil.copytree(compiler.template_dir(), dst)
+    (dst / "prefill.cuh").write_text(shipped.replace("#define CUKV_WAIT_STATS 0", "#define CUKV_WAIT_STATS 1"))
+    monkeypatch.setattr(compiler, "template_dir", lambda: dst)
+    compiler._jinja_env.cache_clear()
+    try:
+        cfg = default_config("bfloat16", 64, 16)
+        mod = cfg.compiled
+        assert b"cukv_wait_stats\x00" in mod.cubin_path.read_bytes()
+        assert mod.functions[cfg.name].spills == 0
+    finally:
+        compiler._jinja_env.cache_clear()
