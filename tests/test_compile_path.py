@@ -462,8 +462,6 @@ def test_trace_build_is_opt_in(cache, monkeypatch):
     import sys
     from pathlib import Path
 
-    from cukv.prefill import default_config
-
     shipped = (compiler.template_dir() / "trace.cuh").read_text()
     assert "#define CUKV_TRACE 0" in shipped
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -473,13 +471,19 @@ def test_trace_build_is_opt_in(cache, monkeypatch):
         sys.path.pop(0)
     m = re.search(r"kTraceBlocks = (\d+), kTraceWarps = (\d+), kTraceIters = (\d+), kTraceEvents = (\d+);", shipped)
     assert m and tuple(map(int, m.groups())) == trace_prefill.TRACE_SHAPE  # the host views the buffer with it
-    dst = trace_prefill.copy_traced_templates(cache)
-    monkeypatch.setattr(compiler, "template_dir", lambda: dst)
+    _assert_timing_build(trace_prefill.copy_traced_templates(cache), b"cukv_trace", monkeypatch)
+
+
+def _assert_timing_build(templates, symbol: bytes, monkeypatch):
+    """The d64 bf16 prefill compiled from the timing copy ``templates`` exports ``symbol`` and does not spill."""
+    from cukv.prefill import default_config
+
+    monkeypatch.setattr(compiler, "template_dir", lambda: templates)
     compiler._jinja_env.cache_clear()
     try:
         cfg = default_config("bfloat16", 64, 16)
         mod = cfg.compiled
-        assert b"cukv_trace\x00" in mod.cubin_path.read_bytes()
+        assert symbol + b"\x00" in mod.cubin_path.read_bytes()
         assert mod.functions[cfg.name].spills == 0
     finally:
         compiler._jinja_env.cache_clear()
@@ -490,8 +494,6 @@ def test_timing_macros_are_off_and_the_wait_stats_build_compiles(cache, monkeypa
     benchmarks/ab_macros.sh, which rewrites the #define) exports its counters and compiles without spills."""
     import shutil
 
-    from cukv.prefill import default_config
-
     shipped = (compiler.template_dir() / "prefill.cuh").read_text()
     headers = shipped + (compiler.template_dir() / "kv_buffer.cuh").read_text()
     for macro in ("CUKV_WAIT_STATS", "CUKV_ONCE_STATS", "CUKV_ONCE_UB", "CUKV_ONCE_DIAG"):
@@ -499,12 +501,4 @@ def test_timing_macros_are_off_and_the_wait_stats_build_compiles(cache, monkeypa
     dst = cache / "wait_stats_templates"
     shutil.copytree(compiler.template_dir(), dst)
     (dst / "prefill.cuh").write_text(shipped.replace("#define CUKV_WAIT_STATS 0", "#define CUKV_WAIT_STATS 1"))
-    monkeypatch.setattr(compiler, "template_dir", lambda: dst)
-    compiler._jinja_env.cache_clear()
-    try:
-        cfg = default_config("bfloat16", 64, 16)
-        mod = cfg.compiled
-        assert b"cukv_wait_stats\x00" in mod.cubin_path.read_bytes()
-        assert mod.functions[cfg.name].spills == 0
-    finally:
-        compiler._jinja_env.cache_clear()
+    _assert_timing_build(dst, b"cukv_wait_stats", monkeypatch)
