@@ -49,14 +49,13 @@ def main():
             "fp8 convert_once": waits(f8._once["cfg"].compiled.module(), lambda: f8.run(q, (fcache, pt), out=out)),
         }
         for name, w in rows.items():
-            tile_loop = w[3]
             print(f"{shape} {name}: per warpgroup-tile (ns) K wait {w[0] / w[4]:.0f}, V wait {w[1] / w[4]:.0f}, "
                   f"ring barrier {w[2] / w[4]:.0f}, tile loop {w[3] / w[4]:.0f}; shares of the tile loop: K "
-                  f"{w[0] / tile_loop:.1%}, V {w[1] / tile_loop:.1%}, barrier {w[2] / tile_loop:.1%}; "
+                  f"{w[0] / w[3]:.1%}, V {w[1] / w[3]:.1%}, barrier {w[2] / w[3]:.1%}; "
                   f"{w[4]:.0f} warpgroup-tiles, {w[5]:.0f} warpgroup-items", flush=True)
             if w[7]:
                 print(f"    items begun in the first 400 us: K wait {w[6] / w[7]:.0f} ns per tile over {w[7]:.0f} "
-                      f"warpgroup-tiles; later: {(w[0] - w[6]) / (w[4] - w[7]):.0f}", flush=True)
+                      f"warpgroup-tiles; later: {(w[0] - w[6]) / max(w[4] - w[7], 1):.0f}", flush=True)
 
 
 if __name__ == "__main__":
