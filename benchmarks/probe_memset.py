@@ -6,6 +6,8 @@ import argparse
 
 import cupy as cp
 
+from cukv import compiler
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -13,10 +15,8 @@ def main():
     ap.add_argument("--reps", type=int, default=2000)
     args = ap.parse_args()
     buf = cp.zeros(args.nbytes // 4, cp.int32)
-    spin = cp.RawKernel(r'''extern "C" __global__ void spin(long long ns) {
-      long long t0; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-      for (;;) { long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); if (t - t0 > ns) break; } }''',
-                        "spin")
+    # the bench timer's spin kernel (templates/spin.cu.j2) stands in for the prefill between the memsets
+    spin = compiler.build("spin.cu.j2", "cukv_spin", name="cukv_spin").function("cukv_spin")
     st = cp.cuda.get_current_stream()
     for label, with_memset in (("spin 20 us", False), ("spin 20 us + memset", True)):
         times = []
@@ -26,7 +26,7 @@ def main():
             for _ in range(args.reps):
                 if with_memset:
                     cp.cuda.runtime.memsetAsync(buf.data.ptr, 0, buf.nbytes, st.ptr)
-                spin((132,), (128,), (cp.int64(20000),))
+                spin((132,), (32,), (cp.int64(20000),))
             b.record()
             b.synchronize()
             times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / args.reps)

@@ -59,8 +59,8 @@ def main():
                     print(f"{shape} first-item waits: mean {st[7] * 64 / 1e3 / blocks:.1f} us per block, longest "
                           f"{st[8] * 64 / 1e3:.1f} us; all waits {st[5] * 64 / 1e3 / blocks:.1f} us per block; kernel "
                           f"{(end - start) / 1e3:.1f} us, tail (first block done -> last) {(end - first_end) / 1e3:.1f}"
-                          f" us; the consumers' query waits at item boundaries {st[16] * 64 / 1e3 / blocks / 2:.1f} us per "
-                          f"warpgroup", flush=True)
+                          f" us; the consumers' query waits at item boundaries {st[16] * 64 / 1e3 / blocks:.1f} us per "
+                          f"block (its first warpgroup)", flush=True)
         cp.cuda.Device().synchronize()
         probe_report(f"{shape} {args.gran}", timer, fns, args.rounds, diffs)
 

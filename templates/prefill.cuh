@@ -74,8 +74,8 @@ struct alignas(64) PrefillMaps {
 // timing aid: 1 counts visits in the 32 ints before the flags (benchmarks/probe_prefill_once.py --stats): [1] quarters
 // converted, [2] warp 0's flag reads that found their tiles ready, [3] those that had to wait, [4] its polls, [5] its
 // wait time in 64 ns units, [6] the converters' time in 64 ns units, [7] / [8] the blocks' first items' waits, summed
-// / longest, in 64 ns units, [16] the consumers' query waits at item boundaries (64 ns units; [10..15]: see run())
-// ([30] and [31] are PERSISTENT's counters)
+// / longest, in 64 ns units, [16] the first consumer warpgroup's query waits at item boundaries (64 ns units)
+// ([10..15]: see run(); [30] and [31] are PERSISTENT's counters)
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
 #endif
@@ -341,7 +341,7 @@ struct PrefillKernel {
         for (int i = 0;; ++i) {
           const u64 tq0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
           mbar_wait(sm.q_full, i & 1);
-          if (CUKV_ONCE_STATS && i > 0 && (warp == 4 || warp == 8) && lane == 0)  // [16]: the item boundary's query waits
+          if (CUKV_ONCE_STATS && i > 0 && warp == 4 && lane == 0)  // [16]: the first warpgroup's query waits
             atomicAdd(once->flags - 32 + 16, (int)((globaltimer_ns() - tq0) >> 6));
           const Item t = load_item(sm.item);
           if (t.b < 0) {
