@@ -25,7 +25,8 @@ def main():
     ap.add_argument("--shapes", default=SHAPES, help="batch x L x hq x hkv x d, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default="bf16,token,tensor")
-    ap.add_argument("--tiles", default=None, help="BM:BN,... (default: TILES for the head dim)")
+    ap.add_argument("--tiles", default=None, help="BM:BN[:BK:stages],... (default: TILES for the head dim; BK and "
+                    "stages default to the kind's default tile's)")
     ap.add_argument("--pingpong", default="", help="also try these kinds with pingpong flipped (e.g. bf16)")
     ap.add_argument("--page", type=int, default=PAGE_SIZE, help="page size of the caches (1: the cp.async producer)")
     args = ap.parse_args()
@@ -44,11 +45,15 @@ def main():
                 base = default_config(DTYPE, d, args.page, "fp8_e4m3", d if kind == "token" else 0)
                 kv, kw = (fc, pt), dict(kv_dtype="fp8_e4m3", scale_granularity=fc.scale_granularity)
             cfgs = [("default", base)]
-            for bm, bn in tiles:
+            for tile in tiles:
+                bm, bn = tile[:2]
+                bk, st = tile[2:] if len(tile) == 4 else (base.BK, base.stages)
+                label = "x".join(map(str, tile))
                 try:
-                    cfgs.append((f"{bm}x{bn}", dataclasses.replace(base, BM=bm, BN=bn, tma=tma_applies(args.page, bn))))
+                    cfgs.append((label, dataclasses.replace(base, BM=bm, BN=bn, BK=bk, stages=st,
+                                                            tma=tma_applies(args.page, bn))))
                 except ValueError as e:
-                    print(f"  skip {kind} {bm}x{bn}: {str(e)[:120]}")
+                    print(f"  skip {kind} {label}: {str(e)[:160]}")
             if kind in args.pingpong.split(","):
                 cfgs += [(n + " pp^", dataclasses.replace(c, pingpong=not c.pingpong)) for n, c in list(cfgs)
                          if c.BM >= 128]

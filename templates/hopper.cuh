@@ -162,6 +162,14 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
   return d;
 }
 
+// A descriptor moved `bytes` along its operand (a k16 step, an atom): only the start address field, addr >> 4 in
+// the low 14 bits, changes. Shared-memory operands end below 256 KB, so the add stays inside that field; adding to
+// the low word alone lets a loop of wgmmas form each descriptor with one add from a base computed once, instead of
+// masking and shifting every address again (about ten integer instructions per wgmma at d256, NOTES.md session 41).
+__device__ __forceinline__ u64 desc_add(u64 d, u32 bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | (u32)((u32)d + (bytes >> 4));
+}
+
 // wgmma shared-memory matrix descriptor without swizzle (layout type 0): core matrices of 8 rows x 16 bytes
 // stored contiguously; K-major operands step lbo bytes between core matrices along K, sbo along M/N.
 __device__ __forceinline__ u64 plain_desc(u32 addr, u32 lbo, u32 sbo) {

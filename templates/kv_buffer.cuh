@@ -279,11 +279,11 @@ struct KVBuffer {
 
   // K role: descriptor of atom `atom`, k16 step `k` (within the atom) of element `stage`.
   __device__ __forceinline__ u64 k_desc(int stage, int atom, int k) const {
-    return sw128_desc(element(stage) + (u32)(atom * BN * kAtomRowBytes + k * 32), 1, 1024);
+    return desc_add(sw128_desc(element(stage), 1, 1024), (u32)(atom * BN * kAtomRowBytes + k * 32));
   }
   // V role: descriptor of tokens [16k, 16k + 16) across every atom of element `stage`.
   __device__ __forceinline__ u64 v_desc(int stage, int k) const {
-    return sw128_desc(element(stage) + (u32)(k * 16 * kAtomRowBytes), BN * kAtomRowBytes, 1024);
+    return desc_add(sw128_desc(element(stage), BN * kAtomRowBytes, 1024), (u32)(k * 16 * kAtomRowBytes));
   }
 };
 

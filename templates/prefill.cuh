@@ -79,6 +79,16 @@ struct alignas(64) PrefillMaps {
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
 #endif
+// Online softmax: a warp keeps its rows' running max, and skips the output rescale, until some row's tile max
+// exceeds it by more than this many powers of two in the exponent (P then stays below 2^CUKV_RESCALE_LOG2, exact in
+// the float32 accumulators; the final normalization and the LSE use the same max). 0: rescale whenever a max moves,
+// bit-identical to rescaling every tile in exact arithmetic. Most tiles of a long row skip the per-tile O multiply
+// (head-dim/2 FMULs per thread), as FlashAttention 4 does. Only where a thread's O holds 128 or more values
+// (kLazyRescale): at d256 it made bf16 and FP8 prefill 2-4% faster, at d64 the vote cost 1-2% (benchmarks/NOTES.md
+// session 41).
+#ifndef CUKV_RESCALE_LOG2
+#define CUKV_RESCALE_LOG2 8
+#endif
 // A/B switch (session 38): 0 stores per-tensor convert-once workspaces as code x scale (the layout before)
 #ifndef CUKV_ONCE_TENSOR_CODES
 #define CUKV_ONCE_TENSOR_CODES 1
@@ -149,6 +159,7 @@ struct PrefillKernel {
   static constexpr int kVSlices = (DEPTH + kVCols - 1) / kVCols; // blocks per (tile, head) along V's dims
   static constexpr int kKElems = Buf::num_k_tiles;
   static constexpr int kSRegs = BN / 2, kORegs = kVCols / 2;
+  static constexpr bool kLazyRescale = CUKV_RESCALE_LOG2 > 0 && kORegs >= 128;  // see CUKV_RESCALE_LOG2
   // V with a per-tensor scale is staged as the codes' exact f16 values and P V runs in f16 (P in [0, 1] keeps
   // 11 bits there); the scale multiplies the output once. One cvt per code pair instead of six instructions.
   static constexpr bool kVCodes = QUANTIZED && SCALE_BLOCK == 0;
@@ -1022,7 +1033,9 @@ struct PrefillKernel {
     typedef Wgmma<__nv_bfloat16, kKsMma ? BN / 2 : 16> MmaKs;
     float kb[MmaKs::kRegs];  // kKsMma: the score columns' K scales
     typedef Wgmma<PT, kVCols> MmaO;
-    const int wg = warp / 4, wq = warp % 4;
+    // the warpgroup, broadcast from lane 0 so that ptxas knows it is warp-uniform: the query descriptor built
+    // from it then stays in uniform registers, one add per wgmma (desc_add) instead of moves from vector ones
+    const int wg = __shfl_sync(0xffffffffu, warp / 4, 0), wq = warp % 4;
     const int g = lane / 4, c = lane % 4;
     // this thread's two rows (within the block) and their positions
     const int r0 = wg * 64 + wq * 16 + g, r1 = r0 + 8;
@@ -1063,7 +1076,8 @@ struct PrefillKernel {
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
     float m0 = -CUKV_INF, m1 = -CUKV_INF, l0 = 0.f, l1 = 0.f;
 
-    const u32 q_wg = sm.q + (u32)(wg * 64 * kAtomRowBytes);
+    // this warpgroup's query rows; each wgmma adds its offset (desc_add)
+    const u64 q_desc = sw128_desc(sm.q + (u32)(wg * 64 * kAtomRowBytes), 1, 1024);
 
     int pending_v = -1;
     u32 ws_k = 0, ws_v = 0, ws_bar = 0, ws_k_early = 0;  // ns, 32 bits: an item's waits stay far below 4 s
@@ -1099,10 +1113,10 @@ struct PrefillKernel {
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < kQ8Steps; ++k) {
-          const u32 qa = q_wg + (u32)((k / 4) * BM * kAtomRowBytes + (k % 4) * 32);
+          const u32 qa = (u32)((k / 4) * BM * kAtomRowBytes + (k % 4) * 32);
           const u64 kd = buf.k_desc(stage, k / 4, k % 4);
-          MmaS8::ss(s, sw128_desc(qa, 1, 1024), kd, k > 0);
-          MmaS8::ss(s, sw128_desc(qa + (u32)kQ8Half, 1, 1024), kd, 1);
+          MmaS8::ss(s, desc_add(q_desc, qa), kd, k > 0);
+          MmaS8::ss(s, desc_add(q_desc, qa + (u32)kQ8Half), kd, 1);
         }
         if constexpr (kKsMma)
           MmaKs::ss(kb, plain_desc(sm.kscale, 0, 128),
@@ -1130,7 +1144,7 @@ struct PrefillKernel {
             const int dim = e * BK + k * 16;
             if (dim < DEPTH) {
               const int qa = dim / 64;
-              const u64 qd = sw128_desc(q_wg + (u32)(qa * BM * kAtomRowBytes + (dim % 64) * 2), 1, 1024);
+              const u64 qd = desc_add(q_desc, (u32)(qa * BM * kAtomRowBytes + (dim % 64) * 2));
               MmaS::ss(s, qd, buf.k_desc(stage, k / 4, k % 4), e > 0 || k > 0);
             }
           }
@@ -1202,20 +1216,27 @@ struct PrefillKernel {
       }
       mx0 = quad_max(mx0);
       mx1 = quad_max(mx1);
-      // exponent base in log2 units; a row with nothing visible yet keeps base 0 (exp2(-inf) = 0)
-      const float base0 = mx0 == -CUKV_INF ? 0.f : mx0 * sl0, base1 = mx1 == -CUKV_INF ? 0.f : mx1 * sl1;
-      const float alpha0 = fast_exp2(m0 * sl0 - base0), alpha1 = fast_exp2(m1 * sl1 - base1);
-      m0 = mx0;
-      m1 = mx1;
-      l0 *= alpha0;
-      l1 *= alpha1;
+      // The running max moves (and O is rescaled) only when some row of the warp grew past CUKV_RESCALE_LOG2; a row
+      // seeing its first keys (m = -inf) always counts as grown, one with none still visible never does.
+      const bool grow = !kLazyRescale || (mx0 - m0) * sl0 > (float)CUKV_RESCALE_LOG2 ||
+                        (mx1 - m1) * sl1 > (float)CUKV_RESCALE_LOG2;
+      if (!kLazyRescale || __any_sync(0xffffffffu, grow)) {
+        // exponent base in log2 units; a row with nothing visible yet keeps base 0 (exp2(-inf) = 0)
+        const float nb0 = mx0 == -CUKV_INF ? 0.f : mx0 * sl0, nb1 = mx1 == -CUKV_INF ? 0.f : mx1 * sl1;
+        const float alpha0 = fast_exp2(m0 * sl0 - nb0), alpha1 = fast_exp2(m1 * sl1 - nb1);
+        m0 = mx0;
+        m1 = mx1;
+        l0 *= alpha0;
+        l1 *= alpha1;
 #pragma unroll
-      for (int j = 0; j < kORegs / 4; ++j) {
-        o[4 * j] *= alpha0;
-        o[4 * j + 1] *= alpha0;
-        o[4 * j + 2] *= alpha1;
-        o[4 * j + 3] *= alpha1;
+        for (int j = 0; j < kORegs / 4; ++j) {
+          o[4 * j] *= alpha0;
+          o[4 * j + 1] *= alpha0;
+          o[4 * j + 2] *= alpha1;
+          o[4 * j + 3] *= alpha1;
+        }
       }
+      const float base0 = m0 == -CUKV_INF ? 0.f : m0 * sl0, base1 = m1 == -CUKV_INF ? 0.f : m1 * sl1;
       u32 p[BN / 2];
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
