@@ -9,7 +9,9 @@ from cukv.testing import assert_close
 pytestmark = pytest.mark.gpu
 
 
-def _case(rng, q_lens, cache_lens, hq, hkv, d, page_size, dtype="bfloat16", layout="combined", big=False):
+def _case(rng, q_lens, cache_lens, hq, hkv, d, page_size, dtype="bfloat16", layout="combined", big=False,
+          k_ramp=None):
+    """A ragged case; ``k_ramp`` scales each sequence's keys from ``k_ramp`` (its first key) down to 1 (its last)."""
     import cupy as cp
 
     import cukv
@@ -19,6 +21,8 @@ def _case(rng, q_lens, cache_lens, hq, hkv, d, page_size, dtype="bfloat16", layo
     b = len(q_lens)
     total_kv = int(kv_lens.sum())
     k = rng.standard_normal((total_kv, hkv, d)).astype(np.float32)
+    if k_ramp is not None:
+        k *= np.concatenate([np.linspace(k_ramp, 1.0, n) for n in kv_lens]).astype(np.float32)[:, None, None]
     v = rng.standard_normal((total_kv, hkv, d)).astype(np.float32)
     q = rng.standard_normal((int(q_lens.sum()), hq, d)).astype(np.float32)
     ks, vs, qs = (to_storage(x, dtype) for x in (k, v, q))
@@ -97,6 +101,19 @@ CASES = [
 @pytest.mark.parametrize("q_lens,cache_lens,hq,hkv,d,page", CASES)
 def test_prefill_causal(rng, q_lens, cache_lens, hq, hkv, d, page):
     case = _case(rng, q_lens, cache_lens, hq, hkv, d, page)
+    out, lse = _run(case, hq, hkv, d, page)
+    want_o, want_lse = _reference(case, hq)
+    assert_close(out, want_o, "bfloat16")
+    assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
+
+
+@pytest.mark.parametrize("d,page", [(256, 16), (256, 0), (512, 16)])
+def test_prefill_lazy_rescale_growing_scores(rng, d, page):
+    """At d256 and d512 a warp rescales O only when a row's max grows by more than 2^8 in the exponent
+    (templates/prefill.cuh CUKV_RESCALE_LOG2). Keys grow toward the sequence start, which the tile walk reaches last,
+    so the running max grows past that bound several times per row and P approaches 2^8 between rescales."""
+    hq, hkv = 4, 2
+    case = _case(rng, [700, 90, 1], [300, 0, 130], hq, hkv, d, page, k_ramp=6.0)
     out, lse = _run(case, hq, hkv, d, page)
     want_o, want_lse = _reference(case, hq)
     assert_close(out, want_o, "bfloat16")
