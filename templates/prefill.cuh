@@ -81,11 +81,10 @@ struct alignas(64) PrefillMaps {
 #endif
 // Online softmax: a warp keeps its rows' running max, and skips the output rescale, until some row's tile max
 // exceeds it by more than this many powers of two in the exponent (P then stays below 2^CUKV_RESCALE_LOG2, exact in
-// the float32 accumulators; the final normalization and the LSE use the same max). 0: rescale whenever a max moves,
-// bit-identical to rescaling every tile in exact arithmetic. Most tiles of a long row skip the per-tile O multiply
-// (head-dim/2 FMULs per thread), as FlashAttention 4 does. Only where a thread's O holds 128 or more values
-// (kLazyRescale): at d256 it made bf16 and FP8 prefill 2-4% faster, at d64 the vote cost 1-2% (benchmarks/NOTES.md
-// session 41).
+// the float32 accumulators; the final normalization and the LSE use the same max). Most tiles of a long row skip
+// the per-tile O multiply (head-dim/2 FMULs per thread), as FlashAttention 4 does. Only where a thread's O holds 128
+// or more values (kLazyRescale): at d256 it made bf16 and FP8 prefill 2-4% faster, at d64 the vote cost 1-2%; a vote
+// that rescaled whenever any max moved was slower everywhere (benchmarks/NOTES.md session 41). 0: rescale every tile.
 #ifndef CUKV_RESCALE_LOG2
 #define CUKV_RESCALE_LOG2 8
 #endif
