@@ -1023,6 +1023,10 @@ struct PrefillKernel {
     }
   }
 
+  // a row's exponent base in log2 units (its running max times the score factor); a row with nothing visible yet
+  // keeps base 0, so exp2(-inf - 0) = 0 and never NaN
+  static __device__ __forceinline__ float exp_base(float m, float sl) { return m == -CUKV_INF ? 0.f : m * sl; }
+
   static __device__ __forceinline__ void consume(const PrefillArgs& a, const Smem& sm, const Buf& buf, const Cache& cache,
                                                  int head, int q_begin, int q0, int rows, int kv_len, int shift,
                                                  int n_first, int n_tiles, int vslice, int warp, int lane, int& count,
@@ -1220,9 +1224,7 @@ struct PrefillKernel {
       const bool grow = !kLazyRescale || (mx0 - m0) * sl0 > (float)CUKV_RESCALE_LOG2 ||
                         (mx1 - m1) * sl1 > (float)CUKV_RESCALE_LOG2;
       if (!kLazyRescale || __any_sync(0xffffffffu, grow)) {
-        // exponent base in log2 units; a row with nothing visible yet keeps base 0 (exp2(-inf) = 0)
-        const float nb0 = mx0 == -CUKV_INF ? 0.f : mx0 * sl0, nb1 = mx1 == -CUKV_INF ? 0.f : mx1 * sl1;
-        const float alpha0 = fast_exp2(m0 * sl0 - nb0), alpha1 = fast_exp2(m1 * sl1 - nb1);
+        const float alpha0 = fast_exp2(m0 * sl0 - exp_base(mx0, sl0)), alpha1 = fast_exp2(m1 * sl1 - exp_base(mx1, sl1));
         m0 = mx0;
         m1 = mx1;
         l0 *= alpha0;
@@ -1235,7 +1237,7 @@ struct PrefillKernel {
           o[4 * j + 3] *= alpha1;
         }
       }
-      const float base0 = m0 == -CUKV_INF ? 0.f : m0 * sl0, base1 = m1 == -CUKV_INF ? 0.f : m1 * sl1;
+      const float base0 = exp_base(m0, sl0), base1 = exp_base(m1, sl1);
       u32 p[BN / 2];
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
@@ -1287,7 +1289,7 @@ struct PrefillKernel {
     // ---- epilogue: normalize, sink, write O and LSE
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
-    const float base0 = m0 == -CUKV_INF ? 0.f : m0 * sl0, base1 = m1 == -CUKV_INF ? 0.f : m1 * sl1;
+    const float base0 = exp_base(m0, sl0), base1 = exp_base(m1, sl1);
     float d0 = l0, d1 = l1;
     if (a.sink != nullptr) {
       const float sk = a.sink[head] * kLog2e;
