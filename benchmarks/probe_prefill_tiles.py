@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--tiles", default=None, help="BM:BN[:BK:stages],... (default: TILES for the head dim; BK and "
                     "stages default to the kind's default tile's)")
     ap.add_argument("--pingpong", default="", help="also try these kinds with pingpong flipped (e.g. bf16)")
+    ap.add_argument("--persistent", default="", help="also try these kinds on the persistent grid (e.g. bf16)")
     ap.add_argument("--page", type=int, default=PAGE_SIZE, help="page size of the caches (1: the cp.async producer)")
     args = ap.parse_args()
     timer = Timer()
@@ -57,6 +58,12 @@ def main():
             if kind in args.pingpong.split(","):
                 cfgs += [(n + " pp^", dataclasses.replace(c, pingpong=not c.pingpong)) for n, c in list(cfgs)
                          if c.BM >= 128]
+            if kind in args.persistent.split(","):
+                for n, c in list(cfgs):
+                    try:
+                        cfgs.append((n + " pers", dataclasses.replace(c, persistent=True)))
+                    except ValueError as e:
+                        print(f"  skip {kind} {n} pers: {str(e)[:160]}")
             for label, cfg in cfgs:
                 name = f"{kind} {label}"
                 pf = cukv.BatchPrefill(hq, hkv, d, page_size=args.page, dtype=DTYPE, config=cfg, **kw)

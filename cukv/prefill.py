@@ -314,6 +314,9 @@ class BatchPrefill:
             self._plan_once(qo, kl, mask, window, chunk)
         else:
             self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
+            # the persistent grid's item counter and finished-block count (see OnceArgs.flags), zero between launches:
+            # the kernel's last block resets them
+            self._counters = cp.zeros(32, cp.int32) if cfg.persistent else None
         self._planned = True
         return self
 
@@ -414,6 +417,10 @@ class BatchPrefill:
         tokens) or ``(k, v, kv_offsets)`` for contiguous ``k[total_kv, num_kv_heads, head_dim]`` with int32
         device ``kv_offsets[B + 1]``. Returns ``out`` (and ``lse[total_q, num_qo_heads]`` float32, natural
         log, without the sink, when ``return_lse``).
+
+        On the persistent grids (16-bit defaults, convert-once) the plan owns the work counter (and convert-once's
+        workspace), so runs of one planned ``BatchPrefill`` must not overlap on different streams; use one plan per
+        stream.
         """
         import cupy as cp
 
@@ -456,6 +463,8 @@ class BatchPrefill:
             args, cfg, num_work = self._once_args(rec, qd)
         else:
             args = (as_kernel_arg(rec),) + ((self._tma_maps(*kv_arrays),) if cfg.tma else ())
+            if cfg.persistent:
+                args += self._persistent_args(qd)
         if num_work:
             with (stream or cp.cuda.get_current_stream()) as st:  # work items along x: see prefill.cuh run()
                 if self._once is not None:
@@ -483,6 +492,16 @@ class BatchPrefill:
             args += (tma.as_maps_arg(tma.encode_pages("q", tma.OnePage(q.view(np.uint8)), 128, d["cfg"].BM,
                                                       tma.SWIZZLE_128B)),)
         return args, d["cfg"], d["num_work"]
+
+    def _persistent_args(self, q):
+        """A 16-bit cache's persistent grid: the OnceArgs record with only its work count and counters set, and
+        ``q``'s tensor map (boxes of BM rows of one head), as convert-once's persistent grid takes them."""
+        from . import tma
+
+        once = np.zeros((), ONCE_ARGS)
+        once["flags"], once["num_work"] = ptr(self._counters) + 128, self._num_work
+        qmap = tma.encode_pages("q", tma.OnePage(q.view(np.uint8)), 128, self.config.BM, tma.SWIZZLE_128B)
+        return as_kernel_arg(once), tma.as_maps_arg(qmap)
 
     def _tma_maps(self, k, v):
         """The K and V tensor maps of a ``tma`` config (cukv/tma.py) over the arrays the kernel reads: boxes of

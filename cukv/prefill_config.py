@@ -139,9 +139,11 @@ class PrefillConfig:
     #: call (templates/prefill.cuh ``OnceArgs``). Needs ``tma`` (the workspace's copies), not ``fp8_scores``, head
     #: dims up to 256.
     convert_once: bool = False
-    #: ``convert_once`` only: one block per SM walks the work items in the grid's order, staging the next item's query
-    #: and tiles while the consumers finish the last; the converters take quarters from a queue in the order the items
-    #: need them and never hold an SM whose consumers are done (templates/prefill.cuh ``PERSISTENT``).
+    #: one block per SM walks the work items (heaviest first, head by head) from a counter, staging the next item's
+    #: query and tiles while the consumers finish the last (templates/prefill.cuh ``PERSISTENT``). ``convert_once``:
+    #: the converters take quarters from a queue in the order the items need them and never hold an SM whose
+    #: consumers are done. 16-bit caches: needs ``tma``, the whole head in one ring element (``BK >= head_dim``) and
+    #: a producer warpgroup (``BM >= 128``); the counter resets itself, so a launch needs no memset.
     persistent: bool = False
 
     def __post_init__(self):
@@ -171,8 +173,12 @@ class PrefillConfig:
                        f"needs gcd(page_size={self.page_size}, BN/4={self.BN // 4}) = {g} to be a multiple of 8 "
                        "(a box is whole 8-row swizzle groups of one page)")
         check_bool(c, "persistent", self.persistent)
-        if self.persistent:
-            check_rule(c, "persistent", True, self.convert_once, "is convert_once's grid (convert_once=True)")
+        if self.persistent and not self.convert_once:
+            check_rule(c, "persistent", True, not self.quantized,
+                       "runs FP8 caches only as convert_once's grid (convert_once=True)")
+            check_rule(c, "persistent", True, self.tma and self.BM >= 128 and self.BK >= self.head_dim,
+                       f"needs tensor copies (tma=True), BM >= 128 and the whole head in one ring element "
+                       f"(BK >= head_dim); got tma={self.tma}, BM={self.BM}, BK={self.BK}, head_dim={self.head_dim}")
         check_bool(c, "pingpong", self.pingpong)
         if self.pingpong:
             check_rule(c, "pingpong", True, self.BM >= 128,
@@ -313,9 +319,9 @@ class PrefillConfig:
     def smem_bytes(self) -> int:
         ring = self.stages * self.kv_buffer.stage_bytes
         # full/empty per element, Q; FP8 TMA: one per raw slot
-        # persistent: q_empty and the staged item (10 ints)
+        # persistent: q_empty and the staged item (10 ints; a 16-bit cache's grid also two next-item slots)
         barriers = (2 * self.stages + 1 + (2 if self.tma and self.quantized and not self.convert_once else 0)
-                    + (6 if self.persistent else 0))
+                    + ((6 if self.convert_once else 7) if self.persistent else 0))
         return 1024 + self.q_bytes + ring + self.raw_bytes + self.kscale_bytes + barriers * 8
 
     @property
@@ -366,7 +372,10 @@ class PrefillConfig:
 
 #: documented defaults per head dim (BM, BN, BK, stages); see docs in README "Prefill configs"
 DEFAULTS = {
-    64: (192, 96, 64, 6),
+    # d64 moved from 192 x 96 with the persistent grid (session 42, H100, 5 interleaved rounds, causal): 128 x 128 ran
+    # 1.04 / 1.05 / 1.01 / 1.15 / 1.18x of it at b8 L2048 h32/8, b8 L2048 h32/32, b2 L8192 h16/16, b16 L1024 h32/8,
+    # b32 L512 h32/32 (128 x 96: 0.93-1.02x)
+    64: (128, 128, 64, 6),
     80: (128, 128, 128, 4),
     96: (128, 128, 128, 4),
     128: (128, 128, 128, 4),
@@ -379,6 +388,9 @@ DEFAULTS = {
 #: DEFAULTS: d128 moved to 128 x 128 in session 19 (16-bit and ``fp8_scores`` measured faster there), but these kernels
 #: were measured only at 192 x 64
 DEQUANT_TILES = {128: (192, 64, 128, 4)}
+#: FP8 caches' fused kernels start from these tiles instead of DEFAULTS: d64 keeps the 192 x 96 its kernels were
+#: measured with before the 16-bit default moved to 128 x 128 (session 42; convert-once runs the 16-bit tile)
+FP8_TILES = {64: (192, 96, 64, 6)}
 #: ``fp8_scores`` tiles take DEFAULTS but for these BN limits: at BN=128 the 88-register producer beside two
 #: consumer warpgroups spills (ptxas, d80/d96)
 FP8_SCORES_BN = {80: 64, 96: 64}
@@ -397,6 +409,21 @@ FP8_PINGPONG = {(128, "token"), (128, "tensor"), (256, "token")}
 #: convert-once 1-3% faster); d128 mixed (MHA b8 L2048 0.644 -> 0.635, GQA 4 b4 L4096 1.062 -> 1.073), so off.
 #: Session 17 had measured 1-2% at d256 on the kernel of the time and left it off.
 PINGPONG_16BIT = {256}
+
+
+#: 16-bit tiles run on the persistent grid (``PrefillConfig.persistent``) wherever it applies (``persistent_16bit``).
+#: H100, session 42 (benchmarks/probe_prefill_tiles.py --persistent bf16, 5 interleaved rounds, causal, bit-identical
+#: outputs), launch per item -> persistent: MHA d128 b8 L2048 0.641 -> 0.539 ms, MHA d256 b4 L4096 0.978 -> 0.930,
+#: GQA 4 d64 b8 L2048 0.447 -> 0.404, GQA 4 d128 b1 L16384 3.69 -> 3.74 (level: the same tile read 3.65 -> 3.60).
+#: The launch-per-item grid pays each block's query load and ring fill with idle tensor cores; the persistent one
+#: stages the next item's query and tiles while the consumers finish the last (benchmarks/NOTES.md session 42).
+PERSISTENT_16BIT = True
+
+
+def persistent_16bit(head_dim: int, BM: int, BK: int, tma: bool) -> bool:
+    """Whether a 16-bit tile runs on the persistent grid: ``PERSISTENT_16BIT``, and the grid's needs (tensor copies,
+    a producer warpgroup beside the consumers, the whole head in one ring element)."""
+    return PERSISTENT_16BIT and tma and BM >= 128 and BK >= head_dim
 
 
 def pingpong_16bit(head_dim: int, BM: int) -> bool:
@@ -433,12 +460,14 @@ def tma_applies(page_size: int, BN: int) -> bool:
 
 
 def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
-    """The 16-bit config of this tile with the producer and issue order the defaults use: tensor copies (``tma``)
+    """The 16-bit config of this tile with the producer, issue order and grid the defaults use: tensor copies (``tma``)
     wherever the pages allow them (3-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md
-    session 18), S in warpgroup ring order where ``pingpong_16bit`` says (session 34). The documented default, the
+    session 18), S in warpgroup ring order where ``pingpong_16bit`` says (session 34), the persistent grid where
+    ``persistent_16bit`` says (session 42). The documented default, the
     autotuner's candidates and its stored records all come from here, so a tuned tile keeps the same order."""
-    return PrefillConfig(dtype, head_dim, page_size, BM, BN, BK, stages, tma=tma_applies(page_size, BN),
-                         pingpong=pingpong_16bit(head_dim, BM))
+    tma = tma_applies(page_size, BN)
+    return PrefillConfig(dtype, head_dim, page_size, BM, BN, BK, stages, tma=tma, pingpong=pingpong_16bit(head_dim, BM),
+                         persistent=persistent_16bit(head_dim, BM, BK, tma))
 
 
 def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
@@ -451,7 +480,7 @@ def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | No
     benchmarks/NOTES.md) and need more shared memory."""
     if head_dim not in DEFAULTS:
         raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
-    bm, bn, bk, st = DEFAULTS[head_dim]
+    bm, bn, bk, st = DEFAULTS[head_dim] if kv_dtype is None else FP8_TILES.get(head_dim, DEFAULTS[head_dim])
     if kv_dtype is not None and fp8_scores_unsupported(dtype, kv_dtype, scale_block, head_dim) is None:
         bn8 = min(bn, FP8_SCORES_BN.get(head_dim, bn))
         tma = tma_applies(page_size, bn8)

@@ -75,7 +75,7 @@ struct alignas(64) PrefillMaps {
 // converted, [2] warp 0's flag reads that found their tiles ready, [3] those that had to wait, [4] its polls, [5] its
 // wait time in 64 ns units, [6] the converters' time in 64 ns units, [7] / [8] the blocks' first items' waits, summed
 // / longest, in 64 ns units, [16] the first consumer warpgroup's query waits at item boundaries (64 ns units)
-// ([10..15]: see run(); [30] and [31] are PERSISTENT's counters)
+// ([10..15]: see run(); [30] and [31] are PERSISTENT's counters, [29] the 16-bit one's finished blocks)
 #ifndef CUKV_ONCE_STATS
 #define CUKV_ONCE_STATS 0
 #endif
@@ -95,7 +95,7 @@ struct alignas(64) PrefillMaps {
 
 struct alignas(8) OnceArgs {
   KVCacheParams fp8;    // the FP8 cache and its page table (lengths: the keys per sequence)
-  int* flags;           // [workspace tiles, kv heads, 4], after 32 ints: statistics, [30] and [31] PERSISTENT's counters
+  int* flags;           // [workspace tiles, kv heads, 4], after 32 ints: statistics, [29..31] PERSISTENT's counters
   const int* tile_seq;  // [workspace tiles]: the sequence whose rows a tile holds (PERSISTENT's converters)
   i64 num_kv_heads;
   int num_work;         // work items per head (PERSISTENT)
@@ -126,7 +126,9 @@ struct PrefillKernel {
                 "convert once: a contiguous 16-bit workspace by TMA, one box per tile and atom, the whole head in one "
                 "element");
   typedef KVCacheOperand<unsigned char, (ONCE_PAGE > 0 ? ONCE_PAGE : 1), true> Fp8Cache;
-  static_assert(!PERSISTENT || kOnce, "the persistent grid is convert-once's");
+  static_assert(!PERSISTENT || kOnce || (!QUANTIZED && kTma && Buf::full_kv && kConsumerWGs > 1),
+                "the persistent grid: convert-once's, or a 16-bit cache's by tensor copies, the whole head in one "
+                "element, beside a producer warpgroup");
   static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg needs whole warpgroups
@@ -206,10 +208,11 @@ struct PrefillKernel {
   static constexpr int kRawBytes =
       kOnce ? (Buf::kProducerWarps - kOnceFirstQuarter) * kOnceQuarterBytes : 2 * kRawTileBytes;
   static_assert(!kOnce || kOnceElemBytes * Buf::kProducerWarps == kRawElemBytes, "a quarter's rows, K or V");
-  // FP8 TMA: one per raw slot; PERSISTENT: q_empty and the staged item (kItemInts)
-  static constexpr int kItemInts = 10;
+  // FP8 TMA: one per raw slot; PERSISTENT: q_empty and the staged item (kItemInts), and for a 16-bit cache the next
+  // item's index in two slots (kNextInts: the producer warps read it after a named barrier, see feed_persistent_16)
+  static constexpr int kItemInts = 10, kNextInts = PERSISTENT && !kOnce ? 2 : 0;
   static constexpr int kBarBytes =
-      (2 * STAGES + 1 + (kTma && QUANTIZED ? 2 : 0) + (PERSISTENT ? 1 + (kItemInts * 4 + 7) / 8 : 0)) * 8;
+      (2 * STAGES + 1 + (kTma && QUANTIZED ? 2 : 0) + (PERSISTENT ? 1 + ((kItemInts + kNextInts) * 4 + 7) / 8 : 0)) * 8;
   static constexpr int kSmemBytes =
       1024 /* alignment slack */ + kQBytes + kRingBytes + kRowOffBytes + kRawBytes + kKScaleBytes + kBarBytes;
   static_assert(BM % 64 == 0 && BM <= 192, "BM: one to three consumer warpgroups");
@@ -221,7 +224,7 @@ struct PrefillKernel {
   struct Smem {
     u32 q, ring, raw, kscale;
     u32 full, empty, q_full, raw_full;  // barrier addresses
-    u32 q_empty, item;                  // PERSISTENT
+    u32 q_empty, item, next;            // PERSISTENT
   };
 
   static __device__ __forceinline__ Smem carve(unsigned char* raw) {
@@ -237,6 +240,7 @@ struct PrefillKernel {
     s.raw_full = s.q_full + 8;
     s.q_empty = s.q_full + 8;  // PERSISTENT (never QUANTIZED: no raw_full)
     s.item = s.q_full + 16;
+    s.next = s.item + 4 * kItemInts;
     return s;
   }
 
@@ -341,7 +345,9 @@ struct PrefillKernel {
         atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 10), ~(unsigned long long)globaltimer_ns());
       if (warp < 4) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(kProducerRegs));
-        if (warp == 0)
+        if constexpr (!kOnce)
+          feed_persistent_16(a, maps, *once, qmap, sm, buf, cache, warp, lane);
+        else if (warp == 0)
           feed_persistent(a, maps, *once, qmap, sm, buf, cache, lane);
         else
           convert_persistent(a, *once, sm, buf, cache, raw_quarter(sm, warp), lane);
@@ -378,9 +384,11 @@ struct PrefillKernel {
       if constexpr (kOnce)
         produce_once(a, maps, *once, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len,
                      t.n_first, t.n_tiles, warp, lane);
-      else
+      else {
+        int count = 0;
         produce(a, maps, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.n_first,
-                t.n_tiles, vslice, warp, lane);
+                t.n_tiles, vslice, warp, lane, count);
+      }
     } else {
       if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
       int count = 0;
@@ -688,8 +696,9 @@ struct PrefillKernel {
   static __device__ __forceinline__ void produce(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
                                                  const Buf& buf, const Cache& cache,
                                                  int b, int kv_head, int head, int q_begin, int q0, int rows,
-                                                 int kv_len, int n_first, int n_tiles, int vslice, int pw, int lane) {
-    if constexpr (!FP8_SCORES) load_query(a, sm, head, q_begin, q0, rows, pw, lane);
+                                                 int kv_len, int n_first, int n_tiles, int vslice, int pw, int lane,
+                                                 int& count) {
+    if constexpr (!FP8_SCORES && !PERSISTENT) load_query(a, sm, head, q_begin, q0, rows, pw, lane);
 
     const KVT* kbase = static_cast<const KVT*>(a.kv.k);
     const KVT* vbase = static_cast<const KVT*>(a.kv.v);
@@ -911,7 +920,6 @@ struct PrefillKernel {
         trace_mark(it, 4);
       }
     } else {
-      int count = 0;
       for (int it = 0; it < n_tiles; ++it) {
         const int n = n_first + n_tiles - 1 - it;
         const i64 key_lane = key_next;
@@ -963,7 +971,46 @@ struct PrefillKernel {
         trace_mark(it, 4);
       }
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");  // leave only after every copy has landed
+    // leave only after every copy has landed (PERSISTENT: the ring's position carries into the next item)
+    if constexpr (!PERSISTENT) asm volatile("cp.async.wait_all;" ::: "memory");
+  }
+
+  // PERSISTENT, 16-bit cache: the producer warpgroup walks the work items as convert-once's warp 0 does
+  // (feed_persistent), all four warps issuing each tile's boxes as the launch-per-item producer does (produce). Warp 0
+  // stages each item's query once the consumers are done with the last one and takes the next item from the counter
+  // once this one's tiles are issued; the other warps read its index from shared memory after the producers' named
+  // barrier (two slots, so a slot is rewritten only after every warp has passed the barrier that follows its read).
+  // The counter resets itself: the last block to finish zeroes it, so a launch needs no memset (CUDA graphs replay it).
+  static __device__ __forceinline__ void feed_persistent_16(const PrefillArgs& a, const PrefillMaps* maps,
+                                                            const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm,
+                                                            const Buf& buf, const Cache& cache, int pw, int lane) {
+    const int total = o.num_work * a.num_qo_heads;
+    int count = 0, idx = blockIdx.x;
+    for (int i = 0;; ++i) {
+      Item t;
+      t.b = -1;
+      if (idx < total) t = make_item(a, &o, cache, idx);
+      if (pw == 0) {
+        if (i > 0) mbar_wait(sm.q_empty, (i - 1) & 1);  // the consumers are done with the staged query and item
+        if (lane == 0) stage_item(sm, qmap, t);
+      }
+      if (t.b < 0) break;
+      produce(a, maps, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.n_first,
+              t.n_tiles, 0, pw, lane, count);
+      const u32 slot = sm.next + (u32)(4 * (i & 1));
+      if (pw == 0 && lane == 0)
+        asm volatile("st.shared.u32 [%0], %1;" :: "r"(slot), "r"((int)gridDim.x + atomicAdd(o.flags - 2, 1)) : "memory");
+      asm volatile("bar.sync 15, 128;" ::: "memory");  // the producer warpgroup (15: no other user)
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(idx) : "r"(slot) : "memory");
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    if (pw == 0 && lane == 0) {
+      __threadfence();  // this block's last take of the counter, before its count of finished blocks
+      if (atomicAdd(o.flags - 3, 1) == (int)gridDim.x - 1) {
+        atomicExch(o.flags - 2, 0);
+        atomicExch(o.flags - 3, 0);
+      }
+    }
   }
 
   // FP8 scores: this thread's two query rows r0, r1 (block rows) as e4m3 hi + lo terms in shared memory. Lane c

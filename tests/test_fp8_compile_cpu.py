@@ -101,9 +101,9 @@ def test_tma_domain():
     b16 = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, tma=True)
     assert b16.tma_rows == 16 and b16.name.startswith("cukv_prefill_bf16_tma_d128")
     assert (b16.tma_k_box_cols, b16.tma_v_box_cols, b16.producer_registers) == (128, 128, 56)
-    assert default_config("bfloat16", 128, 16) == dataclasses.replace(b16, BM=128, BN=128)
-    assert not default_config("bfloat16", 128, 1).tma
-    assert default_config("bfloat16", 64, 0).tma_rows == 24 and default_config("float16", 128, 0).tma_rows == 32
+    assert default_config("bfloat16", 128, 16) == dataclasses.replace(b16, BM=128, BN=128, persistent=True)
+    assert not default_config("bfloat16", 128, 1).tma and not default_config("bfloat16", 128, 1).persistent
+    assert default_config("bfloat16", 64, 0).tma_rows == 32 and default_config("float16", 128, 0).tma_rows == 32
     with pytest.raises(ValueError, match=r"tma.*gcd\(page_size=0, BN/4=4\) = 4"):
         PrefillConfig("bfloat16", 128, 0, 192, 16, 128, 4, tma=True)
     with pytest.raises(ValueError, match=r"tma.*gcd\(page_size=12, BN/4=16\) = 4"):
@@ -311,9 +311,20 @@ def test_fp8_prefill_strategy_choice(monkeypatch):
 
 
 def test_persistent_domain():
-    # the persistent grid is convert-once's: anything else names the field and what it needs
-    with pytest.raises(ValueError, match="persistent.*convert_once"):
-        PrefillConfig("bfloat16", 128, 16, 128, 128, 128, 4, tma=True, persistent=True)
+    # convert-once's grid, or a 16-bit cache's with tensor copies, BM >= 128 and the whole head in one ring element:
+    # anything else names the field and what it needs
+    with pytest.raises(ValueError, match="persistent.*FP8 caches only as convert_once"):
+        PrefillConfig("bfloat16", 128, 16, 128, 128, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, persistent=True)
+    for bad in (dict(tma=False), dict(BM=64), dict(head_dim=512, BN=64, BK=256)):
+        kw = dict(dtype="bfloat16", head_dim=128, page_size=16, BM=128, BN=128, BK=128, stages=4, tma=True)
+        with pytest.raises(ValueError, match="persistent.*needs tensor copies"):
+            PrefillConfig(**{**kw, **bad}, persistent=True)
+    b16 = PrefillConfig("bfloat16", 128, 16, 128, 128, 128, 4, tma=True, persistent=True)
+    # q_empty, the staged item and the next item's two slots; the counters and the query's map as arguments
+    assert b16.smem_bytes == dataclasses.replace(b16, persistent=False).smem_bytes + 56
+    src = b16.render()
+    assert "const __grid_constant__ OnceArgs once" in src and "const __grid_constant__ CUtensorMap q" in src
+    assert b16.name.endswith("_tma_pers_d128_p16_m128_n128_k128_s4")
     ok = PrefillConfig("bfloat16", 128, 16, 128, 128, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, tma=True,
                        convert_once=True, persistent=True)
     # q_empty and the staged work item beside the other barriers, less warp 0's raw quarter (it converts nothing:

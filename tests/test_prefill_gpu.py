@@ -227,9 +227,44 @@ def test_prefill_tma_matches_cp_async(rng, d, page, layout):
     # sequences ending mid-tile and on a tile boundary, with and without a cached prefix
     case = _case(rng, [2 * bn + 5, 3 * bn, 1, 40], [bn, 0, 2 * bn - 1, 7], hq, hkv, d, page, layout=layout or "combined")
     out, lse = _run(case, hq, hkv, d, page, config=cfg)
-    out_cp, lse_cp = _run(case, hq, hkv, d, page, config=dataclasses.replace(cfg, tma=False))
+    # (the cp.async producer launches a block per item: the persistent grid needs tensor copies)
+    out_cp, lse_cp = _run(case, hq, hkv, d, page, config=dataclasses.replace(cfg, tma=False, persistent=False))
     assert np.array_equal(out, out_cp) and np.array_equal(lse, lse_cp)
     want_o, want_lse = _reference(case, hq)
+    assert_close(out, want_o, "bfloat16")
+    assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
+
+
+@pytest.mark.parametrize("d,page,mask,window,chunk,softcap,sink,grid", [
+    (128, 16, "causal", None, None, None, None, None),
+    (128, 16, "causal", None, None, None, None, 3),    # many items per block: the ring and query carry over
+    (64, 16, "causal", 48, None, 20.0, [0.5, -1.0, 2.0, 0.0], 2),
+    (256, 16, "none", None, None, None, None, 5),
+    (256, 0, "causal", None, 96, None, None, 4),       # contiguous K/V; chunks leave items that see few keys
+    (96, 48, "causal", None, None, None, None, 1),     # one block walks every item
+])
+def test_prefill_persistent_16bit(rng, monkeypatch, d, page, mask, window, chunk, softcap, sink, grid):
+    # the 16-bit persistent grid (PrefillConfig.persistent): the launch-per-item kernel's outputs bit for bit, twice
+    # (the item counter resets itself at the end of each launch), and the float64 reference
+    import dataclasses
+    import sys
+
+    from cukv.prefill import default_config
+
+    monkeypatch.setattr(sys.modules["cukv.prefill"], "ONCE_GRID", grid)  # the module (cukv.prefill is the function)
+    base = default_config("bfloat16", d, page)
+    cfg = dataclasses.replace(base, persistent=True)
+    hq, hkv = 4, 2
+    bn = cfg.BN
+    case = _case(rng, [2 * bn + 5, 300, 1, 3 * bn, 40], [bn, 0, 2 * bn - 1, 0, 7], hq, hkv, d, page)
+    kw = dict(mask=mask, window=window, chunk=chunk, softcap=softcap, sink=sink)
+    out, lse = _run(case, hq, hkv, d, page, config=cfg, **kw)
+    out2, lse2 = _run(case, hq, hkv, d, page, config=cfg, **kw)
+    out_b, lse_b = _run(case, hq, hkv, d, page, config=base, **kw)
+    assert np.array_equal(out, out_b) and np.array_equal(lse, lse_b, equal_nan=True)
+    assert np.array_equal(out2, out) and np.array_equal(lse2, lse, equal_nan=True)
+    want_o, want_lse = _reference(case, hq, causal=mask == "causal", window=window, chunk=chunk, softcap=softcap,
+                                  sink=sink)
     assert_close(out, want_o, "bfloat16")
     assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
 
