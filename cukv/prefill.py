@@ -480,8 +480,6 @@ class BatchPrefill:
         """convert_once: ``rec`` (checked, with the FP8 cache's params) rewired to the planned workspace, its tensor
         maps and the OnceArgs record (the persistent grid: and ``q``'s tensor map, boxes of BM rows of one head); the
         config and work count to launch."""
-        from . import tma
-
         d = self._once
         once = np.zeros((), ONCE_ARGS)
         once["fp8"], once["flags"], once["num_kv_heads"] = rec["kv"], ptr(d["flags"]) + 128, self.num_kv_heads
@@ -489,19 +487,15 @@ class BatchPrefill:
         rec["kv"], rec["work"] = d["kv"], ptr(d["work"])
         args = (as_kernel_arg(rec), d["maps"], as_kernel_arg(once))
         if d["cfg"].persistent:
-            args += (tma.as_maps_arg(tma.encode_pages("q", tma.OnePage(q.view(np.uint8)), 128, d["cfg"].BM,
-                                                      tma.SWIZZLE_128B)),)
+            args += (_query_map(q, d["cfg"].BM),)
         return args, d["cfg"], d["num_work"]
 
     def _persistent_args(self, q):
         """A 16-bit cache's persistent grid: the OnceArgs record with only its work count and counters set, and
         ``q``'s tensor map (boxes of BM rows of one head), as convert-once's persistent grid takes them."""
-        from . import tma
-
         once = np.zeros((), ONCE_ARGS)
         once["flags"], once["num_work"] = ptr(self._counters) + 128, self._num_work
-        qmap = tma.encode_pages("q", tma.OnePage(q.view(np.uint8)), 128, self.config.BM, tma.SWIZZLE_128B)
-        return as_kernel_arg(once), tma.as_maps_arg(qmap)
+        return as_kernel_arg(once), _query_map(q, self.config.BM)
 
     def _tma_maps(self, k, v):
         """The K and V tensor maps of a ``tma`` config (cukv/tma.py) over the arrays the kernel reads: boxes of
@@ -568,6 +562,14 @@ class BatchPrefill:
         rec["batch_size"] = self.batch_size
         self._keep = od  # kernels read it during run
         return rec, (kd, vd)
+
+
+def _query_map(q, bm: int):
+    """The persistent grids' query tensor map (kernel argument): boxes of ``bm`` rows of one head, one 128-byte
+    swizzle atom wide, which warp 0 stages per work item (templates/prefill.cuh ``stage_item``)."""
+    from . import tma
+
+    return tma.as_maps_arg(tma.encode_pages("q", tma.OnePage(q.view(np.uint8)), 128, bm, tma.SWIZZLE_128B))
 
 
 def _work_list(q_lens, kv_lengths, cfg, mask, window, chunk) -> list:

@@ -1132,10 +1132,10 @@ struct PrefillKernel {
     int pending_v = -1;
     u32 ws_k = 0, ws_v = 0, ws_bar = 0, ws_k_early = 0;  // ns, 32 bits: an item's waits stay far below 4 s
     const u32 ws_t0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
-    // PERSISTENT: an item begun in the kernel's first 400 us (while the converters run), from the blocks' start
-    // (an item that reads the word before any block's start is visible counts as later; the form that handles it
-    // spilled 20 bytes at d256)
-    const bool early = CUKV_WAIT_STATS && PERSISTENT &&
+    // convert-once's persistent grid: an item begun in the kernel's first 400 us (while the converters run), from the
+    // blocks' start (an item that reads the word before any block's start is visible counts as later; the form that
+    // handles it spilled 20 bytes at d256). The 16-bit grid has no converters.
+    const bool early = CUKV_WAIT_STATS && PERSISTENT && kOnce &&
                        globaltimer_ns() - ~*reinterpret_cast<const volatile unsigned long long*>(once->flags - 32 + 10) <
                            400000ull;
     // PINGPONG: wait for the previous warpgroup's S issue, then let the next one go. Warpgroup 0 goes first
