@@ -10,6 +10,7 @@ import dataclasses
 import cupy as cp
 
 import cukv
+from cukv import prefill_config
 from cukv.bench.decode import interleaved_medians
 from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
 from cukv.bench.timing import Timer
@@ -25,18 +26,23 @@ def main():
     ap.add_argument("--shapes", default=SHAPES, help="batch x L x hq x hkv x d, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default="bf16,token,tensor")
-    ap.add_argument("--tiles", default=None, help="BM:BN[:BK:stages],... (default: TILES for the head dim; BK and "
+    ap.add_argument("--tiles", default=None, help="BM:BN[:BK:stages],... ('none': the default only; default: TILES for the head dim; BK and "
                     "stages default to the kind's default tile's)")
     ap.add_argument("--pingpong", default="", help="also try these kinds with pingpong flipped (e.g. bf16)")
     ap.add_argument("--persistent", default="", help="also try these kinds on the persistent grid (e.g. bf16)")
     ap.add_argument("--page", type=int, default=PAGE_SIZE, help="page size of the caches (1: the cp.async producer)")
+    ap.add_argument("--unchecked", action="store_true", help="skip the configs' measured rules (check_rule), to time "
+                    "tiles they exclude; ptxas and the kernels' static_asserts still apply")
     args = ap.parse_args()
+    if args.unchecked:
+        prefill_config.check_rule = lambda *a, **k: None
     timer = Timer()
     for shape in args.shapes.split(","):
         batch, seq_len, hq, hkv, d = map(int, shape.split("x"))
         data = _build(batch, seq_len, hq, hkv, d, page_size=args.page)
         q, k, v, cache, pt, offsets, lengths = data
-        tiles = [tuple(map(int, t.split(":"))) for t in filter(None, (args.tiles or TILES.get(d, "")).split(","))]
+        spec = "" if args.tiles == "none" else (args.tiles or TILES.get(d, ""))
+        tiles = [tuple(map(int, t.split(":"))) for t in filter(None, spec.split(","))]
         fns, outs, ref = {}, {}, {}
         for kind in args.kinds.split(","):
             if kind == "bf16":

@@ -16,9 +16,9 @@ from .device import sm_count
 from .config import check_in
 from .operand import KV_PARAMS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 # the configs and their defaults live in prefill_config; re-exported here, where users and tests have always found them
-from .prefill_config import (DEFAULTS, DEQUANT_TILES, FP8_PINGPONG, FP8_SCORES_BN, FP8_SCORES_OFF, HEAD_DIMS,  # noqa: F401
+from .prefill_config import (DEFAULTS, DEQUANT_TILES, FP8_PINGPONG, FP8_TILES, FP8_SCORES_BN, FP8_SCORES_OFF, HEAD_DIMS,  # noqa: F401
                              PINGPONG_16BIT, SMEM_LIMIT, KVBufferConfig, PrefillConfig, default_config,
-                             fp8_scores_unsupported, pingpong_16bit, tile_config, tma_applies, tma_box_rows)
+                             fp8_scores_unsupported, pingpong_16bit, pv_wait_16bit, tile_config, tma_applies, tma_box_rows)
 
 MASKS = ("none", "causal")
 
@@ -49,9 +49,9 @@ ONCE_TILES: dict = {256: (128, 80, 256, 3)}
 def once_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int,
                 persistent: bool | None = None) -> PrefillConfig:
     """The convert-once kernel (``PrefillConfig.convert_once``) of an FP8 cache: the head dim's ``ONCE_TILES`` tile
-    where it fits, else the 16-bit default tile, with the 16-bit ``pingpong`` (its consumers are the 16-bit
-    kernel's), on a persistent grid up to ``ONCE_PERSISTENT_MAX_HEAD_DIM`` unless ``persistent`` (or
-    ``ONCE_PERSISTENT``) says otherwise."""
+    where it fits, else the 16-bit default tile, else the FP8 fused kernels' (``FP8_TILES``), with the 16-bit
+    ``pingpong`` and ``pv_wait`` (its consumers are the 16-bit kernel's), on a persistent grid up to
+    ``ONCE_PERSISTENT_MAX_HEAD_DIM`` unless ``persistent`` (or ``ONCE_PERSISTENT``) says otherwise."""
     if head_dim not in DEFAULTS or head_dim > 256:
         raise ValueError(f"fp8_prefill='convert_once' supports head_dim up to 256, not {head_dim}")
     persistent = _once_persistent(head_dim) if persistent is None else persistent
@@ -59,14 +59,17 @@ def once_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_
     def build(tile):
         bm, bn, bk, st = tile
         return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
-                             tma=True, convert_once=True, pingpong=pingpong_16bit(head_dim, bm), persistent=persistent)
+                             tma=True, convert_once=True, pingpong=pingpong_16bit(head_dim, bm), persistent=persistent,
+                             pv_wait=pv_wait_16bit(dtype, head_dim, bn, bk, st))
 
-    if head_dim in ONCE_TILES:
+    # e.g. 32- and 64-dim blocks at d256 launched per item fit neither ONCE_TILES' tile nor d256's one-tile ring
+    tiles = [t for t in (ONCE_TILES.get(head_dim), DEFAULTS[head_dim], FP8_TILES.get(head_dim)) if t is not None]
+    for tile in tiles[:-1]:
         try:
-            return build(ONCE_TILES[head_dim])
-        except ValueError:  # e.g. 32- and 64-dim blocks at d256 launched per item: the default tile says why not
+            return build(tile)
+        except ValueError:
             pass
-    return build(DEFAULTS[head_dim])
+    return build(tiles[-1])  # the last one says why not
 
 
 def _once_persistent(head_dim: int) -> bool:

@@ -145,6 +145,11 @@ class PrefillConfig:
     #: consumers are done. 16-bit caches: needs ``tma``, the whole head in one ring element (``BK >= head_dim``) and
     #: a producer warpgroup (``BM >= 128``); the counter resets itself, so a launch needs no memset.
     persistent: bool = False
+    #: each tile's P V completes before the next tile's S is issued (cuDNN's order) instead of overlapping it: S and P
+    #: are never live together, so a 128-key tile at d256 fits the consumers' registers, and the V element is released
+    #: a tile earlier, which a ring of one tile (``stages`` = K elements + 1) needs. Default there (``pv_wait_16bit``);
+    #: elsewhere the overlap measured 2-4% faster (H100, benchmarks/NOTES.md session 43).
+    pv_wait: bool = False
 
     def __post_init__(self):
         c = "PrefillConfig"
@@ -180,6 +185,7 @@ class PrefillConfig:
                        f"needs tensor copies (tma=True), BM >= 128 and the whole head in one ring element "
                        f"(BK >= head_dim); got tma={self.tma}, BM={self.BM}, BK={self.BK}, head_dim={self.head_dim}")
         check_bool(c, "pingpong", self.pingpong)
+        check_bool(c, "pv_wait", self.pv_wait)
         if self.pingpong:
             check_rule(c, "pingpong", True, self.BM >= 128,
                        f"needs two or more consumer warpgroups (BM >= 128, not {self.BM})")
@@ -191,9 +197,14 @@ class PrefillConfig:
                    f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
         # measured (ptxas, sm_90a): with two consumer warpgroups, wide tiles and 2-atom+ elements, any ring
         # depth but 4 spills a few bytes of the ring arithmetic
+        # a ring of one tile (2) compiles without spills with pv_wait at d256 and on the persistent grids (session 43:
+        # 16-bit d192 BN=128 launched per item spills 16-20 bytes, the dequantizing FP8 kernels at d128/d192 12-336)
         check_rule(c, "stages", self.stages,
-                   not (self.BM == 128 and self.BK >= 128 and self.BN >= 96) or self.stages == 4,
-                   "must be 4 when BM=128, BK>=128 and BN>=96 (other depths spill there)")
+                   not (self.BM == 128 and self.BK >= 128 and self.BN >= 96) or self.stages == 4
+                   or (self.stages == 2 and self.pv_wait
+                       and (self.head_dim == 256 or self.persistent or self.convert_once)),
+                   "must be 4 when BM=128, BK>=128 and BN>=96, or 2 with pv_wait=True at head_dim=256, on the "
+                   "persistent grid or in convert_once (other depths spill there)")
         # the same, found by compiling every BM 128/192 shape at head_dim >= 192 (session 32, benchmarks/NOTES.md):
         # whole elements of 48-80 rows copied without tensor copies spill 12-96 bytes at depths 3 and 5-7
         kb = self.kv_buffer
@@ -213,8 +224,9 @@ class PrefillConfig:
                    "(BM>=128; BN=128 spills 20-40 bytes there)")
         limit = self.consumer_registers - 24
         check_rule(c, "BN", self.BN, self.register_estimate <= limit,
-                   f"S ({self.BN // 2}) + O ({self.v_cols // 2}) + P ({self.BN // 4}) accumulator registers per thread "
-                   f"= {self.register_estimate} would spill (limit {limit} with BM={self.BM}); lower BN or BM")
+                   f"S ({self.BN // 2}) + O ({self.v_cols // 2})" + ("" if self.pv_wait else f" + P ({self.BN // 4})")
+                   + f" accumulator registers per thread = {self.register_estimate} would spill (limit {limit} with "
+                   f"BM={self.BM}); lower BN or BM" + ("" if self.pv_wait else ", or set pv_wait=True"))
 
     @cached_property
     def kv_buffer(self) -> KVBufferConfig:
@@ -290,7 +302,9 @@ class PrefillConfig:
 
     @property
     def register_estimate(self) -> int:
-        return self.BN // 2 + self.v_cols // 2 + self.BN // 4
+        """Accumulator registers per consumer thread at the peak: S, O and the P V in flight while the next S forms
+        (``pv_wait``: P V completes first, so S and O)."""
+        return self.BN // 2 + self.v_cols // 2 + (0 if self.pv_wait else self.BN // 4)
 
     @property
     def q_bytes(self) -> int:
@@ -347,7 +361,7 @@ class PrefillConfig:
         q = ((f"_e4m3s{self.scale_block}" + ("_qk8" if self.fp8_scores else "") if self.quantized else "")
              + ("_tma" if self.tma else "") + ("_once" if self.convert_once else "") + ("_pers" if self.persistent else ""))
         return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
-                f"_k{self.BK}_s{self.stages}" + ("_pp" if self.pingpong else ""))
+                f"_k{self.BK}_s{self.stages}" + ("_pp" if self.pingpong else "") + ("_pvw" if self.pv_wait else ""))
 
     def render(self) -> str:
         kb = self.kv_buffer
@@ -363,7 +377,7 @@ class PrefillConfig:
             consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
             kscale_bytes=self.kscale_bytes, ks_mma=self.ks_mma, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES,
             pingpong=self.pingpong, once_page=self.page_size if self.convert_once else 0,
-            once_args_bytes=ONCE_ARGS.itemsize, persistent=self.persistent)
+            once_args_bytes=ONCE_ARGS.itemsize, persistent=self.persistent, pv_wait=self.pv_wait)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -380,7 +394,9 @@ DEFAULTS = {
     96: (128, 128, 128, 4),
     128: (128, 128, 128, 4),
     192: (128, 64, 192, 4),
-    256: (128, 64, 256, 4),
+    # d256 moved from 128 x 64 x 4 with pv_wait (session 43, H100, interleaved rounds, causal): 128 keys in a ring of
+    # one tile ran 1.085-1.13x of it at MHA b4 L4096 and b2 L8192 h16, 1.08x at GQA 4 b4 L4096
+    256: (128, 128, 256, 2),
     512: (64, 64, 256, 4),
 }
 
@@ -390,7 +406,8 @@ DEFAULTS = {
 DEQUANT_TILES = {128: (192, 64, 128, 4)}
 #: FP8 caches' fused kernels start from these tiles instead of DEFAULTS: d64 keeps the 192 x 96 its kernels were
 #: measured with before the 16-bit default moved to 128 x 128 (session 42; convert-once runs the 16-bit tile)
-FP8_TILES = {64: (192, 96, 64, 6)}
+#: and d256 keeps 128 x 64 x 4, since its raw slots do not fit beside a 128-key tile of one stage (session 43)
+FP8_TILES = {64: (192, 96, 64, 6), 256: (128, 64, 256, 4)}
 #: ``fp8_scores`` tiles take DEFAULTS but for these BN limits: at BN=128 the 88-register producer beside two
 #: consumer warpgroups spills (ptxas, d80/d96)
 FP8_SCORES_BN = {80: 64, 96: 64}
@@ -459,15 +476,25 @@ def tma_applies(page_size: int, BN: int) -> bool:
     return tma_box_rows(page_size, BN) % 8 == 0
 
 
+def pv_wait_16bit(dtype: str, head_dim: int, BN: int, BK: int, stages: int) -> bool:
+    """Whether a 16-bit tile (and convert-once's) waits for each P V before the next S (``PrefillConfig.pv_wait``):
+    where the ring holds one tile, whose V element must be free before the next tile's V can land. H100, session 43:
+    d256 128 x 128 keys x 2 stages 1.09-1.13x faster with it than without (and than the 64-key default); the 64-key
+    d256 default and the d64 / d128 defaults 2-4% slower with it."""
+    return stages == KVBufferConfig(dtype, BN, BK, head_dim, stages).num_k_tiles + 1
+
+
 def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
     """The 16-bit config of this tile with the producer, issue order and grid the defaults use: tensor copies (``tma``)
     wherever the pages allow them (3-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md
     session 18), S in warpgroup ring order where ``pingpong_16bit`` says (session 34), the persistent grid where
-    ``persistent_16bit`` says (session 42). The documented default, the
-    autotuner's candidates and its stored records all come from here, so a tuned tile keeps the same order."""
+    ``persistent_16bit`` says (session 42), P V waited for in a ring of one tile (``pv_wait_16bit``, session 43). The
+    documented default, the autotuner's candidates and its stored records all come from here, so a tuned tile keeps
+    the same order."""
     tma = tma_applies(page_size, BN)
     return PrefillConfig(dtype, head_dim, page_size, BM, BN, BK, stages, tma=tma, pingpong=pingpong_16bit(head_dim, BM),
-                         persistent=persistent_16bit(head_dim, BM, BK, tma))
+                         persistent=persistent_16bit(head_dim, BM, BK, tma),
+                         pv_wait=pv_wait_16bit(dtype, head_dim, BN, BK, stages))
 
 
 def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,

@@ -57,6 +57,10 @@ struct alignas(8) PrefillArgs {
 // [pages][token][head][dim]. 16-bit caches: bytes, boxes of one 128-byte atom straight into the ring (128-byte
 // swizzle); the tile holding a sequence's end keeps cp.async. FP8: codes into raw slots (K into the ring when
 // FP8_SCORES), and the scales keep their per-lane copies (token K scales: a register per lane, see kKsMma).
+// PV_WAIT: each tile's P V completes before the next tile's S is issued (cuDNN's order), so S and P are never live
+// together (a 128-key tile at d256 fits the consumers' registers) and the V element is released a tile earlier, which
+// a ring of one tile needs; elsewhere P V(t) overlapping S(t + 1) measured 2-4% faster (benchmarks/NOTES.md
+// session 43).
 // PINGPONG: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers 4 + wg), so the
 // tensor cores finish one warpgroup's scores before the next one's and the softmax phases drift apart instead of
 // running in lock-step (FP8 at d128/d256: 2-4% faster on H100, benchmarks/NOTES.md session 17).
@@ -104,7 +108,7 @@ struct alignas(8) OnceArgs {
 
 template <typename T, int DEPTH, int BM, int BN, int BK, int STAGES, int PAGE_SIZE, bool QUANTIZED = false,
           int SCALE_BLOCK = 0, bool FP8_SCORES = false, int TMA_ROWS = 0, bool PINGPONG = false, int ONCE_PAGE = 0,
-          bool PERSISTENT = false>
+          bool PERSISTENT = false, bool PV_WAIT = false>
 struct PrefillKernel {
   typedef KVBuffer<T, BN, BK, DEPTH, STAGES> Buf;
   typedef typename Select<QUANTIZED, unsigned char, T>::type KVT;
@@ -1312,8 +1316,14 @@ struct PrefillKernel {
       }
       wgmma_commit();
       trace_mark(it, 5);
-      fence_regs(o);
-      pending_v = vstage;
+      if constexpr (PV_WAIT) {
+        wgmma_wait<0>();
+        fence_regs(o);
+        if (lane == 0) mbar_arrive(sm.empty + 8 * vstage);
+      } else {
+        fence_regs(o);
+        pending_v = vstage;
+      }
       count += 1;
     }
     wgmma_wait<0>();

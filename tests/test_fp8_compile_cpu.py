@@ -136,8 +136,8 @@ def test_tma_page_tensor_checks():
 def test_pingpong_domain():
     ok = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, pingpong=True)
     assert ok.name.endswith("_pp") and ok.smem_bytes == dataclasses.replace(ok, pingpong=False).smem_bytes
-    assert ", true, 0, false> K;" in ok.render()
-    assert ", false, 0, false> K;" in dataclasses.replace(ok, pingpong=False).render()
+    assert ", true, 0, false, false> K;" in ok.render()
+    assert ", false, 0, false, false> K;" in dataclasses.replace(ok, pingpong=False).render()
     with pytest.raises(ValueError, match=r"pingpong.*BM >= 128, not 64"):
         PrefillConfig("bfloat16", 128, 16, 64, 64, 128, 4, pingpong=True)
     with pytest.raises(ValueError, match="pingpong=1 is not valid"):
@@ -206,8 +206,9 @@ def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
 
 def test_convert_once_takes_its_own_d256_tile_where_it_fits(monkeypatch):
     # ONCE_TILES (session 35): 128 x 80 x 3 at d256 for every granularity on the persistent grid; a tile that does not
-    # fit falls back to the 16-bit default, and where neither fits the default's error says why
-    from cukv.prefill import ONCE_TILES, once_config
+    # fit falls back to the 16-bit default, then to the FP8 fused kernels' tile (d256's 16-bit default, 128 keys in a
+    # ring of one tile, leaves convert-once's raw slots no room), and where none fits the last one's error says why
+    from cukv.prefill import FP8_TILES, ONCE_TILES, once_config
 
     for sb in (256, 128, 64, 32, 0):
         c = once_config("bfloat16", 256, 16, "fp8_e4m3", sb)
@@ -217,7 +218,9 @@ def test_convert_once_takes_its_own_d256_tile_where_it_fits(monkeypatch):
     assert once_config("bfloat16", 128, 16, "fp8_e4m3", 128).BN == DEFAULTS[128][1]  # d128: the default tile
     monkeypatch.setitem(sys.modules["cukv.prefill"].ONCE_TILES, 256, (128, 128, 256, 4))  # 290 KB: too big
     c = once_config("bfloat16", 256, 16, "fp8_e4m3", 256)
-    assert (c.BM, c.BN, c.BK, c.stages) == DEFAULTS[256]
+    assert (c.BM, c.BN, c.BK, c.stages) == FP8_TILES[256] == (128, 64, 256, 4) and not c.pv_wait
+    monkeypatch.setitem(sys.modules["cukv.prefill"].ONCE_TILES, 128, (128, 96, 128, 2))  # a ring of one tile
+    assert once_config("bfloat16", 128, 16, "fp8_e4m3", 128).pv_wait
     with pytest.raises(ValueError, match="shared memory"):
         once_config("bfloat16", 256, 16, "fp8_e4m3", 64, persistent=False)
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cukv.operand import PREFILL_ARGS
-from cukv.prefill import DEFAULTS, HEAD_DIMS, SMEM_LIMIT, KVBufferConfig, PrefillConfig
+from cukv.prefill import DEFAULTS, HEAD_DIMS, SMEM_LIMIT, KVBufferConfig, PrefillConfig, pv_wait_16bit, tile_config
 
 DTYPES = ("bfloat16", "float16")
 PAGE_SIZES = (0, 1, 16, 48)
@@ -43,7 +43,7 @@ def shape_args():
         "dtype": st.sampled_from(DTYPES), "head_dim": st.sampled_from(HEAD_DIMS),
         "page_size": st.sampled_from(PAGE_SIZES), "BM": st.sampled_from(BMS), "BN": st.sampled_from(BNS),
         "BK": st.sampled_from(BKS), "stages": st.sampled_from(STAGES), "pingpong": st.booleans(),
-        "tma": st.booleans()})
+        "tma": st.booleans(), "pv_wait": st.booleans()})
 
 
 def valid_args():
@@ -103,8 +103,9 @@ def test_bn_domain():
 
 def test_every_head_dim_has_valid_shapes_and_a_valid_default():
     assert {v[0] for v in VALID} == set(HEAD_DIMS)
-    for d in HEAD_DIMS:
-        assert (d, *DEFAULTS[d]) in VALID
+    for d in HEAD_DIMS:  # VALID leaves pv_wait off; d256's default rings one tile and needs it
+        cfg = tile_config("bfloat16", d, 16, *DEFAULTS[d])
+        assert (d, *DEFAULTS[d]) in VALID or (cfg.pv_wait and d == 256), d
     assert len(VALID) > 200
 
 
@@ -143,7 +144,7 @@ def test_every_point_raises_naming_a_field_or_renders(a):
         assert f"== {value}," in line, (what, value, line)
     assert ("__nv_bfloat16" if cfg.dtype == "bfloat16" else "__half") in src
     assert (f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}, false, 0, false, {cfg.tma_rows}, "
-            f"{str(cfg.pingpong).lower()}, 0, false>") in src
+            f"{str(cfg.pingpong).lower()}, 0, false, {str(cfg.pv_wait).lower()}>") in src
     assert cfg.render() == src  # deterministic: the cache key depends on it
 
 
@@ -208,7 +209,8 @@ def test_defaults_compile_without_spills_at_odd_page_sizes():
     """Page sizes 16 and 0 are the shipped specializations (test_shipped); 1 and 48 have their own row math."""
     from cukv.autotune import _compile_reports
 
-    cfgs = [PrefillConfig("bfloat16", d, ps, *DEFAULTS[d]) for d in HEAD_DIMS for ps in (1, 48)]
+    cfgs = [PrefillConfig("bfloat16", d, ps, *DEFAULTS[d], pv_wait=pv_wait_16bit("bfloat16", d, *DEFAULTS[d][1:]))
+            for d in HEAD_DIMS for ps in (1, 48)]
     _compile_reports(cfgs, jobs=2)  # into the disk cache, two processes at a time
     for cfg in cfgs:
         _check_compiles(cfg)
@@ -323,3 +325,26 @@ def test_batch_prefill_refuses_head_counts(args, match):
 
     with pytest.raises(ValueError, match=match):
         cukv.BatchPrefill(*args, page_size=16)
+
+
+def test_pv_wait_domain():
+    """pv_wait: on by default exactly where the ring holds one tile (d256's 128-key default); it lifts the P-register
+    term of the register rule and admits a ring of one tile where that compiles without spills."""
+    d256 = tile_config("bfloat16", 256, 16, *DEFAULTS[256])
+    assert d256.pv_wait and d256.stages == 2 and d256.name.endswith("_pp_pvw") and d256.persistent
+    assert "2, 16, false, 0, false, 16, true, 0, true, true> K;" in d256.render()
+    for d in HEAD_DIMS:
+        assert tile_config("bfloat16", d, 16, *DEFAULTS[d]).pv_wait is (d == 256), d
+    assert not tile_config("bfloat16", 256, 16, 128, 64, 256, 4).pv_wait
+    assert tile_config("bfloat16", 128, 16, 128, 128, 128, 2).pv_wait  # a ring of one tile, not a default
+    with pytest.raises(ValueError, match=r"PrefillConfig\.stages=2 .*pv_wait=True"):
+        dataclasses.replace(d256, pv_wait=False)
+    with pytest.raises(ValueError, match=r"PrefillConfig\.pv_wait=1 is not valid"):
+        dataclasses.replace(d256, pv_wait=1)
+    # launched per item, d192's one-tile ring spills (ptxas, session 43): the stages rule keeps it out
+    with pytest.raises(ValueError, match=r"PrefillConfig\.stages=2"):
+        PrefillConfig("bfloat16", 192, 16, 128, 128, 192, 2, tma=True, pv_wait=True)
+    # S + O + P at d256 x 128 keys is over the consumers' budget; with pv_wait P V completes before the next S
+    assert d256.register_estimate == 64 + 128
+    assert dataclasses.replace(d256, stages=4, BN=64, pv_wait=False).register_estimate == 32 + 128 + 16
+    _check_compiles(d256)

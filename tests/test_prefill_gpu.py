@@ -252,8 +252,9 @@ def test_prefill_persistent_16bit(rng, monkeypatch, d, page, mask, window, chunk
     from cukv.prefill import default_config
 
     monkeypatch.setattr(sys.modules["cukv.prefill"], "ONCE_GRID", grid)  # the module (cukv.prefill is the function)
-    base = default_config("bfloat16", d, page)
-    cfg = dataclasses.replace(base, persistent=True)
+    cfg = default_config("bfloat16", d, page)
+    assert cfg.persistent
+    base = dataclasses.replace(cfg, persistent=False)
     hq, hkv = 4, 2
     bn = cfg.BN
     case = _case(rng, [2 * bn + 5, 300, 1, 3 * bn, 40], [bn, 0, 2 * bn - 1, 0, 7], hq, hkv, d, page)
@@ -265,6 +266,33 @@ def test_prefill_persistent_16bit(rng, monkeypatch, d, page, mask, window, chunk
     assert np.array_equal(out2, out) and np.array_equal(lse2, lse, equal_nan=True)
     want_o, want_lse = _reference(case, hq, causal=mask == "causal", window=window, chunk=chunk, softcap=softcap,
                                   sink=sink)
+    assert_close(out, want_o, "bfloat16")
+    assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
+
+
+@pytest.mark.parametrize("d,page,mask,tile", [
+    (256, 16, "causal", (128, 64, 256, 4)),   # the 64-key tile, overlapped by default
+    (256, 0, "none", (128, 64, 256, 4)),
+    (128, 16, "causal", (128, 128, 128, 4)),
+    (256, 16, "causal", None),                # d256's default: 128 keys in a ring of one tile, pv_wait on
+])
+def test_prefill_pv_wait(rng, d, page, mask, tile):
+    # P V completed before the next S (PrefillConfig.pv_wait) changes when the wgmmas are waited for, not what they
+    # add: the same tile's outputs bit for bit either way, and the float64 reference
+    import dataclasses
+
+    from cukv.prefill import default_config, tile_config
+
+    cfg = tile_config("bfloat16", d, page, *tile) if tile else default_config("bfloat16", d, page)
+    other = dataclasses.replace(cfg, pv_wait=not cfg.pv_wait) if tile else None
+    hq, hkv = 4, 2
+    bn = cfg.BN
+    case = _case(rng, [2 * bn + 5, 300, 1, 3 * bn], [bn, 0, 2 * bn - 1, 7], hq, hkv, d, page)
+    out, lse = _run(case, hq, hkv, d, page, config=cfg, mask=mask)
+    if other is not None:
+        out_o, lse_o = _run(case, hq, hkv, d, page, config=other, mask=mask)
+        assert np.array_equal(out, out_o) and np.array_equal(lse, lse_o, equal_nan=True)
+    want_o, want_lse = _reference(case, hq, causal=mask == "causal")
     assert_close(out, want_o, "bfloat16")
     assert_close(lse, want_lse, "float32", atol=2e-3, rtol=2e-3, name="lse")
 
