@@ -42,8 +42,12 @@ ONCE_GRID: int | None = None
 #: 0.989 / 1.017, 32-dim 0.987 / 1.024, per-tensor 1.000 / 1.030; b4 L4096 0.996 / 0.990, 0.991 / 0.990, 0.972 /
 #: 0.976, 0.986 / 0.984; GQA 4 b4 L4096 1.030 / 1.041, 1.036 / 1.046; b16 L1024 0.859 / 0.858. A first call had 80 x
 #: 3 at 0.985 against 0.973 (b4 L4096) and 1.016 against 1.001 (b2 L8192); 80 x 2, 48 x 5 and 64 x 3 were 3-12%
-#: slower. The 16-bit kernel stays at 64 x 4 (80 x 4: 0.91 of it; 64 x 5: 0.99).
-ONCE_TILES: dict = {256: (128, 80, 256, 3)}
+#: slower. Session 43 (pv_wait, probe_once_tiles.py, 7 rounds, bf16/FP8 against the new 128-key 16-bit default for
+#: 80 x 3 / 96 x 2 / 112 x 2): token MHA b4 L4096 0.870 / 0.894 / 0.891, b2 L8192 0.921 / 0.952 / 0.955, GQA 4 b4
+#: L4096 0.924 / 0.951 / 0.957; 64-dim blocks 0.864 / 0.897 / 0.894, 0.903 / 0.929 / 0.937, 0.933 / 0.951 / 0.952.
+#: So 112 keys in a ring of one tile (with pv_wait); 128 keys leave the converters' raw quarters no room. Launched per
+#: item (four raw quarters) it does not fit either, and falls back to FP8_TILES' 64 x 4.
+ONCE_TILES: dict = {256: (128, 112, 256, 2)}
 
 
 def once_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str, scale_block: int,

@@ -212,9 +212,9 @@ def test_convert_once_takes_its_own_d256_tile_where_it_fits(monkeypatch):
 
     for sb in (256, 128, 64, 32, 0):
         c = once_config("bfloat16", 256, 16, "fp8_e4m3", sb)
-        assert (c.BM, c.BN, c.BK, c.stages) == ONCE_TILES[256] == (128, 80, 256, 3), sb
-    c = once_config("bfloat16", 256, 16, "fp8_e4m3", 256, persistent=False)  # fits launched per item too
-    assert (c.BN, c.stages, c.persistent) == (80, 3, False)
+        assert (c.BM, c.BN, c.BK, c.stages) == ONCE_TILES[256] == (128, 112, 256, 2) and c.pv_wait, sb
+    c = once_config("bfloat16", 256, 16, "fp8_e4m3", 256, persistent=False)  # launched per item: four raw quarters
+    assert (c.BN, c.stages, c.persistent, c.pv_wait) == (64, 4, False, False)
     assert once_config("bfloat16", 128, 16, "fp8_e4m3", 128).BN == DEFAULTS[128][1]  # d128: the default tile
     monkeypatch.setitem(sys.modules["cukv.prefill"].ONCE_TILES, 256, (128, 128, 256, 4))  # 290 KB: too big
     c = once_config("bfloat16", 256, 16, "fp8_e4m3", 256)
