@@ -50,8 +50,8 @@ class KVBufferConfig:
                    f"must be the head dim rounded up to 64 ({_round64(self.depth)}, full_kv) or divide "
                    f"depth={self.depth} (streamed blocks)")
         check_range(c, "stages", self.stages, 2, 8)
-        check_rule(c, "stages", self.stages, self.stages >= self.num_k_tiles + 1,
-                   f"must be >= num_k_tiles + 1 = {self.num_k_tiles + 1} (a tile's K elements and the previous V)")
+        check_rule(c, "stages", self.stages, self.stages >= self.one_tile_stages,
+                   f"must be >= num_k_tiles + 1 = {self.one_tile_stages} (a tile's K elements and the previous V)")
         check_in(c, "swizzle", self.swizzle, (128,))
         check_bool(c, "transpose", self.transpose)
         cd = self.cache_depth if self.cache_depth is not None else self.depth
@@ -67,6 +67,11 @@ class KVBufferConfig:
     @property
     def full_kv(self) -> bool:
         return self.BK >= self.depth
+
+    @property
+    def one_tile_stages(self) -> int:
+        """The shallowest ring: one tile's K elements and a V element (``PrefillConfig.pv_wait`` waits there)."""
+        return self.num_k_tiles + 1
 
     @property
     def num_repeats(self) -> int:
@@ -481,7 +486,7 @@ def pv_wait_16bit(dtype: str, head_dim: int, BN: int, BK: int, stages: int) -> b
     where the ring holds one tile, whose V element must be free before the next tile's V can land. H100, session 43:
     d256 128 x 128 keys x 2 stages 1.09-1.13x faster with it than without (and than the 64-key default); the 64-key
     d256 default and the d64 / d128 defaults 2-4% slower with it."""
-    return stages == KVBufferConfig(dtype, BN, BK, head_dim, stages).num_k_tiles + 1
+    return stages == KVBufferConfig(dtype, BN, BK, head_dim, stages).one_tile_stages
 
 
 def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
