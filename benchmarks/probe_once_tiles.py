@@ -10,8 +10,8 @@ import sys
 import cupy as cp
 
 import cukv
-from cukv import prefill_config
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _as_float, probe_cases, probe_report
+from cukv.bench.prefill import (DTYPE, PAGE_SIZE, _as_float, add_unchecked_option, apply_unchecked, probe_cases,
+                                 probe_report)
 from cukv.bench.timing import Timer
 from cukv.prefill_config import DEFAULTS, tile_config
 
@@ -25,11 +25,9 @@ def main():
     ap.add_argument("--bf16-tiles", default="80x4,64x5", help="bf16 BN x stages beside the default")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--fused", action="store_true", help="also time fp8_prefill='fused'")
-    ap.add_argument("--unchecked", action="store_true", help="skip the configs' measured rules (check_rule), to time "
-                    "tiles they exclude; ptxas and the kernels' static_asserts still apply")
+    add_unchecked_option(ap)
     args = ap.parse_args()
-    if args.unchecked:
-        prefill_config.check_rule = lambda *a, **k: None
+    apply_unchecked(args)
     args.gran = int(args.gran) if args.gran.isdigit() else args.gran
     P = sys.modules["cukv.prefill"]
     timer = Timer()

@@ -10,9 +10,8 @@ import dataclasses
 import cupy as cp
 
 import cukv
-from cukv import prefill_config
 from cukv.bench.decode import interleaved_medians
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, add_unchecked_option, apply_unchecked, fp8_cache_like
 from cukv.bench.timing import Timer
 from cukv.prefill import default_config, tma_applies
 
@@ -26,16 +25,14 @@ def main():
     ap.add_argument("--shapes", default=SHAPES, help="batch x L x hq x hkv x d, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default="bf16,token,tensor")
-    ap.add_argument("--tiles", default=None, help="BM:BN[:BK:stages],... ('none': the default only; default: TILES for the head dim; BK and "
-                    "stages default to the kind's default tile's)")
+    ap.add_argument("--tiles", default=None, help="BM:BN[:BK:stages],... ('none': the default only; default: TILES "
+                    "for the head dim; BK and stages default to the kind's default tile's)")
     ap.add_argument("--pingpong", default="", help="also try these kinds with pingpong flipped (e.g. bf16)")
     ap.add_argument("--persistent", default="", help="also try these kinds on the persistent grid (e.g. bf16)")
     ap.add_argument("--page", type=int, default=PAGE_SIZE, help="page size of the caches (1: the cp.async producer)")
-    ap.add_argument("--unchecked", action="store_true", help="skip the configs' measured rules (check_rule), to time "
-                    "tiles they exclude; ptxas and the kernels' static_asserts still apply")
+    add_unchecked_option(ap)
     args = ap.parse_args()
-    if args.unchecked:
-        prefill_config.check_rule = lambda *a, **k: None
+    apply_unchecked(args)
     timer = Timer()
     for shape in args.shapes.split(","):
         batch, seq_len, hq, hkv, d = map(int, shape.split("x"))

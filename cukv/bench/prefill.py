@@ -228,6 +228,21 @@ def probe_report(label: str, timer, fns: dict, rounds: int, diffs: dict | None =
     return med
 
 
+def add_unchecked_option(ap) -> None:
+    """The tile probes' ``--unchecked``: :func:`apply_unchecked` then skips the configs' measured domain rules."""
+    ap.add_argument("--unchecked", action="store_true", help="skip the configs' measured rules (check_rule), to time "
+                    "tiles they exclude; ptxas and the kernels' static_asserts still apply")
+
+
+def apply_unchecked(args) -> None:
+    """With ``--unchecked``, every ``check_rule`` of the prefill configs passes for the rest of the process (a probe's
+    choice: the resource checks are then ptxas's and the kernels' own)."""
+    if args.unchecked:
+        from .. import prefill_config
+
+        prefill_config.check_rule = lambda *a, **k: None
+
+
 def once_variant(strategy: str):
     """A probe's strategy name to ``(fp8_prefill, prefill.ONCE_PERSISTENT, prefill.ONCE_GRID)``:
     ``'convert_once:np'`` runs convert-once on the launch-per-item grid, ``'convert_once:gN'`` on a persistent grid of
