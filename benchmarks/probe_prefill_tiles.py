@@ -29,6 +29,7 @@ def main():
                     "for the head dim; BK and stages default to the kind's default tile's)")
     ap.add_argument("--pingpong", default="", help="also try these kinds with pingpong flipped (e.g. bf16)")
     ap.add_argument("--persistent", default="", help="also try these kinds on the persistent grid (e.g. bf16)")
+    ap.add_argument("--pv-wait", default="", help="also try these kinds with pv_wait flipped (e.g. bf16)")
     ap.add_argument("--page", type=int, default=PAGE_SIZE, help="page size of the caches (1: the cp.async producer)")
     add_unchecked_option(ap)
     args = ap.parse_args()
@@ -61,6 +62,12 @@ def main():
             if kind in args.pingpong.split(","):
                 cfgs += [(n + " pp^", dataclasses.replace(c, pingpong=not c.pingpong)) for n, c in list(cfgs)
                          if c.BM >= 128]
+            if kind in args.pv_wait.split(","):
+                for n, c in list(cfgs):
+                    try:
+                        cfgs.append((n + " pvw^", dataclasses.replace(c, pv_wait=not c.pv_wait)))
+                    except ValueError as e:
+                        print(f"  skip {kind} {n} pvw^: {str(e)[:160]}")
             if kind in args.persistent.split(","):
                 for n, c in list(cfgs):
                     try:
