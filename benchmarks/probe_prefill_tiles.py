@@ -20,6 +20,18 @@ SHAPES = "4x4096x32x8x128,1x16384x32x8x128,8x2048x32x32x128,4x4096x16x16x256,8x2
 TILES = {64: "192:128,128:128,192:64", 128: "128:128,128:96,128:64", 256: ""}
 
 
+def variants(cfgs, kind, suffix, change):
+    """Each (label, config) of ``cfgs`` with the fields ``change(config)`` gives, labelled ``label suffix``; configs
+    outside the domain are skipped with the reason."""
+    got = []
+    for n, c in cfgs:
+        try:
+            got.append((f"{n} {suffix}", dataclasses.replace(c, **change(c))))
+        except ValueError as e:
+            print(f"  skip {kind} {n} {suffix}: {str(e)[:160]}")
+    return got
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=SHAPES, help="batch x L x hq x hkv x d, comma-separated")
@@ -63,17 +75,9 @@ def main():
                 cfgs += [(n + " pp^", dataclasses.replace(c, pingpong=not c.pingpong)) for n, c in list(cfgs)
                          if c.BM >= 128]
             if kind in args.pv_wait.split(","):
-                for n, c in list(cfgs):
-                    try:
-                        cfgs.append((n + " pvw^", dataclasses.replace(c, pv_wait=not c.pv_wait)))
-                    except ValueError as e:
-                        print(f"  skip {kind} {n} pvw^: {str(e)[:160]}")
+                cfgs += variants(cfgs, kind, "pvw^", lambda c: dict(pv_wait=not c.pv_wait))
             if kind in args.persistent.split(","):
-                for n, c in list(cfgs):
-                    try:
-                        cfgs.append((n + " pers", dataclasses.replace(c, persistent=True)))
-                    except ValueError as e:
-                        print(f"  skip {kind} {n} pers: {str(e)[:160]}")
+                cfgs += variants(cfgs, kind, "pers", lambda c: dict(persistent=True))
             for label, cfg in cfgs:
                 name = f"{kind} {label}"
                 pf = cukv.BatchPrefill(hq, hkv, d, page_size=args.page, dtype=DTYPE, config=cfg, **kw)
