@@ -216,6 +216,7 @@ def test_convert_once_takes_its_own_d256_tile_where_it_fits(monkeypatch):
     c = once_config("bfloat16", 256, 16, "fp8_e4m3", 256, persistent=False)  # launched per item: four raw quarters
     assert (c.BN, c.stages, c.persistent, c.pv_wait) == (64, 4, False, False)
     assert once_config("bfloat16", 128, 16, "fp8_e4m3", 128).BN == DEFAULTS[128][1]  # d128: the default tile
+    assert once_config("bfloat16", 64, 16, "fp8_e4m3", 64).stages == ONCE_TILES[64][3] == 4  # d64: 4 stages, not 6
     monkeypatch.setitem(sys.modules["cukv.prefill"].ONCE_TILES, 256, (128, 128, 256, 4))  # 290 KB: too big
     c = once_config("bfloat16", 256, 16, "fp8_e4m3", 256)
     assert (c.BM, c.BN, c.BK, c.stages) == FP8_TILES[256] == (128, 64, 256, 4) and not c.pv_wait
