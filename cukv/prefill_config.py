@@ -186,7 +186,7 @@ class PrefillConfig:
         if self.persistent and not self.convert_once:
             check_rule(c, "persistent", True, not self.quantized,
                        "runs FP8 caches only as convert_once's grid (convert_once=True)")
-            check_rule(c, "persistent", True, self.tma and self.BM >= 128 and self.BK >= self.head_dim,
+            check_rule(c, "persistent", True, persistent_grid_fits(self.head_dim, self.BM, self.BK, self.tma),
                        f"needs tensor copies (tma=True), BM >= 128 and the whole head in one ring element "
                        f"(BK >= head_dim); got tma={self.tma}, BM={self.BM}, BK={self.BK}, head_dim={self.head_dim}")
         check_bool(c, "pingpong", self.pingpong)
@@ -442,10 +442,15 @@ PINGPONG_16BIT = {256}
 PERSISTENT_16BIT = True
 
 
+def persistent_grid_fits(head_dim: int, BM: int, BK: int, tma: bool) -> bool:
+    """What a 16-bit cache's persistent grid needs: tensor copies, a producer warpgroup beside the consumers
+    (BM >= 128) and the whole head in one ring element (templates/prefill.cuh's static_assert on PERSISTENT)."""
+    return tma and BM >= 128 and BK >= head_dim
+
+
 def persistent_16bit(head_dim: int, BM: int, BK: int, tma: bool) -> bool:
-    """Whether a 16-bit tile runs on the persistent grid: ``PERSISTENT_16BIT``, and the grid's needs (tensor copies,
-    a producer warpgroup beside the consumers, the whole head in one ring element)."""
-    return PERSISTENT_16BIT and tma and BM >= 128 and BK >= head_dim
+    """Whether a 16-bit tile runs on the persistent grid: ``PERSISTENT_16BIT``, wherever ``persistent_grid_fits``."""
+    return PERSISTENT_16BIT and persistent_grid_fits(head_dim, BM, BK, tma)
 
 
 def pingpong_16bit(head_dim: int, BM: int) -> bool:

@@ -205,7 +205,8 @@ def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
 
 
 def test_convert_once_takes_its_own_d256_tile_where_it_fits(monkeypatch):
-    # ONCE_TILES (session 35): 128 x 80 x 3 at d256 for every granularity on the persistent grid; a tile that does not
+    # ONCE_TILES: 128 x 112 x 2 with pv_wait at d256 for every granularity on the persistent grid (session 43), and
+    # d64's 16-bit tile in a ring of 4 (session 44); a tile that does not
     # fit falls back to the 16-bit default, then to the FP8 fused kernels' tile (d256's 16-bit default, 128 keys in a
     # ring of one tile, leaves convert-once's raw slots no room), and where none fits the last one's error says why
     from cukv.prefill import FP8_TILES, ONCE_TILES, once_config
