@@ -1,6 +1,6 @@
 """The 16-bit prefill and convert-once (token scales), each with S issued in warpgroup ring order
 (``PrefillConfig.pingpong``) and without, in interleaved rounds on causal bench shapes (batch x L x hq x hkv x d).
-Session 34 made the ring order the d256 default from it (``prefill_config.PINGPONG_16BIT``).
+It backs the d256 default ``prefill_config.PINGPONG_16BIT`` (docs/tuning.md).
 
     PYTHONPATH=. python3 benchmarks/probe_once_pingpong.py 4x4096x16x16x256,8x2048x32x32x128 15
 """
