@@ -62,3 +62,15 @@ def test_shell_commands_exist():
 @pytest.mark.parametrize("i", range(len(PYTHON)))
 def test_python_block_runs(i):
     exec(compile(PYTHON[i], f"README.md python block {i}", "exec"), {"__name__": "__readme__"})
+
+
+def test_performance_page_is_generated():
+    """docs/performance.md is what benchmarks/perf_tables.py writes from the checked-in bench JSON (docs/perf/)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("perf_tables", ROOT / "benchmarks" / "perf_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    want = mod.render(str(ROOT / "docs" / "perf"))
+    assert (ROOT / "docs" / "performance.md").read_text() == want, (
+        "docs/performance.md is out of date with docs/perf/*.json; run `python3 benchmarks/perf_tables.py`")
