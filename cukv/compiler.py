@@ -204,10 +204,16 @@ def _arch_capability(arch: str) -> tuple[tuple[int, int], bool] | None:
     return ((int(m.group(1)), int(m.group(2))), bool(m.group(3))) if m else None
 
 
-def _current_device() -> int:
-    from cupy.cuda import runtime
+_get_device = None  # cupy.cuda.runtime.getDevice, looked up once: it runs at every launch
 
-    return runtime.getDevice()
+
+def _current_device() -> int:
+    global _get_device
+    if _get_device is None:
+        from cupy.cuda import runtime
+
+        _get_device = runtime.getDevice
+    return _get_device()
 
 
 class KernelFunction:
