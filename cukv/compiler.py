@@ -267,6 +267,8 @@ class KernelFunction:
         fn(grid, block, args, **kwargs)
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # our own slots before __init__ (copy, pickle): never the device's copy
+            raise AttributeError(name)
         return getattr(self.on_device(), name)
 
     def __repr__(self):
