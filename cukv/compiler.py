@@ -67,8 +67,8 @@ CACHE_SCHEMA = 2
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 _DEFINE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _lock = threading.Lock()
-_modules: dict[tuple, object] = {}      # (key, device id) -> cupy.RawModule
-_functions: dict[tuple, object] = {}    # (key, entry) -> KernelFunction
+_modules: dict[tuple, object] = {}      # (key, cubin path, device id) -> cupy.RawModule
+_functions: dict[tuple, object] = {}    # (key, cubin path, entry) -> KernelFunction
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,7 +295,7 @@ class CompiledModule:
         """The ``cupy.RawModule`` of this cubin on ``device`` (default: the current one)."""
         dev = _current_device() if device is None else int(device)
         with _lock:
-            mod = _modules.get((self.key, dev))
+            mod = _modules.get((self.key, str(self.cubin_path), dev))
         if mod is not None:
             return mod
         self._check_device(dev)
@@ -304,15 +304,16 @@ class CompiledModule:
         with cp.cuda.Device(dev):
             mod = cp.RawModule(path=str(self.cubin_path))  # CuPy loads it on dev at the first get_function
         with _lock:
-            return _modules.setdefault((self.key, dev), mod)
+            return _modules.setdefault((self.key, str(self.cubin_path), dev), mod)
 
     def function(self, entry: str, dynamic_smem: int = 0) -> KernelFunction:
         """The kernel ``entry``, callable on any GPU (see :class:`KernelFunction`). One object per entry: a
         larger ``dynamic_smem`` than an earlier call's raises the opt-in on every device."""
         with _lock:
-            kf = _functions.get((self.key, entry))
+            at = (self.key, str(self.cubin_path), entry)
+            kf = _functions.get(at)
             if kf is None:
-                kf = _functions[(self.key, entry)] = KernelFunction(self, entry, dynamic_smem)
+                kf = _functions[at] = KernelFunction(self, entry, dynamic_smem)
         kf._need(int(dynamic_smem))
         return kf
 
