@@ -228,10 +228,10 @@ def _compile_in_child(args):
 def test_processes_asking_for_one_key_compile_it_once(cache):
     ctx = multiprocessing.get_context("fork")
     n = 4
-    barrier = ctx.Manager().Barrier(n)
     # a key no earlier run has compiled
     source = tiny("cukv_test_race", value=f"{int(uuid.uuid4().int % 10**6)}.0")
-    with ctx.Pool(n) as pool:
+    with ctx.Manager() as manager, ctx.Pool(n) as pool:
+        barrier = manager.Barrier(n)
         results = pool.map(_compile_in_child, [(str(cache), source, barrier)] * n)
     compiled = [r for r in results if not r[0]]
     assert len(compiled) == 1, results  # exactly one NVRTC compile; the others waited and read its entry
