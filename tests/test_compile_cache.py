@@ -83,7 +83,8 @@ def test_env_defines_are_keyed_and_explicit_ones_win(monkeypatch):
 def test_parse_defines_forms():
     p = compiler.parse_defines
     assert p(None) == {} and p("") == {} and p([]) == {}
-    assert p({"A": 1, "B": None, "C": True, "D": False, "E": "x"}) == {"A": "1", "B": None, "C": "1", "D": "0", "E": "x"}
+    want = {"A": "1", "B": None, "C": "1", "D": "0", "E": "x"}
+    assert p({"A": 1, "B": None, "C": True, "D": False, "E": "x"}) == want
     assert p(["A", "B=2", ("C", 3)]) == {"A": None, "B": "2", "C": "3"}
     assert p("A B=2 C=") == {"A": None, "B": "2", "C": ""}
     assert p({"_A9": 1.5}) == {"_A9": "1.5"}
@@ -256,7 +257,8 @@ def test_the_lock_waits_for_the_holder(cache, monkeypatch):
     monkeypatch.setattr(compiler, "_compile", lambda *a: calls.append(1) or real(*a))
     results = []
     with compiler._key_lock(lock):
-        t = threading.Thread(target=lambda: results.append(compiler.compile_source("cukv_test_tiny", source, arch=ARCH)))
+        t = threading.Thread(
+            target=lambda: results.append(compiler.compile_source("cukv_test_tiny", source, arch=ARCH)))
         t.start()
         t.join(0.5)
         assert t.is_alive()  # blocked on the lock
