@@ -11,7 +11,6 @@ def _doctor(args) -> int:
     import platform
 
     from . import __version__, compiler
-    from .device import gpu_capability, sm_count
 
     print(f"cukv {__version__}   python {platform.python_version()}")
     try:
@@ -29,16 +28,25 @@ def _doctor(args) -> int:
     inc = compiler.cuda_include_dir()
     print(f"cuda headers: {inc or 'NOT FOUND (pip install nvidia-cuda-runtime)'}")
     print(f"templates: {compiler.template_dir()}")
-    cc = gpu_capability()
-    if cc:
+    from .device import gpus
+
+    found = gpus()
+    for g in found:
+        print(f"gpu {g.id}: {g.name} (sm_{g.capability[0]}{g.capability[1]}, {g.sm_count} SMs, "
+              f"{g.memory_gib:.0f} GiB)")
+    if found:
         import cupy as cp
 
-        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
-        print(f"gpu: {props['name'].decode()} (sm_{cc[0]}{cc[1]}, {sm_count()} SMs, "
-              f"{props['totalGlobalMem'] / 2**30:.0f} GiB), driver {cp.cuda.runtime.driverGetVersion()}")
+        print(f"driver {cp.cuda.runtime.driverGetVersion()}, current device {cp.cuda.runtime.getDevice()}")
     else:
         print("gpu: none visible (kernels still compile to cubins; running them needs a GPU)")
     print(f"target arch: {compiler.target_arch()}")
+    try:
+        defs = compiler.resolve_defines()
+        print(f"CUKV_DEFINES: {' '.join(defs) if defs else '(none)'}")
+    except (ValueError, TypeError) as e:
+        print(f"CUKV_DEFINES: INVALID ({e})")
+        return 1
     d = compiler.cache_dir()
     n = len(list(d.glob("*.cubin"))) if d.is_dir() else 0
     print(f"cache: {d} ({n} cubins)")

@@ -13,9 +13,30 @@ CUKV_ARCH          target, e.g. ``sm_90a`` (default: the GPU's, or ``sm_90a`` wi
 CUKV_DUMP_SOURCE   a directory: every failing compile writes its source and headers there.
 CUKV_NO_COMPILE    ``1``: raise :class:`CompileForbidden` instead of compiling (proves a warm run
                    is served from the cache).
+CUKV_DEFINES       extra preprocessor defines for every compile, ``NAME`` or ``NAME=VALUE`` separated by
+                   spaces (``CUKV_DEFINES="CUKV_WAIT_STATS=1 CUKV_X"``): how a probe or an A/B experiment
+                   flips a switch without editing a tracked file. They join the NVRTC options and the cache
+                   key, as do the ``defines=`` of :func:`compile_source` (which win over the variable's).
+
+The disk cache
+--------------
+An entry is ``<name>-<key>.cubin`` plus ``<name>-<key>.json`` (the report, and the cubin's sha256 and size).
+The key is the sha256 of :func:`cache_key_fields`: the source, every header it includes, the options
+(defines included), the arch, the NVRTC and cukv versions and :data:`CACHE_SCHEMA`. A cubin that does not
+match its recorded hash (truncated, corrupt, missing) or unreadable metadata is a miss and is rebuilt.
+Processes that ask for the same missing key take a file lock (``<name>-<key>.lock``): one compiles, the
+others wait and then read its entry. Files are written to a temporary name and renamed, cubin first and
+metadata last, so a reader never sees half a file.
+
+Devices
+-------
+A :class:`CompiledModule` loads its cubin once per GPU it runs on; :meth:`CompiledModule.function`
+returns a :class:`KernelFunction` that launches the current device's copy (with that copy's dynamic
+shared-memory opt-in), so one op object's kernels run on any GPU of the host.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -25,20 +46,29 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no cross-process lock (each process may compile a missing entry itself)
+    fcntl = None
 
 import jinja2
 
 from ._version import __version__
-from .errors import CompileError, CompileForbidden
+from .errors import CompileError, CompileForbidden, CukvError
 
 #: Bump when the cache layout or the meaning of a cached file changes.
-CACHE_SCHEMA = 1
+#: 2: defines in the key, the cubin's sha256 and size in the metadata.
+CACHE_SCHEMA = 2
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_DEFINE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _lock = threading.Lock()
-_modules: dict[str, object] = {}
+_modules: dict[tuple, object] = {}      # (key, cubin path, device id) -> cupy.RawModule
+_functions: dict[tuple, object] = {}    # (key, cubin path, entry) -> KernelFunction
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,9 +198,88 @@ class FunctionReport:
         return self.spill_stores + self.spill_loads
 
 
+def _arch_capability(arch: str) -> tuple[tuple[int, int], bool] | None:
+    """``sm_90a`` -> ((9, 0), True); None for a target this check does not read."""
+    m = re.fullmatch(r"sm_(\d+)(\d)([af]?)", arch or "")
+    return ((int(m.group(1)), int(m.group(2))), bool(m.group(3))) if m else None
+
+
+_get_device = None  # cupy.cuda.runtime.getDevice, looked up once: it runs at every launch
+
+
+def _current_device() -> int:
+    global _get_device
+    if _get_device is None:
+        from cupy.cuda import runtime
+
+        _get_device = runtime.getDevice
+    return _get_device()
+
+
+class KernelFunction:
+    """One kernel of a :class:`CompiledModule`, launched like a ``cupy.RawKernel`` on whichever GPU is current.
+
+    The cubin is loaded once per device (the first launch there) and that device's copy gets the dynamic
+    shared-memory opt-in; ``kf(grid, block, args, shared_mem=...)`` costs one device-id query more than a
+    bare ``RawKernel``. Attributes other than the call (``num_regs``, ``max_dynamic_shared_size_bytes``...)
+    are read from the current device's copy.
+    """
+
+    __slots__ = ("_module", "entry", "dynamic_smem", "_by_device")
+
+    def __init__(self, module: "CompiledModule", entry: str, dynamic_smem: int = 0):
+        self._module = module
+        self.entry = entry
+        self.dynamic_smem = int(dynamic_smem)
+        self._by_device: dict[int, object] = {}
+
+    def _need(self, dynamic_smem: int) -> None:
+        if dynamic_smem > self.dynamic_smem:
+            with _lock:
+                self.dynamic_smem = int(dynamic_smem)
+                self._by_device = {}  # each device's copy gets the larger opt-in at its next launch
+
+    def on_device(self, device: int | None = None):
+        """The ``cupy.RawKernel`` loaded on ``device`` (default: the current one), opt-in applied."""
+        dev = _current_device() if device is None else int(device)
+        fn = self._by_device.get(dev)
+        if fn is None:
+            fn = self._load(dev)
+        return fn
+
+    def _load(self, dev: int):
+        import cupy as cp
+
+        with cp.cuda.Device(dev):
+            fn = self._module.module(dev).get_function(self.entry)
+            # the default cap is 48 KB minus the static shared memory, so any dynamic size may need the opt-in
+            if self.dynamic_smem > 0 and fn.max_dynamic_shared_size_bytes < self.dynamic_smem:
+                fn.max_dynamic_shared_size_bytes = self.dynamic_smem
+        with _lock:
+            self._by_device[dev] = fn
+        return fn
+
+    def __call__(self, grid, block, args, **kwargs):
+        dev = _current_device()
+        fn = self._by_device.get(dev)
+        if fn is None:
+            fn = self._load(dev)
+        fn(grid, block, args, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # our own slots before __init__ (copy, pickle): never the device's copy
+            raise AttributeError(name)
+        return getattr(self.on_device(), name)
+
+    def __repr__(self):
+        return (f"KernelFunction({self.entry!r}, dynamic_smem={self.dynamic_smem}, "
+                f"loaded on devices {sorted(self._by_device)})")
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledModule:
-    """A cubin on disk with its report. ``module()`` loads it on the current GPU (cached per process)."""
+    """A cubin on disk with its report. ``module()``/``function()`` load it on the current GPU, once per device
+    per process."""
 
     name: str
     key: str
@@ -179,23 +288,110 @@ class CompiledModule:
     compile_seconds: float
     cache_hit: bool
     log: str
+    arch: str = ""
+    defines: tuple = ()
 
-    def module(self):
+    def module(self, device: int | None = None):
+        """The ``cupy.RawModule`` of this cubin on ``device`` (default: the current one)."""
+        dev = _current_device() if device is None else int(device)
         with _lock:
-            mod = _modules.get(self.key)
-            if mod is None:
-                import cupy as cp
-
-                mod = cp.RawModule(path=str(self.cubin_path))
-                _modules[self.key] = mod
+            mod = _modules.get((self.key, str(self.cubin_path), dev))
+        if mod is not None:
             return mod
+        self._check_device(dev)
+        import cupy as cp
 
-    def function(self, entry: str, dynamic_smem: int = 0):
-        fn = self.module().get_function(entry)
-        # the default cap is 48 KB minus the static shared memory, so any dynamic size may need the opt-in
-        if dynamic_smem > 0 and fn.max_dynamic_shared_size_bytes < dynamic_smem:
-            fn.max_dynamic_shared_size_bytes = dynamic_smem
-        return fn
+        with cp.cuda.Device(dev):
+            mod = cp.RawModule(path=str(self.cubin_path))  # CuPy loads it on dev at the first get_function
+        with _lock:
+            return _modules.setdefault((self.key, str(self.cubin_path), dev), mod)
+
+    def function(self, entry: str, dynamic_smem: int = 0) -> KernelFunction:
+        """The kernel ``entry``, callable on any GPU (see :class:`KernelFunction`). One object per entry: a
+        larger ``dynamic_smem`` than an earlier call's raises the opt-in on every device."""
+        with _lock:
+            at = (self.key, str(self.cubin_path), entry)
+            kf = _functions.get(at)
+            if kf is None:
+                kf = _functions[at] = KernelFunction(self, entry, dynamic_smem)
+        kf._need(int(dynamic_smem))
+        return kf
+
+    def _check_device(self, dev: int) -> None:
+        want = _arch_capability(self.arch)
+        if want is None:
+            return
+        from .device import gpu_capability
+
+        cc = gpu_capability(dev)
+        if cc is None:
+            return  # let CuPy report whatever is wrong with the device
+        (major, minor), specific = want
+        ok = cc == (major, minor) if specific else (cc[0] == major and cc[1] >= minor)
+        if not ok:
+            raise CukvError(
+                f"{self.name} was compiled for {self.arch}, which device {dev} (sm_{cc[0]}{cc[1]}) cannot run; "
+                f"set CUKV_ARCH=sm_{cc[0]}{cc[1]}{'a' if cc[0] >= 9 else ''} (the cache keeps both) or run on a "
+                f"device of compute capability {major}.{minor}")
+
+
+# ----------------------------------------------------------------------------------------------
+# defines
+
+
+def parse_defines(defines, what: str = "defines") -> dict[str, str | None]:
+    """Preprocessor defines as ``{NAME: VALUE or None}`` (None: a bare ``-DNAME``).
+
+    Accepts a mapping (``{"CUKV_FOO": 1, "CUKV_BAR": None}``; True/False become 1/0), a sequence of
+    ``"NAME"``/``"NAME=VALUE"`` strings or ``(name, value)`` pairs, or one string of such tokens separated by
+    whitespace (the form of ``CUKV_DEFINES``). ``what`` names the source in errors.
+    """
+    if defines is None:
+        return {}
+    if isinstance(defines, str):
+        items = [tuple(t.split("=", 1)) if "=" in t else (t, None) for t in defines.split()]
+    elif isinstance(defines, Mapping):
+        items = list(defines.items())
+    else:
+        try:
+            seq = list(defines)
+        except TypeError:
+            raise TypeError(f"{what}={defines!r} must be a mapping NAME -> value, a sequence of 'NAME' or "
+                            "'NAME=VALUE' strings, or None") from None
+        items = []
+        for t in seq:
+            if isinstance(t, str):
+                items.append(tuple(t.split("=", 1)) if "=" in t else (t, None))
+            elif isinstance(t, tuple) and len(t) == 2:
+                items.append(t)
+            else:
+                raise TypeError(f"{what}: entry {t!r} must be 'NAME', 'NAME=VALUE' or a (name, value) pair")
+    out: dict[str, str | None] = {}
+    for name, value in items:
+        if not isinstance(name, str) or not _DEFINE_NAME.match(name):
+            raise ValueError(f"{what}: {name!r} is not a macro name (a C identifier: letters, digits, '_', "
+                             "not starting with a digit); expected NAME or NAME=VALUE")
+        if value is not None:
+            if isinstance(value, bool):
+                value = int(value)
+            if not isinstance(value, (str, int, float)) or isinstance(value, float) and value != value:
+                raise ValueError(f"{what}: the value of {name} is {value!r}; expected a string or a number")
+            value = str(value)
+            if any(c.isspace() for c in value):
+                raise ValueError(f"{what}: the value of {name} is {value!r}; whitespace is not allowed")
+        out[name] = value
+    return out
+
+
+def env_defines() -> dict[str, str | None]:
+    """The defines ``CUKV_DEFINES`` asks for (read at each call)."""
+    return parse_defines(os.environ.get("CUKV_DEFINES", ""), "CUKV_DEFINES")
+
+
+def resolve_defines(defines=None) -> tuple[str, ...]:
+    """``CUKV_DEFINES`` merged with ``defines`` (which wins on a shared name), as sorted ``NAME[=VALUE]``."""
+    merged = {**env_defines(), **parse_defines(defines)}
+    return tuple(n if v is None else f"{n}={v}" for n, v in sorted(merged.items()))
 
 
 def compile_options(arch: str) -> list[str]:
@@ -208,7 +404,8 @@ def compile_options(arch: str) -> list[str]:
 
 
 def cache_key_fields(source: str, arch: str, options: list[str]) -> dict:
-    """The named dict whose sha256 is the cache key (paths are left out so a moved checkout hits)."""
+    """The named dict whose sha256 is the cache key (paths are left out so a moved checkout hits; defines
+    are in ``options`` and, for reading, in ``defines``)."""
     stable_opts = [o for o in options if not o.startswith("-I")]
     return {
         "schema": CACHE_SCHEMA,
@@ -216,15 +413,22 @@ def cache_key_fields(source: str, arch: str, options: list[str]) -> dict:
         "nvrtc": list(nvrtc_version()),
         "arch": arch,
         "options": stable_opts,
+        "defines": [o[2:] for o in stable_opts if o.startswith("-D")],
         "source": source,
         "headers": {k: hashlib.sha256(v.encode()).hexdigest() for k, v in _headers_of(source).items()},
     }
 
 
-def cache_key(source: str, arch: str | None = None) -> str:
-    arch = arch or target_arch()
-    fields = cache_key_fields(source, arch, compile_options(arch))
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+def _options_and_key(source: str, arch: str, defines) -> tuple[list[str], tuple[str, ...], str]:
+    defs = resolve_defines(defines)
+    options = compile_options(arch) + [f"-D{d}" for d in defs]
+    fields = cache_key_fields(source, arch, options)
+    return options, defs, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def cache_key(source: str, arch: str | None = None, defines=None) -> str:
+    """The key :func:`compile_source` files this source under (``CUKV_DEFINES`` included)."""
+    return _options_and_key(source, arch or target_arch(), defines)[2]
 
 
 _PTXAS_FN = re.compile(r"Function properties for (\S+)")
@@ -418,27 +622,63 @@ def _program_log(nvrtc, prog) -> str:
     return log or ""
 
 
-def compile_source(name: str, source: str, arch: str | None = None) -> CompiledModule:
-    """Compile (or find in the disk cache) one rendered module. Needs no GPU."""
+@contextlib.contextmanager
+def _key_lock(path: Path):
+    """An exclusive ``flock`` on ``path`` (created if missing) for the body; none where fcntl is missing."""
+    if fcntl is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock; the lock file stays (removing it would race a waiter)
+
+
+def _read_entry(name: str, key: str, cubin: Path, meta: Path, arch: str, defines: tuple) -> CompiledModule | None:
+    """The cached entry if its metadata parses, names this key and its cubin matches the recorded sha256 and
+    size; None (a miss, to be rebuilt) otherwise."""
+    try:
+        info = json.loads(meta.read_text())
+        if info.get("key") != key:
+            return None
+        data = cubin.read_bytes()
+        if len(data) != info["cubin_bytes"] or hashlib.sha256(data).hexdigest() != info["cubin_sha256"]:
+            return None
+        functions = {k: FunctionReport(**v) for k, v in info["functions"].items()}
+        if not functions:  # a compile whose log was empty: read the report from the cubin
+            functions = resource_report(info.get("log", ""), data)
+        return CompiledModule(name, key, cubin, functions, info["compile_seconds"], True, info.get("log", ""),
+                              arch, defines)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def compile_source(name: str, source: str, arch: str | None = None, defines=None) -> CompiledModule:
+    """Compile (or find in the disk cache) one rendered module. Needs no GPU.
+
+    ``defines`` (see :func:`parse_defines`) are added to ``CUKV_DEFINES``'s, passed to NVRTC as ``-D`` and
+    keyed. Concurrent callers (threads or processes) of one missing key compile it once.
+    """
     arch = arch or target_arch()
-    options = compile_options(arch)
-    fields = cache_key_fields(source, arch, options)
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    options, defs, key = _options_and_key(source, arch, defines)
     stem = cache_dir() / f"{name}-{key[:20]}"
     cubin, meta = stem.with_suffix(".cubin"), stem.with_suffix(".json")
-    if cubin.is_file() and meta.is_file():
-        try:
-            info = json.loads(meta.read_text())
-            if info.get("key") == key:
-                functions = {k: FunctionReport(**v) for k, v in info["functions"].items()}
-                if not functions:  # stored by a compile whose log was empty (before the ELF fallback)
-                    functions = resource_report(info.get("log", ""), cubin.read_bytes())
-                return CompiledModule(name, key, cubin, functions, info["compile_seconds"], True, info.get("log", ""))
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged entry is rebuilt below
+    hit = _read_entry(name, key, cubin, meta, arch, defs)
+    if hit is not None:
+        return hit
     if os.environ.get("CUKV_NO_COMPILE", "") not in ("", "0"):
         raise CompileForbidden(f"CUKV_NO_COMPILE is set and {name} (key {key[:20]}) is not in {cache_dir()}")
+    with _key_lock(stem.with_suffix(".lock")):
+        hit = _read_entry(name, key, cubin, meta, arch, defs)  # another process compiled it while we waited
+        if hit is not None:
+            return hit
+        return _compile(name, source, arch, options, defs, key, cubin, meta)
 
+
+def _compile(name, source, arch, options, defs, key, cubin: Path, meta: Path) -> CompiledModule:
     from cupy.cuda import nvrtc
 
     t0 = time.perf_counter()
@@ -456,14 +696,15 @@ def compile_source(name: str, source: str, arch: str | None = None) -> CompiledM
         nvrtc.destroyProgram(prog)
     seconds = time.perf_counter() - t0
     functions = resource_report(log, data)
-    info = {"key": key, "name": name, "arch": arch, "nvrtc": list(nvrtc_version()), "cukv": __version__,
-            "compile_seconds": seconds, "functions": {k: dataclasses.asdict(v) for k, v in functions.items()},
-            "log": log}
-    _atomic_write(cubin, data)
+    info = {"key": key, "name": name, "arch": arch, "defines": list(defs), "nvrtc": list(nvrtc_version()),
+            "cukv": __version__, "compile_seconds": seconds, "compiled_at": time.time(), "pid": os.getpid(),
+            "cubin_sha256": hashlib.sha256(data).hexdigest(), "cubin_bytes": len(data),
+            "functions": {k: dataclasses.asdict(v) for k, v in functions.items()}, "log": log}
+    _atomic_write(cubin, data)  # cubin first, metadata last: an entry with metadata is complete
     _atomic_write(meta, json.dumps(info, indent=1).encode())
-    return CompiledModule(name, key, cubin, functions, seconds, False, log)
+    return CompiledModule(name, key, cubin, functions, seconds, False, log, arch, defs)
 
 
-def build(template: str, module_name: str, **params) -> CompiledModule:
+def build(template: str, module_name: str, defines=None, **params) -> CompiledModule:
     """Render ``template`` with params and compile it under the readable ``module_name``."""
-    return compile_source(module_name, render(template, **params))
+    return compile_source(module_name, render(template, **params), defines=defines)

@@ -16,7 +16,7 @@ from . import compiler
 from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
 from .cache import check_paged_kv
 from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
-from .device import sm_count
+from .device import check_same_device, current_device, sm_count
 from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
 
 HEAD_DIMS = (64, 96, 128, 256)
@@ -409,6 +409,7 @@ class BatchDecode:
             self._part_o = self._part_lse = self._counters = None
         self._fn = mod.function(cfg.name, cfg.ring_smem_bytes)
         self._planned = True
+        self._device = current_device()  # the plan's buffers (and descriptors) live there
         return self
 
     def run(self, q, cache, table, out=None, lse=None, *, return_lse: bool = False, sink=None,
@@ -424,6 +425,7 @@ class BatchDecode:
 
         if not self._planned:
             raise RuntimeError("call plan(batch_size, max_kv_len) before run()")
+        check_same_device("BatchDecode", self._device)
         cfg = self.config
         qd, qdt = as_device(q, "q")
         dt = element_dtype(qd, qdt or (cfg.dtype if qd.dtype == cp.uint16 else None), "q")

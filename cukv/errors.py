@@ -42,3 +42,7 @@ class CompileForbidden(CukvError):
 
 class NoGPUError(CukvError):
     """The operation needs a CUDA GPU and none is usable."""
+
+
+class DeviceMismatchError(CukvError, ValueError):
+    """An op object planned on one GPU was run on another (its plan-time buffers live on the first)."""

@@ -12,7 +12,7 @@ from functools import lru_cache
 import numpy as np
 
 from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
-from .device import sm_count
+from .device import check_same_device, current_device, sm_count
 from .config import check_in
 from .operand import KV_PARAMS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 # the configs and their defaults live in prefill_config; re-exported here, where users and tests have always found them
@@ -329,6 +329,7 @@ class BatchPrefill:
             # the kernel's last block resets them
             self._counters = cp.zeros(32, cp.int32) if cfg.persistent else None
         self._planned = True
+        self._device = current_device()  # the plan's buffers (and descriptors) live there
         return self
 
     @property
@@ -437,6 +438,7 @@ class BatchPrefill:
 
         if not self._planned:
             raise RuntimeError("call plan(q_offsets, kv_lengths) before run()")
+        check_same_device("BatchPrefill", self._device)
         cfg = self.config
         if self._dequant is not None:
             from . import dequant

@@ -436,7 +436,8 @@ def test_compile_leaves_no_tmp_files(cache):
     compiler.compile_source("cukv_test_tiny2", tiny("cukv_test_tiny2"), arch=ARCH)
     names = sorted(p.name for p in cache.iterdir())
     assert not [n for n in names if n.endswith(".tmp")], names
-    assert len(names) == 4 and {n.rsplit(".", 1)[1] for n in names} == {"cubin", "json"}
+    # an entry is its cubin and metadata, plus the empty lock file its compile held (kept: removing it would race)
+    assert len(names) == 6 and {n.rsplit(".", 1)[1] for n in names} == {"cubin", "json", "lock"}
 
 
 def test_atomic_write_replaces_and_cleans_up(tmp_path, monkeypatch):
