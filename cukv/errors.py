@@ -42,3 +42,7 @@ class CompileForbidden(CukvError):
 
 class NoGPUError(CukvError):
     """The operation needs a CUDA GPU and none is usable."""
+
+
+class NotPlannedError(CukvError, RuntimeError):
+    """``run`` was called on a plan/run object before ``plan``."""
