@@ -23,6 +23,9 @@ from .fp8 import scale_block as _scale_block
 from .validate import check_int, check_page_table, check_table, host_ints, is_int  # noqa: F401 (check_table: re-exported)
 
 LAYOUTS = ("separate", "combined", "layers")
+#: PagedKVCache.dequantize converts this many bytes of float32 values at a time (an inspection helper: the size only
+#: bounds its temporaries; any value works)
+DEQUANTIZE_CHUNK_BYTES = 64 << 20
 
 
 class PageAllocator:
@@ -144,22 +147,34 @@ class PagedKVCache:
                     raise ValueError(f"{name}={val!r} must be a positive finite float")
                 dst.fill(f)
 
-    def dequantize(self):
+    def dequantize(self, chunk_bytes: int = DEQUANTIZE_CHUNK_BYTES):
         """The cache's values as bf16 (uint16 bits) device arrays ``(k, v)`` ``[pages, page_size, H, D]``,
-        for inspection: ``e4m3(code) * scale`` computed in float32, then rounded to bf16. Unwritten slots read as whatever their
-        bytes and scales hold (NaN codes stay NaN)."""
+        for inspection: ``e4m3(code) * scale`` computed in float32, then rounded to bf16. Unwritten slots read as
+        whatever their bytes and scales hold (NaN codes stay NaN). Pages are converted a group at a time, so the
+        float32 temporaries stay near ``chunk_bytes`` whatever the cache's size."""
         import cupy as cp
 
         if not self.quantized:
             raise ValueError(f"dequantize applies to FP8 caches; this cache holds {self.dtype}")
         from .fp8 import E4M3_VALUES
 
+        chunk_bytes = check_int("chunk_bytes", chunk_bytes, 1)
         table = cp.asarray(E4M3_VALUES.astype(np.float32))
+        page_floats = self.page_size * self.num_kv_heads * self.head_dim
+        step = max(1, chunk_bytes // (4 * page_floats))
         out = []
         for codes, scales in ((self.k, self.k_scales), (self.v, self.v_scales)):
-            vals = table[codes]
-            s = scales if self.scale_block == 0 else cp.repeat(scales, self.scale_block, axis=-1)
-            out.append(bf16_bits((vals * s).astype(cp.float32), cp))
+            res = cp.empty(codes.shape, cp.uint16)
+            for p0 in range(0, self.num_pages, step):
+                vals = table[codes[p0:p0 + step]]
+                if self.scale_block == 0:
+                    vals *= scales
+                else:  # [pages, page_size, H, D // g, g] * [..., D // g, 1]: no repeated scale array
+                    g = self.scale_block
+                    vals = vals.reshape(vals.shape[:3] + (-1, g))
+                    vals *= scales[p0:p0 + step][..., None]
+                res[p0:p0 + step] = bf16_bits(vals.reshape(res[p0:p0 + step].shape), cp)
+            out.append(res)
         return tuple(out)
 
     @classmethod

@@ -14,7 +14,7 @@ import numpy as np
 from . import compiler
 from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range
 from .operand import DEQUANT_ARGS, as_kernel_arg, kv_params, ptr
-from .validate import check_page_table, checked, host_ints
+from .validate import check_table, checked, host_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +106,9 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
                          "columns")
     if table.page_size != cache.page_size:
         raise ValueError(f"table.page_size={table.page_size}; the cache uses {cache.page_size}")
-    if checked(check):
-        b = kl.size
-        check_page_table(table, cache.num_pages, b, np.minimum(kl, table.lengths[:b].get()))
+    if checked(check):  # the kernel reads kv_lengths[b] keys through the table (its lengths are not used)
+        check_table(table.block_table[: kl.size].get(), kl, cache.page_size, cache.num_pages,
+                    ("table.block_table", "kv_lengths"))
     offs, shape = ragged_layout(kl, cache.num_kv_heads, cache.head_dim)
     st = storage_dtype(dt)
     if out is None:
