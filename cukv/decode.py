@@ -422,7 +422,7 @@ class BatchDecode:
         """
         import cupy as cp
 
-        window = check_int("window", window, 1, none_ok=True, note="None for no window")
+        window = check_int("window", window, 1, none_ok=True, note="no window")
         check_float("sm_scale", sm_scale, positive=True, none_ok=True, note="1/sqrt(head_dim)")
         check_float("softcap", softcap, positive=True, none_ok=True, note="no soft-cap")
         return_lse, check = check_bool("return_lse", return_lse), checked(check)

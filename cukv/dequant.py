@@ -89,7 +89,7 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
     from .dtypes import storage_dtype
 
     if not isinstance(cache, PagedKVCache) or not getattr(cache, "quantized", False):
-        raise TypeError(f"dequantize_kv reads an FP8 PagedKVCache; got {cache!r}")
+        raise TypeError(f"cache must be an FP8 PagedKVCache (dequantize_kv reads FP8 codes); got {cache!r}")
     if not isinstance(table, PageTable):
         raise TypeError(f"table must be a PageTable; got {type(table).__name__}")
     dt = canonical_dtype(dtype)

@@ -259,7 +259,7 @@ class BatchPrefill:
 
         num_qo_heads, num_kv_heads = check_int("num_qo_heads", num_qo_heads, 1), check_int("num_kv_heads", num_kv_heads, 1)
         head_dim = check_int("head_dim", head_dim, 1)
-        page_size = check_int("page_size", page_size, 1, 4096, none_ok=True, note="None for contiguous K/V")
+        page_size = check_int("page_size", page_size, 1, 4096, none_ok=True, note="contiguous K/V")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if num_qo_heads > 65535:  # the grid's y dimension (work items run along x)

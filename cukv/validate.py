@@ -77,12 +77,14 @@ def check_int(name: str, value, lo: int | None = None, hi: int | None = None, *,
               note: str = "") -> int | None:
     """``value`` as an ``int`` if it is an integer in ``lo..hi`` (either bound may be None); ``None`` passes
     when ``none_ok``. A bool, a float (``16.5``, also ``16.0``) or an out-of-range integer is a ValueError, a
-    non-number a TypeError; the message reads ``"{name}={value!r} must be ..."`` plus ``note``."""
+    non-number a TypeError; the message reads ``"{name}={value!r} must be ..."``, ending ``(or None for
+    {note})`` where ``none_ok``, else ``({note})``."""
     if value is None and none_ok:
         return None
     if is_int(value) and (lo is None or value >= lo) and (hi is None or value <= hi):
         return int(value)
-    text = _range_text(lo, hi) + (" (or None)" if none_ok else "") + (f" ({note})" if note else "")
+    tail = (" (or None" + (f" for {note})" if note else ")")) if none_ok else (f" ({note})" if note else "")
+    text = _range_text(lo, hi) + tail
     exc = ValueError if isinstance(value, (numbers.Number, np.bool_)) else TypeError
     raise exc(f"{name}={value!r} {text}")
 
