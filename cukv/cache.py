@@ -20,7 +20,7 @@ import numpy as np
 from .arrays import as_device, canonical_kv_dtype, element_dtype, elem_strides
 from .dtypes import bf16_bits, nan_bits, storage_dtype
 from .fp8 import scale_block as _scale_block
-from .validate import check_int, check_page_table, check_table, host_ints, is_int  # noqa: F401 (check_table: re-exported)
+from .validate import check_float, check_int, check_page_table, check_table, host_ints, is_int  # noqa: F401 (check_table: re-exported)
 
 LAYOUTS = ("separate", "combined", "layers")
 #: PagedKVCache.dequantize converts this many bytes of float32 values at a time (an inspection helper: the size only
@@ -142,10 +142,7 @@ class PagedKVCache:
                     raise ValueError(f"{name} must be a scalar; got shape {tuple(val.shape)}")
                 dst[...] = val.reshape(()).astype(cp.float32)
             else:
-                f = float(val)
-                if not (np.isfinite(f) and f > 0):
-                    raise ValueError(f"{name}={val!r} must be a positive finite float")
-                dst.fill(f)
+                dst.fill(check_float(name, val, positive=True))
 
     def dequantize(self, chunk_bytes: int = DEQUANTIZE_CHUNK_BYTES):
         """The cache's values as bf16 (uint16 bits) device arrays ``(k, v)`` ``[pages, page_size, H, D]``,
