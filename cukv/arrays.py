@@ -1,5 +1,6 @@
 """Accepting arrays from users: CuPy, anything with __cuda_array_interface__, DLPack producers
-(PyTorch, JAX), all without copies, and the checks that turn a wrong argument into a clear error."""
+(PyTorch, JAX), all without copies, and the array checks that turn a wrong argument into a clear error.
+``cukv.validate`` builds the shared argument checks of every entry point on these."""
 from __future__ import annotations
 
 import numpy as np
@@ -104,23 +105,6 @@ def element_dtype(a, declared: str | None, arg: str) -> str:
         return "bfloat16"
     raise TypeError(f"{arg} has dtype {a.dtype}; accepted: float16, or bfloat16 (as a torch/JAX bf16 tensor "
                     "or CuPy uint16 holding bf16 bits)")
-
-
-def check_shape(a, shape: tuple, arg: str) -> None:
-    """shape entries may be None (any size)."""
-    ok = a.ndim == len(shape) and all(s is None or s == d for s, d in zip(shape, a.shape))
-    if not ok:
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{arg} has shape {tuple(a.shape)}; expected {want}")
-
-
-def check_int_array(a, arg: str, ndim: int) -> None:
-    import cupy as cp
-
-    if a.dtype != cp.int32:
-        raise TypeError(f"{arg} has dtype {a.dtype}; expected int32")
-    if a.ndim != ndim:
-        raise ValueError(f"{arg} has {a.ndim} dimensions (shape {tuple(a.shape)}); expected {ndim}")
 
 
 def check_contiguous(a, arg: str) -> None:

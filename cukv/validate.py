@@ -41,7 +41,7 @@ import os
 
 import numpy as np
 
-from .arrays import as_device, element_dtype
+from .arrays import as_device, check_aligned, check_contiguous, element_dtype
 from .errors import NotPlannedError
 
 __all__ = [
@@ -169,14 +169,12 @@ def check_device_array(name: str, x, *, dtypes=None, ndim: int | None = None, sh
             raise ValueError(f"{name} has shape {tuple(a.shape)}; expected {want}")
     elif ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} has {a.ndim} dimensions (shape {tuple(a.shape)}); expected {ndim}")
-    if contiguous and not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (strides {a.strides}, a view such as x[::2]); "
-                         f"pass cupy.ascontiguousarray({name})")
+    if contiguous:
+        check_contiguous(a, name)
     if unit_last_stride and a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
         raise ValueError(f"{name} must be dense along its last axis (strides {a.strides}, itemsize {a.itemsize})")
-    if align and a.size and int(a.data.ptr) % align:
-        raise ValueError(f"{name} starts at device address {int(a.data.ptr):#x}, which is not {align}-byte aligned; "
-                         f"pass an array whose data starts on a {align}-byte boundary (e.g. a fresh copy)")
+    if align and a.size:
+        check_aligned(a, name, align)
     return (a, got) if float16 else a
 
 
