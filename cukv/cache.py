@@ -41,6 +41,7 @@ class PageAllocator:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
+        n = check_int("n", n, 0)
         if n > len(self._free):
             raise MemoryError(f"asked for {n} pages, {len(self._free)} of {self.num_pages} are free")
         out = [self._free.pop() for _ in range(n)]

@@ -142,6 +142,8 @@ SCALARS = {
                                    "cache": [(None, TypeError), (object(), TypeError)]}),
     "SequenceTable.extend": (_extend, {"counts": HOST_INTS}),
     "PageAllocator": (lambda **kw: cukv.PageAllocator(**kw), {"num_pages": POSITIVE_INT}),
+    "PageAllocator.alloc": (lambda **kw: cukv.PageAllocator(4).alloc(**kw),
+                            {"n": [(True, ValueError), (1.5, ValueError), (-1, ValueError), ("1", TypeError)]}),
 }
 # None is no bad value where the argument takes None
 OPTIONAL = {("BatchPrefill", "page_size")}
