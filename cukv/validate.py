@@ -2,25 +2,20 @@
 
 Every op (decode, prefill, append, merge, dequantize, the cache and its tables, the MLA ops) checks what a user
 passed through these functions, so one kind of argument is accepted and refused the same way everywhere, with
-an error that names the argument, the value and what is accepted:
+an error that starts with the argument's name, shows the value and says what is accepted:
 
-========================  ============================================================  ==========================
-check                     accepts                                                       refuses with
-========================  ============================================================  ==========================
-:func:`check_int`         Python/NumPy integers in ``lo..hi`` (never ``bool``)          TypeError (not a number),
-                                                                                        ValueError (bool, 16.5,
-                                                                                        out of range)
-:func:`check_bool`        ``True``/``False`` (NumPy bools too)                          TypeError
-:func:`check_choice`      one of a tuple of strings or ints, of the same kind           ValueError
-:func:`check_float`       real numbers (not bool); ``positive``, ``finite`` rules       TypeError / ValueError
-:func:`check_device_array`  CuPy, ``__cuda_array_interface__`` or DLPack device arrays,  TypeError (host array,
-                          viewed without a copy; dtype, ndim/shape, contiguity,         CPU tensor, non-array,
-                          alignment rules                                               dtype), ValueError (shape,
-                                                                                        strides, alignment)
-:func:`check_per_head`    a float32 ``[num_heads]`` device vector, contiguous           TypeError / ValueError
-:func:`host_ints`         host (or device, copied back) integer arrays                  TypeError / ValueError
-:func:`check_planned`     an object whose ``plan()`` ran                                :class:`NotPlannedError`
-========================  ============================================================  ==========================
+- :func:`check_int`: Python/NumPy integers in ``lo..hi``; a bool or a float (``16.5``, also ``16.0``) or an
+  out-of-range value is a ValueError, a non-number a TypeError.
+- :func:`check_float`: real numbers (never a bool), ``finite`` (the default; NaN never passes), ``positive``
+  or ``nonnegative``.
+- :func:`check_bool`: ``True``/``False`` (NumPy bools too), else TypeError.
+- :func:`check_choice`: one of a tuple of strings or integers, of the same kind, else ValueError.
+- :func:`device_array` / :func:`check_device_array`: CuPy, ``__cuda_array_interface__`` or DLPack device arrays
+  viewed without a copy; a host array, a CPU tensor or a non-array is a TypeError, so is a wrong dtype; wrong
+  shape, strides or alignment a ValueError.
+- :func:`check_per_head`: an optional float32 ``[num_heads]`` device vector (an attention sink), contiguous.
+- :func:`host_ints`: host integer arrays (device arrays are copied back); other dtypes are a TypeError.
+- :func:`check_planned`: :class:`~cukv.errors.NotPlannedError` (a ``RuntimeError``) before ``plan()``.
 
 A strided per-head vector (``sink[::2]``) is refused, not copied: a copy made inside ``run`` would be a hidden
 allocation inside CUDA graph capture, and kernels read the vector as contiguous.
@@ -45,7 +40,7 @@ from .arrays import as_device, check_aligned, check_contiguous, element_dtype
 from .errors import NotPlannedError
 
 __all__ = [
-    "is_int", "check_int", "check_bool", "check_choice", "check_float", "check_device_array", "check_per_head",
+    "is_int", "check_int", "check_bool", "check_choice", "check_float", "device_array", "check_device_array", "check_per_head",
     "host_ints", "check_planned", "checked", "check_table", "check_page_table", "check_slots", "check_offsets",
 ]
 
@@ -73,6 +68,13 @@ def _range_text(lo, hi) -> str:
     return "must be an integer"
 
 
+def _tail(none_ok: bool, note: str) -> str:
+    """`` (or None for {note})`` / `` (or None)`` / `` ({note})`` / nothing."""
+    if none_ok:
+        return f" (or None for {note})" if note else " (or None)"
+    return f" ({note})" if note else ""
+
+
 def check_int(name: str, value, lo: int | None = None, hi: int | None = None, *, none_ok: bool = False,
               note: str = "") -> int | None:
     """``value`` as an ``int`` if it is an integer in ``lo..hi`` (either bound may be None); ``None`` passes
@@ -83,8 +85,7 @@ def check_int(name: str, value, lo: int | None = None, hi: int | None = None, *,
         return None
     if is_int(value) and (lo is None or value >= lo) and (hi is None or value <= hi):
         return int(value)
-    tail = (" (or None" + (f" for {note})" if note else ")")) if none_ok else (f" ({note})" if note else "")
-    text = _range_text(lo, hi) + tail
+    text = _range_text(lo, hi) + _tail(none_ok, note)
     exc = ValueError if isinstance(value, (numbers.Number, np.bool_)) else TypeError
     raise exc(f"{name}={value!r} {text}")
 
@@ -118,7 +119,7 @@ def check_float(name: str, value, *, positive: bool = False, nonnegative: bool =
     if value is None and none_ok:
         return None
     want = "a " + ("finite " if finite else "") + "number" + (" > 0" if positive else " >= 0" if nonnegative else "")
-    tail = (" (or None" + (f" for {note})" if note else ")")) if none_ok else (f" ({note})" if note else "")
+    tail = _tail(none_ok, note)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         exc = ValueError if isinstance(value, (bool, np.bool_)) else TypeError
         raise exc(f"{name}={value!r} must be {want}{tail}")
