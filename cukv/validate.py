@@ -40,8 +40,8 @@ from .arrays import as_device, check_aligned, check_contiguous, element_dtype
 from .errors import NotPlannedError
 
 __all__ = [
-    "is_int", "check_int", "check_bool", "check_choice", "check_float", "device_array", "check_device_array", "check_per_head",
-    "host_ints", "check_planned", "checked", "check_table", "check_page_table", "check_slots", "check_offsets",
+    "is_int", "check_int", "check_bool", "check_choice", "check_float", "device_array", "check_device_array",
+    "check_per_head", "host_ints", "check_planned", "checked", "check_table", "check_page_table", "check_slots", "check_offsets",
 ]
 
 
