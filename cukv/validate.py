@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import reprlib
 
 import numpy as np
 
@@ -196,13 +197,16 @@ def host_ints(name: str, x, ndim: int | None = None) -> np.ndarray:
     are a TypeError naming ``name``; a wrong rank a ValueError."""
     if isinstance(x, (bool, np.bool_)) or (isinstance(x, numbers.Number) and not is_int(x)):
         raise TypeError(f"{name}={x!r} must be an integer array")
-    if hasattr(x, "get") and not isinstance(x, np.ndarray):
+    if hasattr(x, "__cuda_array_interface__") and hasattr(x, "get"):  # CuPy
         x = x.get()
-    elif hasattr(x, "cpu") and hasattr(x, "numpy"):
+    elif hasattr(x, "cpu") and hasattr(x, "numpy"):  # torch
         x = x.cpu().numpy()
-    a = np.asarray(x)
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}={reprlib.repr(x)} must be an integer array ({e})") from None
     if a.dtype.kind not in "iu" and a.size:  # an empty list comes out as float64
-        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
+        raise TypeError(f"{name}={reprlib.repr(x)} must be an integer array; got dtype {a.dtype}")
     if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} has shape {a.shape}; expected {ndim} dimension{'s' if ndim != 1 else ''}")
     return a.astype(np.int64)

@@ -26,7 +26,8 @@ OPTIONAL_POSITIVE_FLOAT = [(math.nan, ValueError), (-1.0, ValueError), (0.0, Val
                            (True, ValueError), ("0.1", TypeError), (np.float32("nan"), ValueError)]
 BOOL = [(1, TypeError), ("yes", TypeError), (None, TypeError)]
 OPTIONAL_BOOL = [(1, TypeError), ("yes", TypeError)]
-HOST_INTS = [(np.array([0.0, 1.0]), TypeError), (np.array([True, False]), TypeError), (3.5, TypeError)]
+HOST_INTS = [(np.array([0.0, 1.0]), TypeError), (np.array([True, False]), TypeError), (3.5, TypeError),
+             ({}, TypeError), ("0, 1", TypeError)]
 DEVICE_ARRAY = ["numpy", "cpu_dlpack", "list", "str"]
 
 
