@@ -18,9 +18,9 @@ from .prefill import BatchPrefill, prefill
 from .prefill_config import KVBufferConfig, PrefillConfig
 from .dequant import DequantConfig, dequantize_kv
 from .merge import MergeConfig, merge_states, merge_states_n
-from .errors import CompileError, CompileForbidden, CukvError, NoGPUError
+from .errors import CompileError, CompileForbidden, CukvError, NoGPUError, NotPlannedError
 
 __all__ = [
     "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",
-    "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "DequantConfig", "dequantize_kv", "MergeConfig", "merge_states", "merge_states_n", "CompileError", "CompileForbidden", "CukvError", "NoGPUError",
+    "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "DequantConfig", "dequantize_kv", "MergeConfig", "merge_states", "merge_states_n", "CompileError", "CompileForbidden", "CukvError", "NoGPUError", "NotPlannedError",
 ]

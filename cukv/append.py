@@ -10,6 +10,7 @@ from . import compiler
 from .arrays import as_device, check_contiguous, element_dtype
 from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range
 from .operand import APPEND_ARGS, as_kernel_arg, kv_params, ptr
+from .validate import check_slots, checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ class AppendConfig:
         return compiler.compile_source(self.name, self.render())
 
 
-def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None) -> None:
+def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None, check: bool | None = None) -> None:
     """Write ``k_new``/``v_new`` ``[tokens, num_kv_heads, head_dim]`` into ``cache`` at ``slot_mapping[tokens]``.
 
     An FP8 cache quantizes on the way in (``k_new``/``v_new`` in bf16 or fp16): each granule's scale is
@@ -71,7 +72,8 @@ def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None) -> None:
 
     ``slot = physical_page * page_size + offset``; a slot of -1 (or any slot outside the cache) is skipped,
     so padding tokens and a bad mapping never write outside the cache. Graph-capturable when
-    ``slot_mapping`` is an int64 device array.
+    ``slot_mapping`` is an int64 device array. ``check=True`` (or ``CUKV_CHECK=1``) copies the slots to the host
+    first and refuses a slot outside the cache (other than -1) or one written twice (see docs/errors.md).
 
     Examples
     --------
@@ -84,8 +86,13 @@ def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None) -> None:
     """
     import cupy as cp
 
+    from .cache import PagedKVCache
+
+    check = checked(check)
     kd, kdt = as_device(k_new, "k_new")
     vd, vdt = as_device(v_new, "v_new")
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache; got {type(cache).__name__}")
     quantized = getattr(cache, "quantized", False)
     dt = element_dtype(kd, kdt or ("bfloat16" if kd.dtype == cp.uint16 else None), "k_new")
     if not quantized and dt != cache.dtype:
@@ -105,6 +112,8 @@ def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None) -> None:
     if sd.shape != (kd.shape[0],):
         raise ValueError(f"slot_mapping has shape {tuple(sd.shape)}; expected ({kd.shape[0]},), one slot per token")
     sd = cp.ascontiguousarray(sd, dtype=cp.int64)
+    if check:
+        check_slots(sd, cache.num_slots)
     if kd.shape[0] == 0:
         return
     if quantized:

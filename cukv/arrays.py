@@ -1,5 +1,6 @@
 """Accepting arrays from users: CuPy, anything with __cuda_array_interface__, DLPack producers
-(PyTorch, JAX), all without copies, and the checks that turn a wrong argument into a clear error."""
+(PyTorch, JAX), all without copies, and the array checks that turn a wrong argument into a clear error.
+``cukv.validate`` builds the shared argument checks of every entry point on these."""
 from __future__ import annotations
 
 import numpy as np
@@ -45,6 +46,21 @@ def _torch_dtype_name(x) -> str | None:
     return s.replace("torch.", "") if s.startswith("torch.") else None
 
 
+def _host_tensor(x) -> str | None:
+    """What ``x`` is, if it is a host (CPU) array that a DLPack import would copy or refuse; else None."""
+    if isinstance(x, np.ndarray):
+        return "a NumPy (host) array"
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None and not hasattr(x, "__cuda_array_interface__"):
+        try:
+            kind = int(dev()[0])
+        except Exception:  # noqa: BLE001 - a producer that cannot say: the import decides
+            return None
+        if kind in (1, 3):  # kDLCPU, kDLCUDAHost
+            return f"a host (CPU) {type(x).__module__.split('.')[0]}.{type(x).__name__}"
+    return None
+
+
 def as_device(x, arg: str):
     """Return (cupy_array, dtype_name) without copying.
 
@@ -56,14 +72,16 @@ def as_device(x, arg: str):
 
     if isinstance(x, cp.ndarray):
         return x, None
+    host = _host_tensor(x)
+    if host is not None:
+        raise TypeError(f"{arg} is {host}; pass a device array (cupy.asarray({arg}) copies it over; "
+                        f"a torch tensor: {arg}.cuda())")
     tname = _torch_dtype_name(x)
     if tname == "bfloat16":
         # DLPack of bf16 is not importable by CuPy: reinterpret the storage as int16 first (no copy)
         import torch  # only reached when the caller passed a torch tensor
 
         return cp.from_dlpack(x.view(torch.int16)).view(cp.uint16), "bfloat16"
-    if isinstance(x, np.ndarray):
-        raise TypeError(f"{arg} is a NumPy (host) array; pass a device array (cupy.asarray({arg}) copies it over)")
     if hasattr(x, "__cuda_array_interface__"):
         return cp.asarray(x), None
     if hasattr(x, "__dlpack__"):
@@ -87,23 +105,6 @@ def element_dtype(a, declared: str | None, arg: str) -> str:
         return "bfloat16"
     raise TypeError(f"{arg} has dtype {a.dtype}; accepted: float16, or bfloat16 (as a torch/JAX bf16 tensor "
                     "or CuPy uint16 holding bf16 bits)")
-
-
-def check_shape(a, shape: tuple, arg: str) -> None:
-    """shape entries may be None (any size)."""
-    ok = a.ndim == len(shape) and all(s is None or s == d for s, d in zip(shape, a.shape))
-    if not ok:
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{arg} has shape {tuple(a.shape)}; expected {want}")
-
-
-def check_int_array(a, arg: str, ndim: int) -> None:
-    import cupy as cp
-
-    if a.dtype != cp.int32:
-        raise TypeError(f"{arg} has dtype {a.dtype}; expected int32")
-    if a.ndim != ndim:
-        raise ValueError(f"{arg} has {a.ndim} dimensions (shape {tuple(a.shape)}); expected {ndim}")
 
 
 def check_contiguous(a, arg: str) -> None:
@@ -141,10 +142,8 @@ def attention_outputs(like, out, lse, rows: int, heads: int, return_lse: bool, s
         lse, _ = as_device(lse, "lse")
         if lse.shape != (rows, heads) or lse.dtype != cp.float32 or not lse.flags.c_contiguous:
             raise ValueError(f"lse must be a contiguous float32 array of shape ({rows}, {heads})")
-    if sink is not None:
-        sink, _ = as_device(sink, "sink")
-        if sink.shape != (heads,) or sink.dtype != cp.float32:
-            raise ValueError(f"sink must be float32 of shape ({heads},); got {sink.dtype} {tuple(sink.shape)}")
-    if softcap is not None and not (float(softcap) > 0):
-        raise ValueError(f"softcap={softcap!r} must be > 0 (or None for no soft-cap)")
+    from .validate import check_float, check_per_head
+
+    sink = check_per_head("sink", sink, heads)
+    check_float("softcap", softcap, positive=True, none_ok=True, note="no soft-cap")
     return out, lse, sink

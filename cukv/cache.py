@@ -20,17 +20,19 @@ import numpy as np
 from .arrays import as_device, canonical_kv_dtype, element_dtype, elem_strides
 from .dtypes import bf16_bits, nan_bits, storage_dtype
 from .fp8 import scale_block as _scale_block
+from .validate import check_float, check_int, check_page_table, check_table, host_ints, is_int  # noqa: F401 (check_table: re-exported)
 
 LAYOUTS = ("separate", "combined", "layers")
+#: PagedKVCache.dequantize converts this many bytes of float32 values at a time (an inspection helper: the size only
+#: bounds its temporaries; any value works)
+DEQUANTIZE_CHUNK_BYTES = 64 << 20
 
 
 class PageAllocator:
     """A free list of physical page ids ``0 .. num_pages-1`` (host side, O(1) alloc and free)."""
 
     def __init__(self, num_pages: int):
-        if int(num_pages) < 1:
-            raise ValueError(f"num_pages={num_pages} must be >= 1")
-        self.num_pages = int(num_pages)
+        self.num_pages = check_int("num_pages", num_pages, 1)
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._used = np.zeros(self.num_pages, bool)
 
@@ -39,6 +41,7 @@ class PageAllocator:
         return len(self._free)
 
     def alloc(self, n: int) -> list[int]:
+        n = check_int("n", n, 0)
         if n > len(self._free):
             raise MemoryError(f"asked for {n} pages, {len(self._free)} of {self.num_pages} are free")
         out = [self._free.pop() for _ in range(n)]
@@ -85,16 +88,14 @@ class PagedKVCache:
                  scale_granularity=None):
         import cupy as cp
 
-        for name, val in (("num_pages", num_pages), ("page_size", page_size), ("num_kv_heads", num_kv_heads),
-                          ("head_dim", head_dim), ("num_layers", num_layers)):
-            if not isinstance(val, (int, np.integer)) or int(val) < 1:
-                raise ValueError(f"{name}={val!r} must be a positive integer")
+        num_pages, page_size = check_int("num_pages", num_pages, 1), check_int("page_size", page_size, 1)
+        num_kv_heads, head_dim = check_int("num_kv_heads", num_kv_heads, 1), check_int("head_dim", head_dim, 1)
+        num_layers = check_int("num_layers", num_layers, 1)
         if head_dim % 8:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 8 (kernels move 16-byte rows)")
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r}; accepted: {', '.join(LAYOUTS)}")
-        if not (0 <= layer < num_layers):
-            raise ValueError(f"layer={layer} must be in 0..{num_layers - 1}")
+        layer = check_int("layer", layer, 0, num_layers - 1)
         self.dtype = canonical_kv_dtype(dtype)
         self.num_pages, self.page_size = int(num_pages), int(page_size)
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
@@ -142,27 +143,36 @@ class PagedKVCache:
                     raise ValueError(f"{name} must be a scalar; got shape {tuple(val.shape)}")
                 dst[...] = val.reshape(()).astype(cp.float32)
             else:
-                f = float(val)
-                if not (np.isfinite(f) and f > 0):
-                    raise ValueError(f"{name}={val!r} must be a positive finite float")
-                dst.fill(f)
+                dst.fill(check_float(name, val, positive=True))
 
-    def dequantize(self):
+    def dequantize(self, chunk_bytes: int = DEQUANTIZE_CHUNK_BYTES):
         """The cache's values as bf16 (uint16 bits) device arrays ``(k, v)`` ``[pages, page_size, H, D]``,
-        for inspection: ``e4m3(code) * scale`` computed in float32, then rounded to bf16. Unwritten slots read as whatever their
-        bytes and scales hold (NaN codes stay NaN)."""
+        for inspection: ``e4m3(code) * scale`` computed in float32, then rounded to bf16. Unwritten slots read as
+        whatever their bytes and scales hold (NaN codes stay NaN). Pages are converted a group at a time, so the
+        float32 temporaries stay near ``chunk_bytes`` whatever the cache's size."""
         import cupy as cp
 
         if not self.quantized:
             raise ValueError(f"dequantize applies to FP8 caches; this cache holds {self.dtype}")
         from .fp8 import E4M3_VALUES
 
+        chunk_bytes = check_int("chunk_bytes", chunk_bytes, 1)
         table = cp.asarray(E4M3_VALUES.astype(np.float32))
+        page_floats = self.page_size * self.num_kv_heads * self.head_dim
+        step = max(1, chunk_bytes // (4 * page_floats))
         out = []
         for codes, scales in ((self.k, self.k_scales), (self.v, self.v_scales)):
-            vals = table[codes]
-            s = scales if self.scale_block == 0 else cp.repeat(scales, self.scale_block, axis=-1)
-            out.append(bf16_bits((vals * s).astype(cp.float32), cp))
+            res = cp.empty(codes.shape, cp.uint16)
+            for p0 in range(0, self.num_pages, step):
+                vals = table[codes[p0:p0 + step]]
+                if self.scale_block == 0:
+                    vals *= scales
+                else:  # [pages, page_size, H, D // g, g] * [..., D // g, 1]: no repeated scale array
+                    g = self.scale_block
+                    vals = vals.reshape(vals.shape[:3] + (-1, g))
+                    vals *= scales[p0:p0 + step][..., None]
+                res[p0:p0 + step] = bf16_bits(vals.reshape(res[p0:p0 + step].shape), cp)
+            out.append(res)
         return tuple(out)
 
     @classmethod
@@ -267,9 +277,7 @@ class PageTable:
             raise TypeError(f"lengths must be int32 of shape ({bt.shape[0]},); got {ln.dtype} {tuple(ln.shape)}")
         if not ln.flags.c_contiguous:
             raise ValueError("lengths must be contiguous")
-        if int(page_size) < 1:
-            raise ValueError(f"page_size={page_size} must be >= 1")
-        self.block_table, self.lengths, self.page_size = bt, ln, int(page_size)
+        self.block_table, self.lengths, self.page_size = bt, ln, check_int("page_size", page_size, 1)
 
     @property
     def batch_size(self) -> int:
@@ -283,9 +291,10 @@ class PageTable:
     def from_flashinfer(cls, indptr, indices, last_page_len, page_size: int, max_pages: int | None = None):
         """FlashInfer's CSR page table: pages of sequence b are ``indices[indptr[b]:indptr[b+1]]`` and its
         last page holds ``last_page_len[b]`` tokens (1..page_size)."""
-        indptr = np.asarray(_host(indptr), np.int64)
-        indices = np.asarray(_host(indices), np.int64)
-        last = np.asarray(_host(last_page_len), np.int64)
+        page_size = check_int("page_size", page_size, 1)
+        max_pages = check_int("max_pages", max_pages, 1, none_ok=True)
+        indptr, indices = host_ints("indptr", indptr), host_ints("indices", indices)
+        last = host_ints("last_page_len", last_page_len)
         if indptr.ndim != 1 or indptr.size < 1 or indptr[0] != 0 or np.any(np.diff(indptr) < 0):
             raise ValueError("indptr must be 1-D, start at 0 and never decrease")
         b = indptr.size - 1
@@ -311,8 +320,8 @@ class PageTable:
     @classmethod
     def from_vllm(cls, block_table, seq_lens, page_size: int):
         """vLLM's ``block_table[B, max_blocks]`` and ``seq_lens[B]`` (the slot mapping goes to append_kv)."""
-        bt = np.asarray(_host(block_table))
-        sl = np.asarray(_host(seq_lens))
+        page_size = check_int("page_size", page_size, 1)
+        bt, sl = host_ints("block_table", block_table), host_ints("seq_lens", seq_lens)
         if bt.ndim != 2:
             raise ValueError(f"block_table must be 2-D; got shape {bt.shape}")
         if sl.shape != (bt.shape[0],):
@@ -334,16 +343,20 @@ class PageTable:
 
     def validate(self, cache: PagedKVCache) -> None:
         """Check on the host that every page a length reaches is a valid physical page (syncs the GPU)."""
-        bt, ln = self.block_table.get(), self.lengths.get()
-        check_table(bt, ln, self.page_size, cache.num_pages)
+        check_page_table(self, cache.num_pages)
+
+
+def check_cache_and_table(owner: str, cache, table) -> None:
+    """TypeError unless ``cache`` is a :class:`PagedKVCache` and ``table`` a :class:`PageTable`."""
+    if not isinstance(cache, PagedKVCache) or not isinstance(table, PageTable):
+        raise TypeError(f"{owner} reads a PagedKVCache through a PageTable; got {type(cache).__name__} and "
+                        f"{type(table).__name__}")
 
 
 def check_paged_kv(owner: str, cfg, num_kv_heads: int, cache, table) -> None:
     """The (cache, table) pair a kernel built from ``cfg`` (dtype, kv_dtype, head_dim, page_size, scale_block)
     can read; raises naming what differs. Shared by BatchDecode.run and BatchPrefill.run."""
-    if not isinstance(cache, PagedKVCache) or not isinstance(table, PageTable):
-        raise TypeError(f"{owner} reads a PagedKVCache through a PageTable; got {type(cache).__name__} and "
-                        f"{type(table).__name__}")
+    check_cache_and_table(owner, cache, table)
     want = cfg.kv_dtype or cfg.dtype
     quantized = cfg.kv_dtype is not None
     if cache.dtype != want or cache.head_dim != cfg.head_dim or cache.num_kv_heads != num_kv_heads \
@@ -355,30 +368,6 @@ def check_paged_kv(owner: str, cfg, num_kv_heads: int, cache, table) -> None:
         raise ValueError(f"table.page_size={table.page_size}; the cache uses {cfg.page_size}")
 
 
-def check_table(block_table: np.ndarray, lengths: np.ndarray, page_size: int, num_pages: int) -> None:
-    if np.any(lengths < 0):
-        i = int(np.argmax(lengths < 0))
-        raise ValueError(f"lengths[{i}]={lengths[i]} is negative")
-    need = -(-lengths // page_size)
-    if np.any(need > block_table.shape[1]):
-        i = int(np.argmax(need > block_table.shape[1]))
-        raise ValueError(f"lengths[{i}]={lengths[i]} needs {need[i]} pages; block_table has {block_table.shape[1]}")
-    cols = np.arange(block_table.shape[1])[None, :]
-    used = cols < need[:, None]
-    bad = used & ((block_table < 0) | (block_table >= num_pages))
-    if bad.any():
-        b, j = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"block_table[{b}, {j}]={block_table[b, j]} is not a page of the cache (0..{num_pages - 1})")
-
-
-def _host(x):
-    if hasattr(x, "get") and not isinstance(x, np.ndarray):
-        return x.get()
-    if hasattr(x, "cpu"):
-        return x.cpu().numpy()
-    return x
-
-
 class SequenceTable:
     """Host-side book-keeping for a batch of sequences over a :class:`PagedKVCache`: grows each sequence
     page by page from a shared :class:`PageAllocator` and hands out slot mappings and page tables.
@@ -388,16 +377,22 @@ class SequenceTable:
 
     def __init__(self, cache: PagedKVCache, max_batch: int, max_pages_per_seq: int,
                  allocator: PageAllocator | None = None):
+        max_batch = check_int("max_batch", max_batch, 1)
+        self.max_pages_per_seq = check_int("max_pages_per_seq", max_pages_per_seq, 1)
+        if not all(is_int(getattr(cache, a, None)) for a in ("num_pages", "page_size")):
+            raise TypeError(f"cache must be a PagedKVCache (or have integer num_pages and page_size); "
+                            f"got {type(cache).__name__}")
+        if allocator is not None and not isinstance(allocator, PageAllocator):
+            raise TypeError(f"allocator must be a PageAllocator or None; got {type(allocator).__name__}")
         self.cache = cache
         self.allocator = allocator or PageAllocator(cache.num_pages)
         self.pages = [[] for _ in range(max_batch)]
         self.lengths = np.zeros(max_batch, np.int64)
-        self.max_pages_per_seq = int(max_pages_per_seq)
 
     def extend(self, counts) -> np.ndarray:
         """Reserve ``counts[b]`` new tokens at the end of sequence b; returns their slots (int64, in batch
         order, sequence by sequence) for :func:`cukv.append_kv`."""
-        counts = np.asarray(counts, np.int64)
+        counts = host_ints("counts", counts)
         if counts.shape != self.lengths.shape or np.any(counts < 0):
             raise ValueError(f"counts must be {self.lengths.shape[0]} non-negative integers; got {counts.tolist()}")
         ps = self.cache.page_size

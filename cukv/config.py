@@ -1,7 +1,7 @@
 """Shared pieces of the frozen kernel-config dataclasses: domain checks and element types."""
 from __future__ import annotations
 
-import numbers
+from .validate import is_int
 
 CTYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
 SHORT = {"bfloat16": "bf16", "float16": "f16"}
@@ -14,7 +14,7 @@ def _same_kind(value, allowed) -> bool:
     kinds = [a for a in allowed if a is not None]
     if isinstance(kinds[0], str):
         return isinstance(value, str)
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return is_int(value)
 
 
 def check_in(config: str, field: str, value, allowed) -> None:
@@ -29,7 +29,7 @@ def check_bool(config: str, field: str, value) -> None:
 
 
 def check_range(config: str, field: str, value, lo: int, hi: int, rule: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not (lo <= value <= hi):
+    if not is_int(value) or not (lo <= value <= hi):
         raise ValueError(f"{config}.{field}={value!r} is not valid; accepted: integers {lo}..{hi}"
                          + (f" ({rule})" if rule else ""))
 

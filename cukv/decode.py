@@ -14,10 +14,11 @@ import numpy as np
 
 from . import compiler
 from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
-from .cache import check_paged_kv
+from .cache import check_cache_and_table, check_paged_kv
 from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
 from .device import check_same_device, current_device, sm_count
 from .operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
+from .validate import check_bool, check_float, check_int, check_page_table, check_planned, checked
 
 HEAD_DIMS = (64, 96, 128, 256)
 RING_STAGES = (2, 3, 4, 5, 6, 8)
@@ -341,9 +342,9 @@ class BatchDecode:
         from .arrays import canonical_dtype
         from .fp8 import resolve_kv
 
-        for n, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"{n}={v!r} must be a positive integer")
+        num_qo_heads, num_kv_heads = check_int("num_qo_heads", num_qo_heads, 1), check_int("num_kv_heads", num_kv_heads, 1)
+        head_dim, page_size = check_int("head_dim", head_dim, 1), check_int("page_size", page_size, 1, 4096)
+        num_warps, stages = check_int("num_warps", num_warps, 1), check_int("stages", stages, 0, none_ok=True)
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
@@ -359,9 +360,7 @@ class BatchDecode:
                 self._configs += (dataclasses.replace(self.config, stages=0, sub=None),)
             except ValueError:
                 pass
-        if not isinstance(cluster_merge, (bool, np.bool_)):
-            raise TypeError(f"cluster_merge={cluster_merge!r} must be True or False")
-        self._cluster_merge = bool(cluster_merge)
+        self._cluster_merge = check_bool("cluster_merge", cluster_merge)
         self._clustered = {}  # (config, splits) -> the same config merging its splits in a cluster
         self._planned = None
 
@@ -370,10 +369,8 @@ class BatchDecode:
         ``max_kv_len`` tokens. Compiles the kernel (or loads it from the disk cache)."""
         import cupy as cp
 
-        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
-        if not isinstance(max_kv_len, (int, np.integer)) or max_kv_len < 1:
-            raise ValueError(f"max_kv_len={max_kv_len!r} must be a positive integer")
+        batch_size, max_kv_len = check_int("batch_size", batch_size, 1), check_int("max_kv_len", max_kv_len, 1)
+        num_splits = check_int("num_splits", num_splits, 1, 1024, none_ok=True)
         small = kv_bytes(batch_size, max_kv_len, self.num_kv_heads, self._configs[0].head_dim) < RING_MIN_BYTES
         cfg = self._configs[-1] if small else self._configs[0]
         if num_splits is None:
@@ -387,8 +384,6 @@ class BatchDecode:
                 slots = sm_count() * blocks_per_sm(rep.registers, cfg.num_threads, rep.static_smem + cfg.ring_smem_bytes)
                 num_splits = choose_splits(batch_size, self.num_kv_heads, max_kv_len, slots)
             clustered = c > 0
-        elif not isinstance(num_splits, (int, np.integer)) or not (1 <= num_splits <= 1024):
-            raise ValueError(f"num_splits={num_splits!r} must be an integer in 1..1024")
         else:
             clustered = self._cluster_merge and num_splits <= CLUSTERS[-1]
         if clustered and num_splits >= 2:
@@ -413,18 +408,26 @@ class BatchDecode:
         return self
 
     def run(self, q, cache, table, out=None, lse=None, *, return_lse: bool = False, sink=None,
-            window: int | None = None, softcap: float | None = None, sm_scale: float | None = None, stream=None):
+            window: int | None = None, softcap: float | None = None, sm_scale: float | None = None, stream=None,
+            check: bool | None = None):
         """Attend ``q[B, num_qo_heads, head_dim]`` to the cache through ``table`` (a :class:`PageTable`).
 
         Returns ``out`` (and ``lse[B, num_qo_heads]`` float32, natural log, without the sink, when
         ``return_lse``). ``sink[num_qo_heads]`` float32 logits join the softmax denominator; ``window``
         keeps keys in ``(p - window, p]`` for the query at position ``p = length - 1``; ``softcap`` applies
         ``cap * tanh(s / cap)`` to the scaled scores. Pass ``out``/``lse`` to run inside CUDA graph capture.
+
+        ``check=True`` (or ``CUKV_CHECK=1``) copies the table to the host and validates it before the launch (page
+        ids, lengths within each row's pages); off by default, as it syncs and cannot be graph-captured. See
+        docs/errors.md for what the unchecked kernel does with bad table data.
         """
         import cupy as cp
 
-        if not self._planned:
-            raise RuntimeError("call plan(batch_size, max_kv_len) before run()")
+        window = check_int("window", window, 1, none_ok=True, note="no window")
+        check_float("sm_scale", sm_scale, positive=True, none_ok=True, note="1/sqrt(head_dim)")
+        check_float("softcap", softcap, positive=True, none_ok=True, note="no soft-cap")
+        return_lse, check = check_bool("return_lse", return_lse), checked(check)
+        check_planned(self, "plan(batch_size, max_kv_len)")
         check_same_device("BatchDecode", self._device)
         cfg = self.config
         qd, qdt = as_device(q, "q")
@@ -442,8 +445,8 @@ class BatchDecode:
         if table.batch_size < b:
             raise ValueError(f"table covers {table.batch_size} sequences; q has {b}")
         out, lse, sink = attention_outputs(qd, out, lse, b, self.num_qo_heads, return_lse, sink, softcap)
-        if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
-            raise ValueError(f"window={window!r} must be a positive integer (or None for no window)")
+        if check:
+            check_page_table(table, cache.num_pages, b)
         scale = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
 
         rec = np.zeros((), DECODE_ARGS)
@@ -466,6 +469,7 @@ def decode(q, cache, table, **kwargs):
     qd, _ = as_device(q, "q")
     if qd.ndim != 3:
         raise ValueError(f"q has shape {tuple(qd.shape)}; expected [batch, num_qo_heads, head_dim]")
+    check_cache_and_table("decode", cache, table)
     lens = table.lengths.get()
     qdt = element_dtype(qd, _ or ("bfloat16" if qd.dtype.kind == "u" else None), "q")
     quant = getattr(cache, "quantized", False)

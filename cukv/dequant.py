@@ -14,6 +14,7 @@ import numpy as np
 from . import compiler
 from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range
 from .operand import DEQUANT_ARGS, as_kernel_arg, kv_params, ptr
+from .validate import check_table, checked, host_ints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,8 @@ class DequantConfig:
         return compiler.compile_source(self.name, self.render())
 
 
-def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *, stream=None):
+def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *, stream=None,
+                  check: bool | None = None):
     """Gather sequence ``b``'s first ``kv_lengths[b]`` keys and values of an FP8 ``cache`` through ``table`` into
     ragged ``k, v [sum(kv_lengths), H, D]`` of ``dtype`` (bf16 as uint16 bits), ``e4m3(code) * scale`` in float32
     rounded once, exactly :meth:`PagedKVCache.dequantize`'s values. Returns ``(k, v, kv_offsets)`` with int32
@@ -66,6 +68,7 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
     ``kv_lengths`` is a host int array (it sizes the output). Slots past a sequence's length are never read, so
     NaN-poisoned unused slots cannot leak; a page id outside the cache reads as zeros. ``out`` = ``(k, v)``
     reuses arrays of the right shape and dtype (what ``BatchPrefill`` does, so CUDA graphs keep their addresses).
+    ``check=True`` (or ``CUKV_CHECK=1``) validates the table's page ids on the host before the launch.
 
     Examples
     --------
@@ -84,15 +87,14 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
     from .arrays import canonical_dtype
     from .cache import PagedKVCache, PageTable
     from .dtypes import storage_dtype
-    from .prefill import _host_ints
 
     if not isinstance(cache, PagedKVCache) or not getattr(cache, "quantized", False):
-        raise TypeError(f"dequantize_kv reads an FP8 PagedKVCache; got {cache!r}")
+        raise TypeError(f"cache must be an FP8 PagedKVCache (dequantize_kv reads FP8 codes); got {cache!r}")
     if not isinstance(table, PageTable):
         raise TypeError(f"table must be a PageTable; got {type(table).__name__}")
     dt = canonical_dtype(dtype)
     cfg = DequantConfig(dt, cache.head_dim, cache.page_size, cache.scale_block)
-    kl = _host_ints(kv_lengths, "kv_lengths")
+    kl = host_ints("kv_lengths", kv_lengths)
     if kl.ndim != 1 or kl.size < 1 or np.any(kl < 0):
         raise ValueError(f"kv_lengths must be a non-empty 1-D array of non-negative ints; got {kl.tolist()[:8]}")
     if kl.size > table.batch_size:
@@ -104,6 +106,9 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
                          "columns")
     if table.page_size != cache.page_size:
         raise ValueError(f"table.page_size={table.page_size}; the cache uses {cache.page_size}")
+    if checked(check):  # the kernel reads kv_lengths[b] keys through the table (its lengths are not used)
+        check_table(table.block_table[: kl.size].get(), kl, cache.page_size, cache.num_pages,
+                    ("table.block_table", "kv_lengths"))
     offs, shape = ragged_layout(kl, cache.num_kv_heads, cache.head_dim)
     st = storage_dtype(dt)
     if out is None:

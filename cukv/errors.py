@@ -46,3 +46,7 @@ class NoGPUError(CukvError):
 
 class DeviceMismatchError(CukvError, ValueError):
     """An op object planned on one GPU was run on another (its plan-time buffers live on the first)."""
+
+
+class NotPlannedError(CukvError, RuntimeError):
+    """``run`` was called on a plan/run object before ``plan``."""

@@ -20,7 +20,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 
 from . import compiler
-from .arrays import as_device
+from .arrays import as_device, check_aligned
 from .config import check_in, check_range, check_rule
 from .device import sm_count
 from .operand import as_kernel_arg
@@ -138,9 +138,8 @@ def _check_rows(a, arg: str, inner: bool = False) -> None:
 
 
 def _check_aligned(a, arg: str, align: int) -> None:
-    if a.size and a.data.ptr % align:
-        raise ValueError(f"{arg} starts at address {a.data.ptr:#x}, not a multiple of {align} bytes; "
-                         f"pass a copy (cupy.ascontiguousarray({arg}) of an aligned buffer)")
+    if a.size:
+        check_aligned(a, arg, align)
 
 
 def _prepare_out(out, lse, shape: tuple, dtype, arg_dtype: str):

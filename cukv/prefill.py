@@ -14,6 +14,9 @@ import numpy as np
 from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
 from .device import check_same_device, current_device, sm_count
 from .config import check_in
+from .cache import check_cache_and_table
+from .validate import (check_bool, check_choice, check_float, check_int, check_offsets, check_page_table, check_planned,
+                       checked, host_ints)
 from .operand import KV_PARAMS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, kv_params, ptr
 # the configs and their defaults live in prefill_config; re-exported here, where users and tests have always found them
 from .prefill_config import (DEFAULTS, DEQUANT_TILES, FP8_PINGPONG, FP8_TILES, FP8_SCORES_BN, FP8_SCORES_OFF, HEAD_DIMS,  # noqa: F401
@@ -255,15 +258,13 @@ class BatchPrefill:
         from .arrays import canonical_dtype
         from .fp8 import resolve_kv
 
-        for n, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{n}={v!r} must be a positive integer")
+        num_qo_heads, num_kv_heads = check_int("num_qo_heads", num_qo_heads, 1), check_int("num_kv_heads", num_kv_heads, 1)
+        head_dim = check_int("head_dim", head_dim, 1)
+        page_size = check_int("page_size", page_size, 1, 4096, none_ok=True, note="contiguous K/V")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if num_qo_heads > 65535:  # the grid's y dimension (work items run along x)
             raise ValueError(f"num_qo_heads={num_qo_heads} exceeds 65535, the most one prefill launch takes")
-        if page_size is not None and (not isinstance(page_size, (int, np.integer)) or not 1 <= page_size <= 4096):
-            raise ValueError(f"page_size={page_size!r} must be an integer in 1..4096, or None for contiguous K/V")
         dt = canonical_dtype(dtype)
         ps = 0 if page_size is None else int(page_size)
         kvd, sb = resolve_kv(dt, kv_dtype, scale_granularity, int(head_dim))
@@ -276,7 +277,7 @@ class BatchPrefill:
         if (config.dtype, config.head_dim, config.page_size, config.kv_dtype, config.scale_block) != (dt, head_dim, ps, kvd, sb):
             raise ValueError(f"config {config.name} does not match dtype={dt}, head_dim={head_dim}, page_size={ps}, "
                              f"kv_dtype={kvd}, scale block {sb}")
-        check_in("BatchPrefill", "fp8_prefill", fp8_prefill, FP8_PREFILL)
+        check_choice("fp8_prefill", fp8_prefill, FP8_PREFILL)
         if fp8_prefill != "auto" and kvd is None:
             raise ValueError(f"fp8_prefill={fp8_prefill!r} applies to FP8 caches (kv_dtype='fp8_e4m3'); leave it 'auto'")
         if fp8_prefill == "convert_once" and (why := once_unsupported(dt, int(head_dim), ps, kvd, sb)):
@@ -297,8 +298,8 @@ class BatchPrefill:
         ``chunk`` keeps keys in the query's chunk of ``chunk`` positions. Compiles (or loads) the kernel."""
         import cupy as cp
 
-        qo = _host_ints(q_offsets, "q_offsets")
-        kl = _host_ints(kv_lengths, "kv_lengths")
+        qo = host_ints("q_offsets", q_offsets)
+        kl = host_ints("kv_lengths", kv_lengths)
         if qo.ndim != 1 or qo.size < 2:
             raise ValueError(f"q_offsets has shape {qo.shape}; expected [batch + 1] with batch >= 1")
         if qo[0] != 0 or np.any(np.diff(qo) < 0):
@@ -306,16 +307,15 @@ class BatchPrefill:
         b = qo.size - 1
         if kl.shape != (b,) or np.any(kl < 0):
             raise ValueError(f"kv_lengths has shape {kl.shape} / min {kl.min(initial=0)}; expected [{b}] non-negative")
-        check_in("plan", "mask", mask, MASKS)
-        for n, v in (("window", window), ("chunk", chunk)):
-            if v is not None and (not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{n}={v!r} must be a positive integer (or None)")
+        check_choice("mask", mask, MASKS)
+        window, chunk = check_int("window", window, 1, none_ok=True), check_int("chunk", chunk, 1, none_ok=True)
         cfg = self.config
         work = _work_list(np.diff(qo), kl, cfg, mask, window, chunk)
         self.batch_size, self.total_q = b, int(qo[-1])
         self._work, self._num_work = _work_array(work)
         self._q_offsets = cp.asarray(qo.astype(np.int32))
         self._mask, self._window, self._chunk = mask, int(window or 0), int(chunk or 0)
+        self._kv_lengths = kl  # what checked runs hold the table's lengths to
         self._dequant = self._once = None
         if cfg.quantized:
             self.strategy = self._choose_strategy(work, kl, np.diff(qo))
@@ -422,7 +422,7 @@ class BatchPrefill:
         self._dequant["cfg"].compiled.function(self._dequant["cfg"].name)
 
     def run(self, q, kv, out=None, lse=None, *, return_lse: bool = False, sink=None, softcap: float | None = None,
-            sm_scale: float | None = None, stream=None):
+            sm_scale: float | None = None, stream=None, check: bool | None = None):
         """Attend ``q[total_q, num_qo_heads, head_dim]`` to ``kv``.
 
         ``kv`` is ``(cache, table)`` for a paged cache (``table.lengths`` = keys per sequence, prefix plus new
@@ -433,17 +433,23 @@ class BatchPrefill:
         On the persistent grids (16-bit defaults, convert-once) the plan owns the work counter (and convert-once's
         workspace), so runs of one planned ``BatchPrefill`` must not overlap on different streams; use one plan per
         stream.
+
+        ``check=True`` (or ``CUKV_CHECK=1``) copies the table (or ``kv_offsets``) to the host and validates it
+        before the launch: page ids, lengths within each row's pages and equal to the plan's ``kv_lengths``; off by
+        default, as it syncs and cannot be graph-captured. See docs/errors.md for what unchecked kernels do.
         """
         import cupy as cp
 
-        if not self._planned:
-            raise RuntimeError("call plan(q_offsets, kv_lengths) before run()")
+        check_float("sm_scale", sm_scale, positive=True, none_ok=True, note="1/sqrt(head_dim)")
+        check_float("softcap", softcap, positive=True, none_ok=True, note="no soft-cap")
+        return_lse, check = check_bool("return_lse", return_lse), checked(check)
+        check_planned(self, "plan(q_offsets, kv_lengths)")
         check_same_device("BatchPrefill", self._device)
         cfg = self.config
         if self._dequant is not None:
             from . import dequant
 
-            kv_rec, _ = self._kv_params(kv)  # checks the cache and table against the FP8 config
+            kv_rec, _ = self._kv_params(kv, check)  # checks the cache and table against the FP8 config
             d = self._dequant
             dequant.launch(d["cfg"], kv_rec, d["k"], d["v"], d["offsets"], d["max_len"], self.batch_size, stream)
             return d["inner"].run(q, (d["k"], d["v"], d["offsets"]), out, lse, return_lse=return_lse, sink=sink,
@@ -458,15 +464,13 @@ class BatchPrefill:
         check_contiguous(qd, "q")
         check_aligned(qd, "q", 16)  # 16-byte loads of query rows
         rec = np.zeros((), PREFILL_ARGS)
-        rec["kv"], kv_arrays = self._kv_params(kv)
+        rec["kv"], kv_arrays = self._kv_params(kv, check)
         out, lse, sink = attention_outputs(qd, out, lse, self.total_q, self.num_qo_heads, return_lse, sink, softcap)
         check_aligned(out, "out", 4)  # stores of value pairs
         rec["q"], rec["out"], rec["lse"], rec["sink"] = ptr(qd), ptr(out), ptr(lse), ptr(sink)
         rec["q_offsets"], rec["work"] = ptr(self._q_offsets), ptr(self._work)
         rec["q_stride"] = (qd.strides[0] // 2, qd.strides[1] // 2)
         rec["o_stride"] = (out.strides[0] // 2, out.strides[1] // 2)
-        if sm_scale is not None and not (float(sm_scale) > 0):
-            raise ValueError(f"sm_scale={sm_scale!r} must be > 0 (or None for 1/sqrt(head_dim))")
         rec["sm_scale"] = float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
         rec["softcap"] = float(softcap or 0.0)
         rec["window"], rec["chunk"], rec["causal"] = self._window, self._chunk, int(self._mask == "causal")
@@ -530,8 +534,9 @@ class BatchPrefill:
                                          ("v", v, cfg.tma_v_box_cols, cfg.tma_v_ring))]
         return tma.as_maps_arg(*maps)
 
-    def _kv_params(self, kv):
-        """The kernel's KV_PARAMS record for ``kv``, validated, and the (k, v) device arrays it reads."""
+    def _kv_params(self, kv, check: bool = False):
+        """The kernel's KV_PARAMS record for ``kv``, validated (``check``: its device tables too, on the host), and
+        the (k, v) device arrays it reads."""
         import cupy as cp
 
         from .cache import check_paged_kv
@@ -546,6 +551,8 @@ class BatchPrefill:
             check_paged_kv("BatchPrefill", cfg, self.num_kv_heads, cache, table)
             if table.batch_size < self.batch_size:
                 raise ValueError(f"table covers {table.batch_size} sequences; plan() has {self.batch_size}")
+            if check:
+                check_page_table(table, cache.num_pages, self.batch_size, self._kv_lengths)
             return kv_params(cache, table), (cache.k, cache.v)
         k, v, offs = kv
         if cfg.page_size != 0:
@@ -567,6 +574,8 @@ class BatchPrefill:
             raise ValueError(f"v has {vd.shape[0]} tokens, k has {kd.shape[0]}")
         if od.dtype != cp.int32 or od.shape != (self.batch_size + 1,):
             raise ValueError(f"kv_offsets must be int32 of shape ({self.batch_size + 1},); got {od.dtype} {tuple(od.shape)}")
+        if check:
+            check_offsets(od, kd.shape[0])
         rec = np.zeros((), KV_PARAMS)
         rec["k"], rec["v"], rec["block_table"] = ptr(kd), ptr(vd), ptr(od)
         rec["k_stride"] = (0, kd.strides[0] // 2, kd.strides[1] // 2, 1)
@@ -618,23 +627,15 @@ def _tile_cost(q_len, kv_len, t, cfg, mask, window, chunk) -> int:
     return max(0, -(-(hi - lo) // cfg.BN))
 
 
-def _host_ints(x, name):
-    if hasattr(x, "get"):
-        x = x.get()
-    a = np.asarray(x)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must be an integer array (host), got dtype {a.dtype}")
-    return a.astype(np.int64)
-
-
 def prefill(q, q_offsets, kv, *, mask: str = "causal", window=None, chunk=None, **kwargs):
     """One-shot convenience: plan from ``q_offsets`` (host or device) and the KV lengths, then run."""
     qd, _ = as_device(q, "q")
     if qd.ndim != 3:
         raise ValueError(f"q has shape {tuple(qd.shape)}; expected [total_q, num_qo_heads, head_dim]")
-    qo = _host_ints(q_offsets, "q_offsets")
+    qo = host_ints("q_offsets", q_offsets)
     if isinstance(kv, tuple) and len(kv) == 2:
         cache, table = kv
+        check_cache_and_table("prefill", cache, table)
         kl = table.lengths.get()[: qo.size - 1]
         if getattr(cache, "quantized", False):
             qdt = element_dtype(qd, _ or ("bfloat16" if qd.dtype.kind == "u" else None), "q")
@@ -645,7 +646,7 @@ def prefill(q, q_offsets, kv, *, mask: str = "causal", window=None, chunk=None, 
     elif isinstance(kv, tuple) and len(kv) == 3:
         k, _, offs = kv
         kd, kdt = as_device(k, "k")
-        ko = _host_ints(offs, "kv_offsets")
+        ko = host_ints("kv_offsets", offs)
         kl = np.diff(ko)
         dt = element_dtype(kd, kdt or ("bfloat16" if kd.dtype.kind == "u" else None), "k")
         pf = BatchPrefill(qd.shape[1], kd.shape[1], kd.shape[2], None, dt)

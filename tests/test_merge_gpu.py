@@ -229,7 +229,7 @@ def test_errors_name_argument_value_and_accepted():
     with pytest.raises(ValueError, match=r"MergeConfig.head_dim=12 is not valid: must be a multiple of 8 for float16"):
         merge_states(*_pair(d=12), *_pair(d=12))
     buf = cp.zeros(4 * 2 * 64 + 1, cp.float16)
-    with pytest.raises(ValueError, match=r"v_a starts at address .* not a multiple of 16 bytes"):
+    with pytest.raises(ValueError, match=r"v_a starts at device address .* not 16-byte aligned"):
         merge_states(buf[1:].reshape(4, 2, 64), sa, vb, sb)
     with pytest.raises(ValueError, match=r"out must be a C-contiguous float16 array .* of shape \[4, 2, 64\]"):
         merge_states(va, sa, vb, sb, out=cp.zeros((4, 2, 64), cp.float32))
