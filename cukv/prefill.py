@@ -13,7 +13,6 @@ import numpy as np
 
 from .arrays import as_device, attention_outputs, check_aligned, check_contiguous, element_dtype
 from .device import check_same_device, current_device, sm_count
-from .config import check_in
 from .cache import check_cache_and_table
 from .validate import (check_bool, check_choice, check_float, check_int, check_offsets, check_page_table, check_planned,
                        checked, host_ints)
