@@ -148,3 +148,13 @@ def attention_outputs(like, out, lse, rows: int, heads: int, return_lse: bool, s
     if softcap is not None and not (float(softcap) > 0):
         raise ValueError(f"softcap={softcap!r} must be > 0 (or None for no soft-cap)")
     return out, lse, sink
+
+
+def host_ints(x, name):
+    """``x`` (host or device, any integer dtype) as a host int64 array; TypeError naming ``name`` otherwise."""
+    if hasattr(x, "get"):
+        x = x.get()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array (host), got dtype {a.dtype}")
+    return a.astype(np.int64)

@@ -24,14 +24,31 @@ from .fp8 import scale_block as _scale_block
 LAYOUTS = ("separate", "combined", "layers")
 
 
-class PageAllocator:
-    """A free list of physical page ids ``0 .. num_pages-1`` (host side, O(1) alloc and free)."""
+#: ``PageAllocator`` orders: pages handed out 0, 1, 2, ... or in a random permutation (a fragmented cache)
+ORDERS = ("sequential", "random")
 
-    def __init__(self, num_pages: int):
-        if int(num_pages) < 1:
-            raise ValueError(f"num_pages={num_pages} must be >= 1")
+
+class PageAllocator:
+    """A free list of physical page ids ``0 .. num_pages-1`` (host side, O(1) alloc and free).
+
+    ``order='sequential'`` hands pages out in id order; ``order='random'`` in a permutation drawn from ``seed``
+    (examples and tests use it to scatter a sequence's pages over the cache, as a long-running server's are).
+    Freed pages are handed out again first.
+    """
+
+    def __init__(self, num_pages: int, order: str = "sequential", seed: int | None = None):
+        if not isinstance(num_pages, (int, np.integer)) or isinstance(num_pages, bool) or int(num_pages) < 1:
+            raise ValueError(f"num_pages={num_pages!r} must be an integer >= 1")
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r} is not valid; accepted: {', '.join(map(repr, ORDERS))}")
+        if seed is not None and order != "random":
+            raise ValueError(f"seed={seed!r} applies to order='random' only")
         self.num_pages = int(num_pages)
-        self._free = list(range(self.num_pages - 1, -1, -1))
+        if order == "random":
+            first = np.random.default_rng(seed).permutation(self.num_pages).tolist()
+        else:
+            first = list(range(self.num_pages))
+        self._free = first[::-1]  # pop() takes from the end
         self._used = np.zeros(self.num_pages, bool)
 
     @property

@@ -40,8 +40,7 @@ from cukv.dtypes import from_storage, to_storage  # noqa: E402
 from cukv.testing import assert_close  # noqa: E402
 
 cache = cukv.PagedKVCache(num_pages=512, page_size=PAGE, num_kv_heads=HKV, head_dim=D, fill="nan")
-alloc = cukv.PageAllocator(cache.num_pages)
-alloc._free = list(rng.permutation(cache.num_pages))  # hand pages out in random physical order
+alloc = cukv.PageAllocator(cache.num_pages, order="random", seed=0)  # pages in random physical order
 seqs = cukv.SequenceTable(cache, max_batch=B, max_pages_per_seq=128, allocator=alloc)
 
 # host float64 mirror of every token appended, for the reference
