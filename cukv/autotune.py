@@ -13,7 +13,7 @@ import datetime
 import itertools
 import os
 
-from . import compiler
+from . import compiler, tuned
 from .tuned import (ENV, FIELDS, FILE_NAME, SCHEMA, AutotuneWarning, autotune_path, device_name,  # noqa: F401
                     enabled, load_records, lookup, record_key, save_record)
 
@@ -245,7 +245,7 @@ def tune_prefill(dtype="bfloat16", head_dim=128, page_size=16, *, num_qo_heads=3
             cfgs.append(cfg)
     if not cfgs:
         raise ValueError("no valid candidate to time")
-    device = device_name()
+    device = tuned.device_name()
     if device is None:
         raise NoGPUError("autotuning needs a CUDA GPU and this process sees none (see `python -m cukv doctor`)")
 

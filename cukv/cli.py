@@ -153,7 +153,7 @@ def _autotune(args) -> int:
         print(f"cukv autotune prefill: --head-dim {args.head_dim} is not supported; accepted: "
               f"{', '.join(map(str, sorted(DEFAULTS)))}", file=sys.stderr)
         return 2
-    if autotune.device_name() is None:
+    if autotune.tuned.device_name() is None:
         print("cukv autotune: timing needs a CUDA GPU and this process sees none (see `python -m cukv doctor`)",
               file=sys.stderr)
         return 2

@@ -30,14 +30,14 @@ def _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout="combined
 
 
 def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="token", config=None, layout="combined",
-           prepare=None, unit=1.0, fp8_prefill="auto", **kw):
+           prepare=None, unit=1.0, fp8_prefill="auto", once_persistent=None, max_blocks=None, **kw):
     import cupy as cp
 
     case = _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout)
     if prepare is not None:
         prepare(case)
     pf = cukv.BatchPrefill(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran, config=config,
-                           fp8_prefill=fp8_prefill)
+                           fp8_prefill=fp8_prefill, once_persistent=once_persistent, max_blocks=max_blocks)
     plan_kw = {k: kw.pop(k) for k in ("mask", "window", "chunk") if k in kw}
     pf.plan(case["q_offsets"], case["kv_lens"], **plan_kw)
     nan = np.float16(np.nan) if dtype == "float16" else np.uint16(0x7FC0)
@@ -89,7 +89,7 @@ def test_head_dims(rng, d, gran):
 @pytest.mark.parametrize("fp8_scores", [True, False])
 def test_both_paths_at_d64_and_d128(rng, fp8_scores):
     """The defaults pick one path per head dim (d64 dequantizes K); the other is a valid config too."""
-    from cukv.prefill import PrefillConfig
+    from cukv.configs.prefill import PrefillConfig
 
     for d, tile in ((64, (192, 96, 64, 6)), (128, (192, 64, 128, 4))):
         cfg = PrefillConfig("bfloat16", d, 16, *tile, kv_dtype="fp8_e4m3", scale_block=d, fp8_scores=fp8_scores)
@@ -107,7 +107,7 @@ def test_tma_and_cp_async_producers(rng, tma, d, gran, ps, layout):
     import dataclasses
 
     from cukv.fp8 import resolve_kv
-    from cukv.prefill import default_config
+    from cukv.policy.prefill import default_config
 
     _, sb = resolve_kv("bfloat16", "fp8_e4m3", gran, d)
     base = default_config("bfloat16", d, ps, "fp8_e4m3", sb)
@@ -286,25 +286,20 @@ def test_convert_once_mha_many_heads(rng):
 
 
 @pytest.mark.parametrize("grid", [None, 1, 5])
-def test_convert_once_persistent_walks_many_items(rng, monkeypatch, grid):
+def test_convert_once_persistent_walks_many_items(rng, grid):
     # the persistent grid (one block per SM, or `grid` blocks): each block walks many items, carrying its ring
     # position and staging the next item's query while the last one finishes; the converters' queue crosses
     # sequences of every length (a one-token one too) and every KV head
-    import sys
-
-    monkeypatch.setattr(sys.modules["cukv.prefill"], "ONCE_GRID", grid)  # the module (cukv.prefill is the function)
     _check(rng, [200, 1, 150, 33, 129], [0, 0, 100, 0, 70], 24, 24, 128, 16, "bfloat16", "token",
-           fp8_prefill="convert_once")
-    _check(rng, [600, 64], [40, 0], 8, 2, 256, 16, "bfloat16", "token", fp8_prefill="convert_once")
+           fp8_prefill="convert_once", max_blocks=grid)
+    _check(rng, [600, 64], [40, 0], 8, 2, 256, 16, "bfloat16", "token", fp8_prefill="convert_once", max_blocks=grid)
 
 
-def test_convert_once_d256_tile_launched_per_item(rng, monkeypatch):
+def test_convert_once_d256_tile_launched_per_item(rng):
     # convert-once's own d256 tile (ONCE_TILES: 80 keys, 3 stages) on the launch-per-item grid as well: tiles of 80
     # rows cut sequences and pages at odd places
-    import sys
-
-    monkeypatch.setattr(sys.modules["cukv.prefill"], "ONCE_PERSISTENT", False)
-    _check(rng, [300, 81, 1], [60, 0, 159], 8, 4, 256, 16, "bfloat16", "token", fp8_prefill="convert_once")
+    _check(rng, [300, 81, 1], [60, 0, 159], 8, 4, 256, 16, "bfloat16", "token", fp8_prefill="convert_once",
+           once_persistent=False)
 
 
 def _capture(pf, case, out):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cukv import compiler
 from cukv.errors import CompileError
-from cukv.merge import MERGE_ARGS, MERGE_DTYPES, THREADS, MergeConfig, merge_states, merge_states_n
+from cukv.ops.merge import MERGE_ARGS, MERGE_DTYPES, THREADS, MergeConfig, merge_states, merge_states_n
 
 ARCH = "sm_90a"
 DTYPES = tuple(MERGE_DTYPES)

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cukv.operand import PREFILL_ARGS
-from cukv.prefill import DEFAULTS, HEAD_DIMS, SMEM_LIMIT, KVBufferConfig, PrefillConfig, pv_wait_16bit, tile_config
+from cukv.configs.prefill import HEAD_DIMS, SMEM_LIMIT, KVBufferConfig, PrefillConfig
+from cukv.policy.prefill import DEFAULTS, pv_wait_16bit, tile_config
 
 DTYPES = ("bfloat16", "float16")
 PAGE_SIZES = (0, 1, 16, 48)
