@@ -172,7 +172,7 @@ def test_decode_valid_configs_compile_without_spills(cfg):
     ("bfloat16", 64, 16, 16, 4, 4, "fp8_e4m3", 64), ("bfloat16", 64, 1, 16, 8, 3),
 ], ids=lambda a: "d{1}_g{2}_p{3}_w{4}_b{5}".format(*a) + ("_fp8" if len(a) > 6 else ""))
 def test_decode_spilling_corners_are_outside_the_domain(args):
-    """Launch bounds that leave fewer registers than the kernel needs spilled (ptxas, sm_90a; session 32 sweep):
+    """Launch bounds that leave fewer registers than the kernel needs spilled (ptxas, sm_90a sweep):
     the config names min_blocks, the cap and the need."""
     kw = dict(zip(("kv_dtype", "scale_block"), args[6:]))
     with pytest.raises(ValueError, match=r"DecodeConfig.min_blocks=\d is not valid: with num_warps=\d caps registers "

@@ -42,8 +42,8 @@ def _nvrtc_version():
 @pytest.mark.parametrize("dtype,d,sb", PREFILL)
 def test_prefill_fp8_default_compiles_without_spills(dtype, d, sb, page_size, request):
     if (dtype, d, sb, page_size) == ("float16", 128, 128, 16) and _nvrtc_version() < (13, 5):
-        # the device's NVRTC 13.0 spills 8 bytes here in some compiles and none in others (session 16: both, from the
-        # same templates in two cache folders; sessions 14 and 15 saw one each); NVRTC 13.5, which CI uses, spills none
+        # the device's NVRTC 13.0 spills 8 bytes here in some compiles and none in others (both seen from the same
+        # templates in two cache folders); NVRTC 13.5, which CI uses, spills none
         request.applymarker(pytest.mark.xfail(reason="NVRTC 13.0 spills 8 bytes in this specialization", strict=False))
     cfg = default_config(dtype, d, page_size, "fp8_e4m3", sb)
     rep = cfg.compiled.functions[cfg.name]
@@ -77,7 +77,7 @@ def test_fp8_scores_domain():
     with pytest.raises(ValueError, match="fp8_scores"):
         PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, fp8_scores=1)
     assert default_config("bfloat16", 128, 16, "fp8_e4m3", 128).fp8_scores
-    # d64: e4m3 scores measured slower with the cp.async producer, faster with TMA (benchmarks/NOTES.md)
+    # d64: e4m3 scores measured slower with the cp.async producer, faster with TMA (docs/tuning.md)
     assert not default_config("bfloat16", 64, 1, "fp8_e4m3", 64).fp8_scores
     assert default_config("bfloat16", 64, 16, "fp8_e4m3", 64).fp8_scores
     assert not default_config("float16", 128, 16, "fp8_e4m3", 128).fp8_scores
@@ -144,7 +144,7 @@ def test_pingpong_domain():
     with pytest.raises(ValueError, match="pingpong=1 is not valid"):
         PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, pingpong=1)
     # defaults: FP8 e4m3-score tiles at d128 and d256 (measured faster there; per-tensor d256 would spill); 16-bit
-    # tiles, and so convert-once's, at d256 (session 34)
+    # tiles, and so convert-once's, at d256
     from cukv.policy.prefill import once_config
 
     for d, token, tensor, b16 in ((64, False, False, False), (80, False, False, False), (128, True, True, False),
@@ -202,12 +202,12 @@ def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
     assert cfg.producer_registers == (80 if cfg.BM == 192 else 72) and cfg.smem_bytes <= 227 * 1024
-    assert cfg.persistent and "_pers_" in cfg.name  # every head dim convert-once takes (d256 from session 30)
+    assert cfg.persistent and "_pers_" in cfg.name  # every head dim convert-once takes
 
 
 def test_convert_once_takes_its_own_d256_tile_where_it_fits(monkeypatch):
-    # ONCE_TILES: 128 x 112 x 2 with pv_wait at d256 for every granularity on the persistent grid (session 43), and
-    # d64's 16-bit tile in a ring of 4 (session 44); a tile that does not
+    # ONCE_TILES: 128 x 112 x 2 with pv_wait at d256 for every granularity on the persistent grid, and
+    # d64's 16-bit tile in a ring of 4; a tile that does not
     # fit falls back to the 16-bit default, then to the FP8 fused kernels' tile (d256's 16-bit default, 128 keys in a
     # ring of one tile, leaves convert-once's raw slots no room), and where none fits the last one's error says why
     from cukv.policy.prefill import FP8_TILES, ONCE_TILES, once_config
@@ -252,8 +252,8 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
 
 
 def test_fp8_prefill_strategy_choice(monkeypatch):
-    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY*, sessions 27-30 and 33; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
-    session 23; on H100)."""
+    """'auto' follows the measured crossovers (cukv.policy.prefill.ONCE_MIN_ROWS, DEQUANT_MIN_ROWS_PER_KEY[_TENSOR];
+    docs/tuning.md)."""
     import cukv
     from cukv.policy.prefill import DEQUANT_WORKSPACE_LIMIT
 
@@ -264,31 +264,31 @@ def test_fp8_prefill_strategy_choice(monkeypatch):
     assert _strategy(32, 32, 128, [8192] * 2, [8192] * 2) == "convert_once"        # MHA, 4160
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4) == "convert_once"        # MHA d256, 2112
     assert _strategy(32, 16, 128, [2048] * 8, [2048] * 8) == "convert_once"        # GQA 2, 2176
-    # up to d128 from ONCE_MIN_ROWS_PER_KEY_PERSISTENT (session 29), at d256 from ONCE_MIN_ROWS_PER_KEY (session 30)
+    # token scales on the persistent grid: up to d128 from 256 rows per key, at d256 from 1024 (ONCE_MIN_ROWS)
     assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16) == "convert_once"      # MHA, 576
     assert _strategy(32, 32, 128, [512] * 32, [512] * 32) == "convert_once"        # MHA, 320
     assert _strategy(32, 32, 128, [256] * 64, [256] * 64) == "fused"               # MHA, 192
     assert _strategy(32, 8, 128, [256] * 64, [256] * 64) == "convert_once"         # GQA 4, 768
     assert _strategy(16, 16, 256, [1024] * 16, [1024] * 16) == "fused"             # MHA d256, 576
     assert _strategy(32, 32, 80, [4096] * 4, [4096] * 4) == "dequantize_first"     # d80: unmeasured
-    # block scales: converted once on the persistent grid (at d256 32- and 64-dim blocks too, since session 34)
+    # block scales: converted once on the persistent grid (at d256 32- and 64-dim blocks too)
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
     assert _strategy(32, 32, 128, [256] * 64, [256] * 64, gran=64) == "convert_once"  # 208
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
     assert _strategy(32, 8, 128, [16384], [16384], gran=64) == "convert_once"      # 33151
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=64) == "convert_once"
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=32) == "convert_once"
-    assert _strategy(16, 16, 256, [256] * 64, [256] * 64, gran=64) == "fused"       # 192: ONCE_MIN_ROWS_PER_KEY_BLOCK_D256
-    # d256 on the persistent grid (session 30): 128-dim blocks from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256, token scales at GQA
+    assert _strategy(16, 16, 256, [256] * 64, [256] * 64, gran=64) == "fused"       # 192: below d256's block threshold (320)
+    # d256 on the persistent grid: 128-dim blocks from 320 rows per key, token scales at GQA
     assert _strategy(16, 16, 256, [512] * 32, [512] * 32, gran=128) == "convert_once"  # 320
     assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4) == "convert_once"        # GQA 4 d256, 8448
-    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 from 2048
-    # (ONCE_MIN_ROWS_PER_KEY_TENSOR_D256, session 38), below which the fused kernel is as fast
+    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 from 2048,
+    # below which the fused kernel is as fast
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [16384], [16384], gran="tensor") == "convert_once"
-    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"     # 2112 (session 38)
+    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"     # 2112
     assert _strategy(16, 16, 256, [2048] * 8, [2048] * 8, gran="tensor") == "fused"            # 1088
     assert _strategy(16, 16, 256, [8192] * 2, [8192] * 2, gran="tensor") == "convert_once"     # 4160
     assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"      # GQA 4, 8448
@@ -357,6 +357,6 @@ def test_once_schedule_model_runs_and_prefers_top_down_at_d256():
     # (the longest sequence's first), then one tile below each top, ...
     assert list(model.once_tile_order([2, 5, 3])) == [6, 9, 1, 5, 8, 0, 4, 7, 3, 2]
     assert list(model.once_tile_order([3, 3])) == [2, 5, 1, 4, 0, 3] and model.once_tile_order([]).size == 0
-    # the model's figure (benchmarks/NOTES.md session 31); the H100 disagreed (session 33)
+    # the model's figure (the H100 disagreed: docs/tuning.md)
     up, down = model.simulate(order="seq_up"), model.simulate(order="top_down")
     assert down["end_us"] < up["end_us"] and down["waits_us_per_sm"] < up["waits_us_per_sm"]

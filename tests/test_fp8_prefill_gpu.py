@@ -64,7 +64,7 @@ def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="t
         st_o, _ = reference_prefill(case, staged=dtype, fp8_scores=False, **plan_kw, **kw)
         assert_within_staging(got, ref_o, st_o / unit, dtype, name="out vs dequantized reference")
         # the e4m3 accumulators' error scales with sum |q_d k_d|, which outgrows |s| as sqrt(d) for random rows:
-        # d256 measured one LSE of 2128 at 0.0325 (14.74) where 2^-9 relative allows 0.031 (session 11)
+        # d256 measured one LSE of 2128 at 0.0325 (14.74) where 2^-9 relative allows 0.031
         rtol = 2.0 ** -9 * max(1.0, (d / 128) ** 0.5)
         assert_close(lse.get(), ref_lse, "float32", atol=2e-3, rtol=rtol, name="lse vs dequantized reference")
     else:
@@ -137,7 +137,7 @@ def test_token_v_scales_far_apart(rng, d):
     """Token V scales of neighbouring tokens 2^12 apart and whole 64-key blocks 2^30 apart either way: a row's
     output can then come from keys of small weight p and large V, so P and V must keep their precision over that
     range (they are staged as bf16, whose exponent is float32's). An f16 staging relative to a power of two per
-    tile lost such rows (benchmarks/NOTES.md, session 15)."""
+    tile lost such rows."""
     import cupy as cp
 
     def prepare(case):
@@ -222,7 +222,7 @@ def test_dequant_strategy_granularities(rng, gran, dtype, strategy):
 def test_dequant_strategy_head_dims_and_pages(rng, d, ps, gran, strategy):
     # (256, 1, 'token'): outputs in units of their row's largest value. Its draw has a row with outputs near 10 whose
     # P V rounding (bf16 P, about 0.004 typical here) reaches 0.024 on an element of 0.07, past atol 0.02; convert-
-    # once's 80-key tile (session 35) lands there and the 64-key tile does not, with the same error spread elsewhere
+    # once's 80-key tile lands there and the 64-key tile does not, with the same error spread elsewhere
     # (std 0.0041 both, run-to-run identical)
     unit = "row" if (d, ps) == (256, 1) else 1.0
     _check(rng, [200, 65], [50, 300], 8, 2, d, ps, "bfloat16", gran, fp8_prefill=strategy, unit=unit)
@@ -256,19 +256,18 @@ def test_convert_once_rereads_the_cache_every_run(rng):
 
 def test_auto_strategy_by_rows_per_key(rng):
     # one 1024-token prompt, 8 query heads per KV head: about 4600 query rows per key, token scales at d128: past
-    # ONCE_MIN_ROWS_PER_KEY_PERSISTENT
+    # the persistent grid's token threshold (ONCE_MIN_ROWS)
     _check(rng, [1024], [0], 16, 2, 128, 16, "bfloat16", "token")
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 1024]), np.array([1024]))
     assert pf.strategy == "convert_once"
-    # 4096 tokens: about 16900 rows per key; converting once has no upper bound (session 33)
+    # 4096 tokens: about 16900 rows per key; converting once has no upper bound
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 4096]), np.array([4096]))
     assert pf.strategy == "convert_once"
-    # 64-dim blocks at d256 (MHA) convert once from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256 (they fit its shared memory
-    # since session 34), fused below it
+    # 64-dim blocks at d256 (MHA) convert once from d256's block threshold (ONCE_MIN_ROWS), fused below it
     pf = cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64)
     assert pf.plan(np.array([0, 4096]), np.array([4096])).strategy == "convert_once"
     assert pf.plan(np.array([0, 16]), np.array([16])).strategy == "fused"
-    # per-tensor scales convert once up to d128 from 512 rows per key, at d256 from 2048 (session 38): GQA 8 over
+    # per-tensor scales convert once up to d128 from 512 rows per key, at d256 from 2048: GQA 8 over
     # 1024 tokens has about 4200, MHA about 520
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor")
     assert pf.plan(np.array([0, 1024]), np.array([1024])).strategy == "convert_once"

@@ -200,7 +200,7 @@ def fp8_cache_like(data, granularity):
 
 #: FP8 bench: bf16 paged and every FP8 strategy are timed in this many interleaved rounds (cukv.bench.timing), so a
 #: slow spell of the GPU lands on a round of each; the bf16/FP8 ratio is also given per round (its spread says how
-#: far one call's ratio can be trusted: bf16 alone moved 1.01-1.05 ms between calls at MHA d256, NOTES.md session 30)
+#: far one call's ratio can be trusted; docs/tuning.md)
 FP8_ROUNDS = 5
 
 

@@ -29,9 +29,8 @@ class DecodeShape:
 
     @property
     def min_registers(self) -> int:
-        """The smallest ``register_cap`` under which this kernel compiles without spilling, from a sweep (ptxas for
-        sm_90a, NVRTC 13.5, session 32: head dims 64-256, groups 1-16, every cache kind, register kernel and ring,
-        at caps 255, 168 and 128). Up to d64 everything fits 128 but the FP8 register kernel (168); the FP8 ring at
+        """The smallest ``register_cap`` under which this kernel compiles without spilling, from a ptxas sweep of every
+        head dim, group and cache kind at caps 255, 168 and 128 (docs/tuning.md). Up to d64 everything fits 128 but the FP8 register kernel (168); the FP8 ring at
         d128 (token, per-tensor and 64-dim scales) fits 168; the rest needs 255, i.e. num_warps * min_blocks <= 8."""
         if self.head_dim <= 64:
             return 168 if self.quantized and not self.stages else 128

@@ -138,7 +138,7 @@ class PrefillConfig(KernelConfig):
     tma: bool = False
     #: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers), so their softmax phases
     #: run staggered instead of in lock-step. Needs BM >= 128. Default where ``FP8_PINGPONG`` lists it (FP8
-    #: ``fp8_scores`` tiles at d128, and d256 with token scales: 2-4% faster on H100; benchmarks/NOTES.md session 17).
+    #: ``fp8_scores`` tiles at d128, and d256 with token scales; docs/tuning.md).
     pingpong: bool = False
     #: FP8 caches (``fp8_prefill='convert_once'``): the 16-bit kernel over a workspace the blocks fill as they go.
     #: Three producer warps convert quarter tiles from the FP8 cache (``page_size`` tokens a page) into the workspace
@@ -155,7 +155,7 @@ class PrefillConfig(KernelConfig):
     #: each tile's P V completes before the next tile's S is issued (cuDNN's order) instead of overlapping it: S and P
     #: are never live together, so a 128-key tile at d256 fits the consumers' registers, and the V element is released
     #: a tile earlier, which a ring of one tile (``stages`` = K elements + 1) needs. Default there (``pv_wait_16bit``);
-    #: elsewhere the overlap measured 2-4% faster (H100, benchmarks/NOTES.md session 43).
+    #: elsewhere the overlap is faster (docs/tuning.md).
     pv_wait: bool = False
 
     def __post_init__(self):
@@ -204,16 +204,16 @@ class PrefillConfig(KernelConfig):
                    f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
         # measured (ptxas, sm_90a): with two consumer warpgroups, wide tiles and 2-atom+ elements, any ring
         # depth but 4 spills a few bytes of the ring arithmetic
-        # a ring of one tile (2) compiles without spills with pv_wait at d256 and on the persistent grids (session 43:
-        # 16-bit d192 BN=128 launched per item spills 16-20 bytes, the dequantizing FP8 kernels at d128/d192 12-336)
+        # a ring of one tile (2) compiles without spills with pv_wait at d256 and on the persistent grids only
+        # (ptxas; docs/tuning.md)
         check_rule(c, "stages", self.stages,
                    not (self.BM == 128 and self.BK >= 128 and self.BN >= 96) or self.stages == 4
                    or (self.stages == 2 and self.pv_wait
                        and (self.head_dim == 256 or self.persistent or self.convert_once)),
                    "must be 4 when BM=128, BK>=128 and BN>=96, or 2 with pv_wait=True at head_dim=256, on the "
                    "persistent grid or in convert_once (other depths spill there)")
-        # the same, found by compiling every BM 128/192 shape at head_dim >= 192 (session 32, benchmarks/NOTES.md):
-        # whole elements of 48-80 rows copied without tensor copies spill 12-96 bytes at depths 3 and 5-7
+        # the same, found by compiling every BM 128/192 shape at head_dim >= 192: whole elements of 48-80 rows copied
+        # without tensor copies spill at depths 3 and 5-7 (ptxas; docs/tuning.md)
         kb = self.kv_buffer
         check_rule(c, "stages", self.stages,
                    not (self.BM == 128 and self.head_dim >= 192 and kb.full_kv and 48 <= self.BN <= 80

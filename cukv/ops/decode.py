@@ -103,8 +103,7 @@ class BatchDecode:
         if num_splits is None:
             c = choose_cluster(batch_size, self.num_kv_heads, max_kv_len, sm_count()) if self._cluster_merge else 0
             if c:
-                # a cluster's few long splits stream better through the ring, where it applies (H100,
-                # 1 x 2048 in 8-block clusters: 12.8 us against 14.5 with registers)
+                # a cluster's few long splits stream better through the ring, where it applies (docs/tuning.md)
                 num_splits, cfg = c, self._configs[0]
             else:  # more blocks than SMs: the global merge (clusters lose there), splits by occupancy
                 rep = cfg.compiled.functions[cfg.name]

@@ -79,8 +79,7 @@ def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: in
     (H100, a kernel at 3 blocks per SM: 64 x 4096 is 512 blocks on 396 slots, and 3 splits turn 2 waves, the
     second a third full, into 4 nearly full ones). No split gets under 64 tokens (one 16-token strip per warp
     of a 4-warp block), and the count is trimmed so that no split is left empty (the kernel gives each split
-    ``ceil(strips / num_splits)`` strips). H100, session 5: 1 x 512 takes 11.3 us with 8 splits against
-    12.5 us with 4; 1 x 8192 24.5 us with 32 against 26.0 with 33."""
+    ``ceil(strips / num_splits)`` strips). Measurements: docs/tuning.md."""
     blocks = max(1, batch_size * num_kv_heads)
     strips = max(1, math.ceil(max_kv_len / 16))
     most = int(max(1, min(math.ceil(strips / 4), 128)))
@@ -95,10 +94,8 @@ def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: in
 
 def choose_cluster(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
     """Splits for a cluster merge, or 0 for none: a small step whose (sequence, KV head) pairs times the
-    cluster size fit one block per SM, with splits of at most ``CLUSTER_MAX_TOKENS``. H100 (cukv us, cuDNN us):
-    1 x 512 with an 8-block cluster 9.5 against 11.2 with global merging (cuDNN 11.2); 1 x 2048: 14.6 against
-    16.1 (14.0). With more blocks than SMs clusters lost: 8 x 512 as 4-block clusters 20.2 against 17.5,
-    8 x 2048 47.6 against 35.6."""
+    cluster size fit one block per SM, with splits of at most ``CLUSTER_MAX_TOKENS``; with more blocks than SMs
+    clusters lose to the global merge (docs/tuning.md)."""
     strips = max(1, math.ceil(max_kv_len / 16))
     c = min(CLUSTERS[-1], num_sms // max(1, batch_size * num_kv_heads), math.ceil(strips / 4))  # >= 64 tokens
     return c if c >= 2 and math.ceil(max_kv_len / c) <= CLUSTER_MAX_TOKENS else 0
