@@ -9,7 +9,7 @@ import shutil
 import jinja2
 import pytest
 
-from cukv import AppendConfig, CompileError, CompileForbidden, compiler
+from cukv import AppendConfig, CompileError, CompileForbidden, DecodeConfig, compiler
 from cukv.policy.decode import decode_config
 from cukv.errors import CukvError
 
