@@ -20,7 +20,7 @@ import cukv
 from cukv import reference
 from cukv.device import has_gpu
 from cukv.dtypes import from_storage, to_storage
-from cukv.ops.merge import MergeConfig
+from cukv.configs.merge import MergeConfig
 
 GPU = has_gpu()
 DTYPE = "bfloat16"
@@ -107,7 +107,7 @@ if not GPU:
 
 import cupy as cp  # noqa: E402
 
-from cukv.ops.merge import merge_states# noqa: E402
+from cukv.ops.merge import merge_states  # noqa: E402
 from cukv.testing import assert_close  # noqa: E402
 
 cache = cukv.PagedKVCache(num_pages, PAGE, HKV, D, dtype=DTYPE, fill="nan")
