@@ -1,6 +1,6 @@
 """convert_once on the persistent grid against the launch-per-item kernel, bit for bit over six runs each, and its
-workspace against the cache's dequantized values (session 28; d256 from session 30; scale granularity, and edge
-values from session 34: K scales past 2^8 on some tokens, a NaN code in V).
+workspace against the cache's dequantized values, at every scale granularity and with edge values (K scales past 2^8
+on some tokens, a NaN code in V).
 PYTHONPATH=. python3 benchmarks/check_once_workspace.py [head_dim [granularity]]"""
 import sys
 
@@ -9,8 +9,6 @@ import numpy as np
 
 import cukv
 from cukv.testing import random_prefill_case
-
-P = sys.modules["cukv.prefill"]
 
 
 def _nan(x):  # bf16 bits that are a NaN (the dequantize pass and the converters may spell it differently)
@@ -23,7 +21,6 @@ D = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 GRAN = sys.argv[2] if len(sys.argv) > 2 else "token"
 GRAN = int(GRAN) if GRAN.isdigit() else GRAN
 for grid in (None, 5):
-    P.ONCE_GRID = grid
     case = random_prefill_case(rng, q_lens=[1500, 1, 700, 33, 129], cache_lens=[0, 0, 300, 0, 70], num_qo_heads=16,
                                num_kv_heads=16, head_dim=D, page_size=16, dtype="bfloat16", kv_dtype="fp8_e4m3",
                                scale_granularity=GRAN)
@@ -35,10 +32,10 @@ for grid in (None, 5):
     kv = (case["cache"], case["table"])
     outs = {}
     for pers in (False, True):
-        P.ONCE_PERSISTENT = pers
         try:
             pf = cukv.BatchPrefill(16, 16, D, 16, kv_dtype="fp8_e4m3", scale_granularity=GRAN,
-                                   fp8_prefill="convert_once").plan(case["q_offsets"], case["kv_lens"])
+                                   fp8_prefill="convert_once", once_persistent=pers,
+                                   max_blocks=grid).plan(case["q_offsets"], case["kv_lens"])
         except ValueError as e:  # 32- and 64-dim blocks at d256 fit the persistent kernel only
             print(f"persistent {pers}: {e}")
             continue
@@ -48,7 +45,6 @@ for grid in (None, 5):
             pf.run(case["q"], kv, out=out)
             runs.append(out.get())
         outs[pers] = (pf, runs)
-    P.ONCE_PERSISTENT = None
     ref = outs[min(outs)][1][0]
     for pers in outs:
         for r, o in enumerate(outs[pers][1]):
@@ -56,13 +52,14 @@ for grid in (None, 5):
             print(f"grid {grid} persistent {pers} run {r}: {len(bad)} differ", bad[:6].tolist(), flush=True)
     # the persistent workspace against the cache's dequantized values
     pf = outs[True][0]
-    if GRAN == "tensor":  # per-tensor scales: the workspace holds the codes' exact values (session 38)
+    if GRAN == "tensor":  # per-tensor scales: the workspace holds the codes' exact values
         c.set_tensor_scales(1.0, 1.0)
     dk, dv = case["cache"].dequantize()
     dk, dv = dk.get(), dv.get()
     bt = case["block_table"]
-    offs = pf._once["offsets"].get()
-    for name, ws, dq in (("k", pf._once["k"].get(), dk), ("v", pf._once["v"].get(), dv)):
+    plan = pf._plan  # the ConvertOncePlan: its workspace
+    offs = plan.offsets.get()
+    for name, ws, dq in (("k", plan.k.get(), dk), ("v", plan.v.get(), dv)):
         nbad = 0
         for b, L in enumerate(case["kv_lens"]):
             j = np.arange(L)

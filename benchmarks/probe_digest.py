@@ -10,8 +10,10 @@ import hashlib
 import cupy as cp
 
 import cukv
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, fp8_cache_like, probe_cases, probe_report
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, fp8_cache_like
 from cukv.bench.timing import Timer
+
+from probe_lib import probe_cases, probe_report
 
 
 def main():

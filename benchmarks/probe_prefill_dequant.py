@@ -10,8 +10,10 @@ import argparse
 import cupy as cp
 
 import cukv
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _maxdiff, probe_cases, probe_report
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _maxdiff
 from cukv.bench.timing import Timer
+
+from probe_lib import probe_cases, probe_report
 
 # over the combined storage [pages, 2, page_size, H, D], 8 codes per thread; token scales [pages, 2, page_size, H, 1]
 # are one per row in the same order, tensor scales one for K (index 0) and one for V

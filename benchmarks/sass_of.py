@@ -9,7 +9,7 @@ import subprocess
 from cupy.cuda import nvrtc
 
 from cukv import compiler
-from cukv.prefill import once_config
+from cukv.policy.prefill import once_config
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")

@@ -261,7 +261,7 @@ def test_cache_constructor_bad_dtype(dtype):
 
 
 def _views(layout, P, ps, H, D, L=3, layer=1):
-    """Storage and K/V views exactly as cukv/cache.py builds them, over a NumPy array whose values are their
+    """Storage and K/V views exactly as cukv/kvcache.py builds them, over a NumPy array whose values are their
     own flat element offsets."""
     if layout == "separate":
         n = P * ps * H * D

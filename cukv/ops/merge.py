@@ -144,7 +144,7 @@ def merge_states(v_a, s_a, v_b, s_b, out=None, lse=None, *, stream=None):
     >>> import cupy as cp, cukv.merge                                                  # doctest: +SKIP
     >>> v_a = cp.random.randn(5, 8, 128).astype(cp.float16); s_a = cp.random.randn(5, 8).astype(cp.float32)
     >>> v_b = cp.random.randn(5, 8, 128).astype(cp.float16); s_b = cp.full((5, 8), -cp.inf, cp.float32)
-    >>> v, s = cukv.merge.merge_states(v_a, s_a, v_b, s_b)      # v == v_a, s == s_a: b is empty
+    >>> v, s = cukv.merge_states(v_a, s_a, v_b, s_b)      # v == v_a, s == s_a: b is empty
     """
     va, va_dt = as_device(v_a, "v_a")
     vb, vb_dt = as_device(v_b, "v_b")
