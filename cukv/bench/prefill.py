@@ -18,8 +18,8 @@ FLOPs count only the causal half of the score matrix: ``flops = 4 * B * H_q * D 
 (QK^T and PV are 2 * L * L * D multiply-adds each per head; causal keeps half). TFLOP/s = flops / time.
 Ratios are time ratios ``peer_ms / cukv_paged_ms``: above 1 means cukv is faster.
 
-Nothing here imports cukv's kernels, CuPy or PyTorch at import time, so ``python -m cukv --help`` and the
-CPU tests work on a machine without a GPU.
+Nothing here imports CuPy or PyTorch, or compiles a kernel, at import time, so ``python -m cukv --help`` and the
+CPU tests work on a machine without a GPU. The probes' own helpers live in benchmarks/probe_lib.py.
 """
 from __future__ import annotations
 
