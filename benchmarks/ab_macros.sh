@@ -30,7 +30,7 @@ for variant in "$@"; do
   python3 - "$shapes" ${VARIANTS:-} <<'PY' 2>&1 | tail -3
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from cukv.prefill import default_config
+from cukv.policy.prefill import default_config
 def build(c):
     return c.compiled.functions[c.name].registers
 cfgs = set()

@@ -5,12 +5,13 @@ into an FP8 cache (per-token scales), two warm-up rounds, then the round to prof
         python3 benchmarks/ncu_prefill.py 2x4096x128
 """
 import argparse
-import sys
 
 import cupy as cp
 
 import cukv
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like, once_variant
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+
+from probe_lib import once_variant
 
 ap = argparse.ArgumentParser()
 ap.add_argument("shape", nargs="?", default="2x4096x128", help="batch x seq_len x head_dim")
@@ -24,10 +25,10 @@ q, k, v, cache, pt, offsets, lengths = _build(batch, seq_len, hq, hkv, d)
 fcache = fp8_cache_like((q, k, v, cache, pt, offsets, lengths), args.gran)
 out = cp.empty_like(q)
 bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
-P = sys.modules["cukv.prefill"]
-fp8_prefill, P.ONCE_PERSISTENT, P.ONCE_GRID = once_variant(args.strategy)  # "convert_once:np" / ":gN"
-f8 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                       scale_granularity=args.gran, fp8_prefill=fp8_prefill).plan(offsets, lengths, mask="causal")
+fp8_prefill, once_persistent, max_blocks = once_variant(args.strategy)  # "convert_once:np" / ":gN"
+f8 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3", scale_granularity=args.gran,
+                       fp8_prefill=fp8_prefill, once_persistent=once_persistent,
+                       max_blocks=max_blocks).plan(offsets, lengths, mask="causal")
 print("configs:", bf.config.name, f8.config.name, flush=True)
 for _ in range(3):  # rounds 1-2 warm up, round 3 is the one to profile
     bf.run(q, (cache, pt), out=out)

@@ -10,10 +10,11 @@ import sys
 import cupy as cp
 
 import cukv
-from cukv.bench.prefill import (DTYPE, PAGE_SIZE, _as_float, add_unchecked_option, apply_unchecked, probe_cases,
-                                 probe_report)
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _as_float
 from cukv.bench.timing import Timer
-from cukv.prefill_config import DEFAULTS, tile_config
+from cukv.policy.prefill import DEFAULTS, tile_config
+
+from probe_lib import add_unchecked_option, apply_unchecked, probe_cases, probe_report
 
 
 def main():
@@ -29,7 +30,7 @@ def main():
     args = ap.parse_args()
     apply_unchecked(args)
     args.gran = int(args.gran) if args.gran.isdigit() else args.gran
-    P = sys.modules["cukv.prefill"]
+    P = sys.modules["cukv.policy.prefill"]  # its tables, swapped per candidate tile
     timer = Timer()
     for shape, (batch, seq_len, hq, hkv, d), data, fcache, out in probe_cases(args.shapes, args.gran):
         q, k, v, cache, pt, offsets, lengths = data

@@ -14,7 +14,8 @@ import cukv
 from cukv.bench.decode import interleaved_medians
 from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
 from cukv.bench.timing import Timer
-from cukv.prefill import PrefillConfig, default_config
+from cukv.configs.prefill import PrefillConfig
+from cukv.policy.prefill import default_config
 
 
 def variant_configs(base, variants):

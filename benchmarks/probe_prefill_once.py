@@ -4,13 +4,14 @@ on the bench shapes (batch x L x hq x hkv x d, causal prompts).
     PYTHONPATH=. python3 benchmarks/probe_prefill_once.py --shapes 8x2048x32x32x128 --gran token
 """
 import argparse
-import sys
 
 import cupy as cp
 
 import cukv
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _as_float, once_variant, probe_cases, probe_report
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _as_float
 from cukv.bench.timing import Timer
+
+from probe_lib import once_variant, probe_cases, probe_report
 
 
 def main():
@@ -31,25 +32,16 @@ def main():
         ref = _as_float(bf.run(q, (cache, pt)))  # each strategy's first output against it: a broken variant shows
         diffs = {}
         for s in args.strategies.split(","):
-            P = sys.modules["cukv.prefill"]
-            fp8_prefill, P.ONCE_PERSISTENT, P.ONCE_GRID = once_variant(s)
+            fp8_prefill, once_persistent, max_blocks = once_variant(s)
             pf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
-                                   scale_granularity=args.gran, fp8_prefill=fp8_prefill).plan(offsets, lengths,
-                                                                                              mask="causal")
-            P.ONCE_PERSISTENT = None
+                                   scale_granularity=args.gran, fp8_prefill=fp8_prefill, once_persistent=once_persistent,
+                                   max_blocks=max_blocks).plan(offsets, lengths, mask="causal")
             # compiles; and fills a convert-once workspace (CUKV_ONCE_UB reads it)
             diffs[s] = float(cp.nan_to_num(cp.abs(_as_float(pf.run(q, (fcache, pt))) - ref), nan=cp.inf).max())
-            grid = P.ONCE_GRID
-            P.ONCE_GRID = None
-
-            def fn(pf=pf, grid=grid):
-                P.ONCE_GRID = grid
-                pf.run(q, (fcache, pt), out=out)
-                P.ONCE_GRID = None
-            fns[s] = fn
+            fns[s] = lambda pf=pf: pf.run(q, (fcache, pt), out=out)
             if args.stats and s.startswith("convert_once"):
                 pf.run(q, (fcache, pt), out=out)  # warm: the stats of a second run
-                st = pf._once["flags"][:32].get()
+                st = pf._plan.flags[:32].get()
                 print(f"{shape} stats {list(st)}", flush=True)
                 u = st.view("u8")  # [10..15] as three u64: ~start, end, ~first end (ns)
                 start, end, first_end = ~int(u[5]) & (2**64 - 1), int(u[6]), ~int(u[7]) & (2**64 - 1)

@@ -11,9 +11,12 @@ import cupy as cp
 
 import cukv
 from cukv.bench.decode import interleaved_medians
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, add_unchecked_option, apply_unchecked, fp8_cache_like
+from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
 from cukv.bench.timing import Timer
-from cukv.prefill import default_config, tma_applies
+from cukv.configs.prefill import tma_applies
+from cukv.policy.prefill import default_config
+
+from probe_lib import add_unchecked_option, apply_unchecked
 
 SHAPES = "4x4096x32x8x128,1x16384x32x8x128,8x2048x32x32x128,4x4096x16x16x256,8x2048x32x8x64"
 #: per head dim, BM:BN tiles to try beside the default

@@ -13,7 +13,7 @@ import cukv
 from cukv.bench.decode import interleaved_medians
 from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
 from cukv.bench.timing import Timer
-from cukv.prefill import default_config
+from cukv.policy.prefill import default_config
 
 SHAPES = "4x4096x32x8x128,1x16384x32x8x128,8x2048x32x32x128,4x4096x16x16x256,8x2048x32x8x64"
 

@@ -10,7 +10,9 @@ import cupy as cp
 import numpy as np
 
 import cukv
-from cukv.bench.prefill import DTYPE, PAGE_SIZE, probe_cases
+from cukv.bench.prefill import DTYPE, PAGE_SIZE
+
+from probe_lib import probe_cases
 
 
 def waits(module, run, reps=5):
@@ -39,14 +41,14 @@ def main():
         q, k, v, cache, pt, offsets, lengths = data
         if args.once_tile:
             import sys
-            sys.modules["cukv.prefill"].ONCE_TILES[d] = tuple(map(int, args.once_tile.split("x")))
+            sys.modules["cukv.policy.prefill"].ONCE_TILES[d] = tuple(map(int, args.once_tile.split("x")))
         bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
         f8 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
                                scale_granularity=gran, fp8_prefill="convert_once").plan(offsets, lengths, mask="causal")
-        print(f"{shape}: {bf.config.name} / {f8._once['cfg'].name}", flush=True)
+        print(f"{shape}: {bf.config.name} / {f8.kernel_config.name}", flush=True)
         rows = {
             "bf16": waits(bf.config.compiled.module(), lambda: bf.run(q, (cache, pt), out=out)),
-            "fp8 convert_once": waits(f8._once["cfg"].compiled.module(), lambda: f8.run(q, (fcache, pt), out=out)),
+            "fp8 convert_once": waits(f8.kernel_config.compiled.module(), lambda: f8.run(q, (fcache, pt), out=out)),
         }
         for name, w in rows.items():
             print(f"{shape} {name}: per warpgroup-tile (ns) K wait {w[0] / w[4]:.0f}, V wait {w[1] / w[4]:.0f}, "

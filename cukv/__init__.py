@@ -11,14 +11,14 @@ Quick tour::
 ``cukv.reference`` holds the float64 NumPy definitions every kernel is tested against.
 """
 from ._version import __version__
-from .append import AppendConfig, append_kv
-from .cache import PageAllocator, PagedKVCache, PageTable, SequenceTable
-from .decode import BatchDecode, DecodeConfig, decode
-from .prefill import BatchPrefill, prefill
-from .prefill_config import KVBufferConfig, PrefillConfig
-from .dequant import DequantConfig, dequantize_kv
-from .merge import MergeConfig, merge_states, merge_states_n
+from .configs import AppendConfig, DecodeConfig, DequantConfig, KVBufferConfig, MergeConfig, PrefillConfig
 from .errors import CompileError, CompileForbidden, CukvError, NoGPUError, NotPlannedError
+from .kvcache import PageAllocator, PagedKVCache, PageTable, SequenceTable
+from .ops.append import append_kv
+from .ops.decode import BatchDecode, decode
+from .ops.dequant import dequantize_kv
+from .ops.merge import merge_states, merge_states_n
+from .ops.prefill import BatchPrefill, prefill
 
 __all__ = [
     "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",

@@ -123,27 +123,3 @@ def check_aligned(a, arg: str, nbytes: int) -> None:
 
 def elem_strides(a) -> tuple[int, ...]:
     return tuple(s // a.itemsize for s in a.strides)
-
-
-def attention_outputs(like, out, lse, rows: int, heads: int, return_lse: bool, sink, softcap):
-    """The optional arguments every attention ``run`` shares, checked and allocated in one place: ``out``
-    (like the query), ``lse[rows, heads]`` float32, ``sink[heads]`` float32 and ``softcap > 0``."""
-    import cupy as cp
-
-    if out is None:
-        out = cp.empty(like.shape, like.dtype)
-    else:
-        out, _ = as_device(out, "out")
-        if out.shape != like.shape or out.dtype != like.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a contiguous {like.dtype} array of shape {tuple(like.shape)}")
-    if lse is None and return_lse:
-        lse = cp.empty((rows, heads), cp.float32)
-    elif lse is not None:
-        lse, _ = as_device(lse, "lse")
-        if lse.shape != (rows, heads) or lse.dtype != cp.float32 or not lse.flags.c_contiguous:
-            raise ValueError(f"lse must be a contiguous float32 array of shape ({rows}, {heads})")
-    from .validate import check_float, check_per_head
-
-    sink = check_per_head("sink", sink, heads)
-    check_float("softcap", softcap, positive=True, none_ok=True, note="no soft-cap")
-    return out, lse, sink

@@ -1,32 +1,21 @@
-"""Prefill tile shapes: the documented defaults, and an opt-in autotuner that times candidates on the GPU.
+"""The prefill autotuner: times candidate tiles on the GPU and stores the fastest (:mod:`cukv.tuned` holds the store).
 
-``prefill.DEFAULTS`` holds one ``(BM, BN, BK, stages)`` per head dim (README "Prefill configs").
-:func:`tune_prefill` times the valid candidates around it on the current GPU (a causal prefill of a fixed
-shape), checks each candidate's output against the default's, and stores the fastest in
-``<compiler.cache_dir()>/autotune.json`` keyed by (device name, dtype, head dim, page size). From then on
-:func:`lookup`, which :func:`cukv.prefill.default_config` calls (so every ``BatchPrefill`` built without
-``config=``), returns that winner on a device of the same name. ``CUKV_AUTOTUNE=0`` ignores the file.
-
-``lookup`` needs no GPU and never raises: a missing file means no record; a corrupt file or record is
-reported with an :class:`AutotuneWarning` and ignored. Nothing here imports CuPy at import time.
+:func:`tune_prefill` times the valid candidates around the documented default (``cukv.policy.prefill.DEFAULTS``,
+one ``(BM, BN, BK, stages)`` per head dim) on the current GPU (a causal prefill of a fixed shape), checks each
+candidate's output against the default's, and stores the fastest with :func:`cukv.tuned.save_record`; from then on
+every ``BatchPrefill`` built without ``config=`` on a device of the same name runs it (:func:`cukv.tuned.lookup`).
+Nothing here imports CuPy at import time.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import itertools
-import json
 import os
-import warnings
-from pathlib import Path
 
-from . import compiler
-
-ENV = "CUKV_AUTOTUNE"
-FILE_NAME = "autotune.json"
-#: bump when the meaning of a stored record changes (older files are then ignored with a warning)
-SCHEMA = 1
-FIELDS = ("BM", "BN", "BK", "stages")
+from . import compiler, tuned
+from .tuned import (ENV, FIELDS, FILE_NAME, SCHEMA, AutotuneWarning, autotune_path, device_name,  # noqa: F401
+                    enabled, load_records, lookup, record_key, save_record)
 
 #: the candidate grid of a full tuning run (BK: every value the config rules allow for the head dim)
 BM_CHOICES = (64, 128, 192)
@@ -35,161 +24,22 @@ STAGE_CHOICES = tuple(range(2, 7))
 BK_CHOICES = (64, 128, 192, 256)
 
 
-class AutotuneWarning(UserWarning):
-    """A stored autotune record could not be used (corrupt file, stale record); the default is used."""
-
-
-# ----------------------------------------------------------------------------------------------
-# the store
-
-
-def autotune_path() -> Path:
-    """``<compiler.cache_dir()>/autotune.json`` (follows ``CUKV_CACHE_DIR``)."""
-    return compiler.cache_dir() / FILE_NAME
-
-
-def enabled() -> bool:
-    """False when ``CUKV_AUTOTUNE=0``: lookups return None (tuning itself still works)."""
-    return os.environ.get(ENV, "").strip() != "0"
-
-
-def device_name() -> str | None:
-    """The current GPU's name (``cudaDeviceProp.name``), or None without a usable GPU. Never raises."""
-    from .device import has_gpu
-
-    if not has_gpu():
-        return None
-    try:
-        import cupy as cp
-
-        name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # noqa: BLE001 - no device after all
-        return None
-
-
-def record_key(device: str, dtype: str, head_dim: int, page_size: int) -> str:
-    return f"{device}|{dtype}|{int(head_dim)}|{int(page_size)}"
-
-
-def load_records(path: Path | None = None) -> dict:
-    """The stored records by key; ``{}`` when the file is missing, or (with an :class:`AutotuneWarning`)
-    unreadable, corrupt or of another schema."""
-    path = Path(path) if path is not None else autotune_path()
-    if not path.is_file():
-        return {}
-    problem = None
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or not isinstance(data.get("records"), dict):
-            problem = "not an object with a 'records' object"
-        elif data.get("schema") != SCHEMA:
-            problem = f"schema {data.get('schema')!r}, this cukv reads {SCHEMA}"
-        else:
-            return data["records"]
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        problem = f"{type(e).__name__}: {e}"
-    warnings.warn(f"ignoring the autotune file {path} ({problem}); delete it or re-run "
-                  "`python -m cukv autotune prefill`", AutotuneWarning, stacklevel=2)
-    return {}
-
-
-def _config_from_record(rec, dtype: str, head_dim: int, page_size: int):
-    from .prefill_config import tile_config
-
-    cfg = rec["config"]
-    vals = [cfg[f] for f in FIELDS]
-    return tile_config(dtype, head_dim, page_size, *vals)
-
-
-def lookup(dtype, head_dim, page_size):
-    """The tuned :class:`~cukv.prefill.PrefillConfig` for this GPU, or None (no record, no GPU, or
-    ``CUKV_AUTOTUNE=0``). Never raises; a record that no longer forms a valid config is warned about and
-    ignored. Touches CuPy only when the file holds a record for this dtype, head dim and page size."""
-    try:
-        if not enabled():
-            return None
-        records = load_records()
-        if not records:
-            return None
-        suffix = record_key("", dtype, head_dim, page_size)  # "|dtype|head_dim|page_size"
-        if not any(isinstance(k, str) and k.endswith(suffix) for k in records):
-            return None
-        dev = device_name()
-        if dev is None:
-            return None
-        rec = records.get(record_key(dev, dtype, head_dim, page_size))
-        if rec is None:
-            return None
-        try:
-            return _config_from_record(rec, dtype, int(head_dim), int(page_size))
-        except (KeyError, TypeError, ValueError) as e:
-            warnings.warn(f"ignoring the autotune record {record_key(dev, dtype, head_dim, page_size)!r} in "
-                          f"{autotune_path()}: {type(e).__name__}: {e}; re-run `python -m cukv autotune prefill`",
-                          AutotuneWarning, stacklevel=2)
-            return None
-    except Exception as e:  # noqa: BLE001 - a lookup must never break building a kernel
-        warnings.warn(f"autotune lookup failed ({type(e).__name__}: {e}); using the default config",
-                      AutotuneWarning, stacklevel=2)
-        return None
-
-
-def save_record(config, device: str, **info) -> Path:
-    """Store ``config`` as the winner for (device, dtype, head dim, page size); other records are kept.
-    The write is atomic (temp file + ``os.replace``) and serialized across processes by a lock file."""
-    path = autotune_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = record_key(device, config.dtype, config.head_dim, config.page_size)
-    rec = {"device": device, "dtype": config.dtype, "head_dim": config.head_dim, "page_size": config.page_size,
-           "config": {f: getattr(config, f) for f in FIELDS}, "name": config.name, **info}
-    with _locked(path):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", AutotuneWarning)  # a corrupt file is replaced
-            records = dict(load_records(path))
-        records[key] = rec
-        data = {"schema": SCHEMA, "records": dict(sorted(records.items()))}
-        compiler._atomic_write(path, (json.dumps(data, indent=1) + "\n").encode())
-    return path
-
-
-class _locked:
-    def __init__(self, path: Path):
-        self.lock_path = path.with_name(path.name + ".lock")
-        self.fd = None
-
-    def __enter__(self):
-        try:
-            import fcntl
-
-            self.fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        except (ImportError, OSError):
-            self.fd = None  # no flock here: last writer wins, the file is still never torn
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # releases the lock
-
-
 # ----------------------------------------------------------------------------------------------
 # candidates
 
 
 def default_prefill_config(dtype: str, head_dim: int, page_size: int):
-    """The documented default (``prefill.DEFAULTS``), ignoring any tuned record."""
-    from .prefill_config import DEFAULTS, HEAD_DIMS, tile_config
+    """The documented default (``cukv.policy.prefill.DEFAULTS``), ignoring any tuned record."""
+    from .policy.prefill import default_config
 
-    if head_dim not in DEFAULTS:
-        raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
-    return tile_config(dtype, head_dim, page_size, *DEFAULTS[head_dim])
+    return default_config(dtype, head_dim, page_size)
 
 
 def candidate_configs(dtype: str, head_dim: int, page_size: int, *, quick: bool = False) -> list:
     """Valid configs around the default, the default first. Full grid: BM in 64/128/192, BN in 16..128 step
     16, stages 2..6, every BK the rules allow; ``quick``: the default's BK, BM in 64/128, BN in 64/96/128,
     stages 2..4 (plus the default's own values). Invalid combinations (``ValueError``) are left out."""
-    from .prefill_config import tile_config
+    from .policy.prefill import tile_config
 
     base = default_prefill_config(dtype, head_dim, page_size)
     if quick:
@@ -210,8 +60,8 @@ def candidate_configs(dtype: str, head_dim: int, page_size: int, *, quick: bool 
 
 
 def defaults_table() -> str:
-    """Markdown table of ``prefill.DEFAULTS`` with the derived threads and shared memory (README)."""
-    from .prefill_config import DEFAULTS
+    """Markdown table of ``cukv.policy.prefill.DEFAULTS`` with the derived threads and shared memory (README)."""
+    from .policy.prefill import DEFAULTS
 
     lines = ["| head dim | BM | BN | BK | stages | threads | smem (bytes) |", "|---|---|---|---|---|---|---|"]
     for d in sorted(DEFAULTS):
@@ -281,9 +131,10 @@ class _Problem:
         import cupy as cp
         import numpy as np
 
-        from . import PagedKVCache, PageTable, append_kv
-        from .bench.prefill import causal_flops
         from .bench.timing import Timer
+        from .kvcache import PagedKVCache, PageTable
+        from .ops.append import append_kv
+        from .ops.prefill import causal_flops
 
         self.dtype, self.head_dim, self.page_size = dtype, head_dim, page_size
         self.hq, self.hkv = num_qo_heads, num_kv_heads
@@ -316,7 +167,7 @@ class _Problem:
         """(runner, output) of one config; ``runner()`` repeats the call into the same output."""
         import cupy as cp
 
-        from .prefill import BatchPrefill
+        from .ops.prefill import BatchPrefill
 
         pf = BatchPrefill(self.hq, self.hkv, self.head_dim, self.page_size or None, self.dtype, config=cfg)
         pf.plan(self.q_offsets, self.kv_lens, mask="causal")
@@ -348,7 +199,8 @@ def _make_problem(*args, **kwargs):
 
 
 def _as_config(c, dtype, head_dim, page_size):
-    from .prefill_config import PrefillConfig, tile_config
+    from .configs.prefill import PrefillConfig
+    from .policy.prefill import tile_config
 
     if isinstance(c, PrefillConfig):
         if (c.dtype, c.head_dim, c.page_size) != (dtype, head_dim, page_size):
@@ -393,7 +245,7 @@ def tune_prefill(dtype="bfloat16", head_dim=128, page_size=16, *, num_qo_heads=3
             cfgs.append(cfg)
     if not cfgs:
         raise ValueError("no valid candidate to time")
-    device = device_name()
+    device = tuned.device_name()
     if device is None:
         raise NoGPUError("autotuning needs a CUDA GPU and this process sees none (see `python -m cukv doctor`)")
 

@@ -51,9 +51,9 @@ def _doctor(args) -> int:
     n = len(list(d.glob("*.cubin"))) if d.is_dir() else 0
     print(f"cache: {d} ({n} cubins)")
     t = time.perf_counter()
-    from .decode import DecodeConfig
+    from .policy.decode import decode_config
 
-    m = DecodeConfig().compiled
+    m = decode_config().compiled
     how = "from the cache" if m.cache_hit else f"NVRTC {m.compile_seconds:.2f} s"
     print(f"compile check: {m.name} ready in {time.perf_counter() - t:.2f} s ({how})")
     return 0
@@ -155,13 +155,13 @@ def _autotune(args) -> int:
     if args.head_dim is None:
         print("cukv autotune prefill: --head-dim is required", file=sys.stderr)
         return 2
-    from .prefill_config import DEFAULTS
+    from .policy.prefill import DEFAULTS
 
     if args.head_dim not in DEFAULTS:
         print(f"cukv autotune prefill: --head-dim {args.head_dim} is not supported; accepted: "
               f"{', '.join(map(str, sorted(DEFAULTS)))}", file=sys.stderr)
         return 2
-    if autotune.device_name() is None:
+    if autotune.tuned.device_name() is None:
         print("cukv autotune: timing needs a CUDA GPU and this process sees none (see `python -m cukv doctor`)",
               file=sys.stderr)
         return 2

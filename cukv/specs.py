@@ -1,11 +1,12 @@
 """The specializations cukv ships: what `python -m cukv compile` builds and CI checks for spills."""
 from __future__ import annotations
 
-from .append import AppendConfig
-from .decode import HEAD_DIMS, DecodeConfig
-from .merge import MergeConfig
-from .prefill_config import HEAD_DIMS as PREFILL_HEAD_DIMS
-from .prefill_config import default_config as prefill_default
+from .configs.append import AppendConfig
+from .configs.decode import HEAD_DIMS
+from .configs.merge import MergeConfig
+from .configs.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
+from .policy.decode import decode_config
+from .policy.prefill import default_config as prefill_default
 
 DTYPES = ("bfloat16", "float16")
 GROUPS = (1, 2, 4, 8, 16)
@@ -21,12 +22,12 @@ def shipped():
             for ps in PAGE_SIZES:
                 out.append(AppendConfig(dt, d, ps))
                 for g in GROUPS:
-                    cfg = DecodeConfig(dt, d, g, ps)
+                    cfg = decode_config(dt, d, g, ps)
                     out.append(cfg)
                     if cfg.stages:  # plan() takes the register kernel for small steps: ship it too
-                        out.append(DecodeConfig(dt, d, g, ps, stages=0))
+                        out.append(decode_config(dt, d, g, ps, stages=0))
                     if d == 128 and g == 4 and ps == 16:  # the benchmark's clustered small steps
-                        out.extend(DecodeConfig(dt, d, g, ps, cluster=c) for c in (2, 8))
+                        out.extend(decode_config(dt, d, g, ps, cluster=c) for c in (2, 8))
         for d in PREFILL_HEAD_DIMS:
             for ps in (16, 0):  # page 16 and contiguous K/V
                 out.append(prefill_default(dt, d, ps))

@@ -77,8 +77,8 @@ def random_decode_case(rng, *, batch, lengths, num_qo_heads, num_kv_heads, head_
     per-tensor cache gets scales from the data's amax."""
     import cupy as cp
 
-    from .append import append_kv
-    from .cache import PagedKVCache, PageTable
+    from .kvcache import PagedKVCache, PageTable
+    from .ops.append import append_kv
 
     lengths = np.asarray(lengths, np.int64)
     pages_per = -(-lengths // page_size)

@@ -42,7 +42,7 @@ from .errors import NotPlannedError
 
 __all__ = [
     "is_int", "check_int", "check_bool", "check_choice", "check_float", "device_array", "check_device_array",
-    "check_per_head", "host_ints", "check_planned", "checked", "check_table", "check_page_table", "check_slots", "check_offsets",
+    "check_per_head", "attention_outputs", "host_ints", "check_planned", "checked", "check_table", "check_page_table", "check_slots", "check_offsets",
 ]
 
 
@@ -249,7 +249,7 @@ def check_table(block_table: np.ndarray, lengths: np.ndarray, page_size: int, nu
 
 
 def check_page_table(table, num_pages: int, batch: int | None = None, expect_lengths=None) -> None:
-    """Checked mode: copy a :class:`~cukv.cache.PageTable`'s first ``batch`` rows to the host (a device sync)
+    """Checked mode: copy a :class:`~cukv.kvcache.PageTable`'s first ``batch`` rows to the host (a device sync)
     and run :func:`check_table`; ``expect_lengths`` (host ints) must equal ``table.lengths`` where given (the
     lengths ``BatchPrefill.plan`` was given)."""
     b = table.batch_size if batch is None else int(batch)
@@ -291,3 +291,30 @@ def check_offsets(offsets, total: int, name: str = "kv_offsets") -> None:
         raise ValueError(f"{name}[{i + 1}]={o[i + 1]} is less than {name}[{i}]={o[i]}; offsets never decrease")
     if o.size and o[-1] > total:
         raise ValueError(f"{name}[-1]={o[-1]} exceeds the {total} rows of k and v")
+
+
+# ----------------------------------------------------------------------------------------------
+# attention outputs
+
+
+def attention_outputs(like, out, lse, rows: int, heads: int, return_lse: bool, sink, softcap):
+    """The optional arguments every attention ``run`` shares, checked and allocated in one place: ``out``
+    (like the query), ``lse[rows, heads]`` float32, ``sink[heads]`` float32 and ``softcap > 0``."""
+    import cupy as cp
+
+    if out is None:
+        out = cp.empty(like.shape, like.dtype)
+    else:
+        out, _ = as_device(out, "out")
+        if out.shape != like.shape or out.dtype != like.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a contiguous {like.dtype} array of shape {tuple(like.shape)}")
+    if lse is None and return_lse:
+        lse = cp.empty((rows, heads), cp.float32)
+    elif lse is not None:
+        lse, _ = as_device(lse, "lse")
+        if lse.shape != (rows, heads) or lse.dtype != cp.float32 or not lse.flags.c_contiguous:
+            raise ValueError(f"lse must be a contiguous float32 array of shape ({rows}, {heads})")
+    sink = check_per_head("sink", sink, heads)
+    check_float("softcap", softcap, positive=True, none_ok=True, note="no soft-cap")
+    return out, lse, sink
+

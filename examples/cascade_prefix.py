@@ -4,7 +4,7 @@ B sequences share a long prefix (a system prompt) and each has a suffix of its o
 of which are new this step. Cascade attention computes
   1. every query against the shared prefix once, from contiguous K/V, with no mask (all queries come after it),
   2. each sequence's queries against its own suffix in the paged cache, causal (bottom-right aligned),
-and merges the two by their LSE (cukv.merge.merge_states). That must equal one-shot causal attention over
+and merges the two by their LSE (cukv.merge_states). That must equal one-shot causal attention over
 prefix + suffix, which the paged cache can also do directly: the prefix pages are shared by every
 sequence's page table, stored once.
 
@@ -20,7 +20,7 @@ import cukv
 from cukv import reference
 from cukv.device import has_gpu
 from cukv.dtypes import from_storage, to_storage
-from cukv.merge import MergeConfig
+from cukv.configs.merge import MergeConfig
 
 GPU = has_gpu()
 DTYPE = "bfloat16"
@@ -107,7 +107,7 @@ if not GPU:
 
 import cupy as cp  # noqa: E402
 
-from cukv.merge import merge_states  # noqa: E402
+from cukv.ops.merge import merge_states  # noqa: E402
 from cukv.testing import assert_close  # noqa: E402
 
 cache = cukv.PagedKVCache(num_pages, PAGE, HKV, D, dtype=DTYPE, fill="nan")

@@ -12,6 +12,7 @@ import numpy as np
 import cukv
 from cukv import reference
 from cukv.device import has_gpu
+from cukv.policy.decode import decode_config
 
 B, HQ, HKV, D, PAGE = 4, 32, 8, 128, 16
 PROMPTS = [37, 300, 1, 1024]
@@ -20,7 +21,7 @@ rng = np.random.default_rng(0)
 
 if not has_gpu():
     print("No CUDA GPU is visible: compiling the kernels and running the NumPy reference path only.")
-    for cfg in (cukv.DecodeConfig("bfloat16", D, HQ // HKV, PAGE), cukv.AppendConfig("bfloat16", D, PAGE)):
+    for cfg in (decode_config("bfloat16", D, HQ // HKV, PAGE), cukv.AppendConfig("bfloat16", D, PAGE)):
         m = cfg.compiled
         r = m.functions[cfg.name]
         print(f"  {cfg.name}: {r.registers} registers, {r.spills} spill bytes, "
@@ -40,8 +41,7 @@ from cukv.dtypes import from_storage, to_storage  # noqa: E402
 from cukv.testing import assert_close  # noqa: E402
 
 cache = cukv.PagedKVCache(num_pages=512, page_size=PAGE, num_kv_heads=HKV, head_dim=D, fill="nan")
-alloc = cukv.PageAllocator(cache.num_pages)
-alloc._free = list(rng.permutation(cache.num_pages))  # hand pages out in random physical order
+alloc = cukv.PageAllocator(cache.num_pages, order="random", seed=0)  # pages in random physical order
 seqs = cukv.SequenceTable(cache, max_batch=B, max_pages_per_seq=128, allocator=alloc)
 
 # host float64 mirror of every token appended, for the reference

@@ -15,9 +15,9 @@ import numpy as np
 import cukv
 from cukv import fp8, reference
 from cukv.device import has_gpu
-from cukv.dequant import DequantConfig
+from cukv.configs.dequant import DequantConfig
 from cukv.dtypes import from_storage, to_storage
-from cukv.prefill import default_config
+from cukv.policy.prefill import default_config
 
 GPU = has_gpu()
 HQ, HKV, D, PAGE = 16, 2, 128, 16

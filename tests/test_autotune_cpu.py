@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 import cukv
-from cukv import autotune, cli
+from cukv import BatchPrefill, autotune, cli, tuned
 from cukv.compiler import FunctionReport
 from cukv.errors import NoGPUError
-from cukv.prefill import DEFAULTS, HEAD_DIMS, PrefillConfig, default_config, tile_config
+from cukv.configs.prefill import HEAD_DIMS, PrefillConfig
+from cukv.policy.prefill import DEFAULTS, default_config, tile_config
 
 DEV = "Fake GPU 80GB"
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -23,7 +24,7 @@ def store(tmp_path, monkeypatch):
     """An empty cache dir, autotune lookups on, a GPU named DEV."""
     monkeypatch.setenv("CUKV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("CUKV_AUTOTUNE", raising=False)
-    monkeypatch.setattr(autotune, "device_name", lambda: DEV)
+    monkeypatch.setattr(tuned, "device_name", lambda: DEV)
     return tmp_path / "cache" / "autotune.json"
 
 
@@ -83,16 +84,17 @@ def test_persist_lookup_round_trip(store, monkeypatch):
     assert rec["name"] == best.name and rec["problem"]["seq_len"] == 4096
 
     assert autotune.lookup("bfloat16", 128, 16) == best
-    assert default_config("bfloat16", 128, 16) == best
+    assert BatchPrefill(8, 2, 128, 16).config == best  # ops ask the store first
+    assert default_config("bfloat16", 128, 16) == tile_config("bfloat16", 128, 16, *DEFAULTS[128])  # pure
     assert cukv.BatchPrefill(32, 8, 128, page_size=16).config == best  # no GPU needed to pick the config
     # other keys stay on the documented default
     assert autotune.lookup("float16", 128, 16) is None
     assert autotune.lookup("bfloat16", 128, 0) is None
     assert autotune.lookup("bfloat16", 64, 16) is None
     assert cukv.BatchPrefill(32, 8, 128, page_size=None).config == tile_config("bfloat16", 128, 0, *DEFAULTS[128])
-    monkeypatch.setattr(autotune, "device_name", lambda: "Another GPU")
+    monkeypatch.setattr(tuned, "device_name", lambda: "Another GPU")
     assert autotune.lookup("bfloat16", 128, 16) is None
-    monkeypatch.setattr(autotune, "device_name", lambda: None)  # no GPU: nothing applies
+    monkeypatch.setattr(tuned, "device_name", lambda: None)  # no GPU: nothing applies
     assert autotune.lookup("bfloat16", 128, 16) is None
 
 
@@ -153,7 +155,7 @@ def test_no_persist(store, monkeypatch):
 
 
 def test_no_gpu_raises(store, monkeypatch):
-    monkeypatch.setattr(autotune, "device_name", lambda: None)
+    monkeypatch.setattr(tuned, "device_name", lambda: None)
     with pytest.raises(NoGPUError):
         autotune.tune_prefill("bfloat16", 128, 16, candidates=[(128, 64, 128, 2)])
     assert not store.exists()
@@ -165,7 +167,7 @@ def test_env_switch_off(store, monkeypatch):
     for value, want in (("0", None), (" 0 ", None), ("1", best), ("", best)):
         monkeypatch.setenv("CUKV_AUTOTUNE", value)
         assert autotune.lookup("bfloat16", 128, 16) == want, value
-        assert default_config("bfloat16", 128, 16) == (want or default)
+        assert BatchPrefill(8, 2, 128, 16).config == (want or default)
     monkeypatch.setenv("CUKV_AUTOTUNE", "0")  # tuning itself still works (and stores) with lookups off
     best2, _ = _tune(monkeypatch, FakeProblem({}), candidates=[(64, 48, 128, 2)])
     assert json.loads(store.read_text())["records"][f"{DEV}|bfloat16|128|16"]["config"]["BN"] == 48
@@ -181,7 +183,7 @@ def test_corrupt_file_warns_and_is_ignored(store, monkeypatch, text):
     with pytest.warns(autotune.AutotuneWarning, match="ignoring the autotune file"):
         assert autotune.lookup("bfloat16", 128, 16) is None
     with pytest.warns(autotune.AutotuneWarning):
-        assert default_config("bfloat16", 128, 16) == tile_config("bfloat16", 128, 16, *DEFAULTS[128])
+        assert BatchPrefill(8, 2, 128, 16).config == tile_config("bfloat16", 128, 16, *DEFAULTS[128])
     # tuning replaces a corrupt file
     best, _ = _tune(monkeypatch, FakeProblem({}), candidates=[(64, 32, 128, 2)])
     assert autotune.lookup("bfloat16", 128, 16) == best
@@ -205,7 +207,7 @@ def test_missing_file_and_other_records_touch_no_device(store, monkeypatch):
     def boom():
         raise AssertionError("device_name must not be asked")
 
-    monkeypatch.setattr(autotune, "device_name", boom)
+    monkeypatch.setattr(tuned, "device_name", boom)
     assert autotune.lookup("bfloat16", 128, 16) is None  # no file
     store.parent.mkdir(parents=True)
     store.write_text(json.dumps({"schema": autotune.SCHEMA, "records": {
@@ -277,7 +279,7 @@ def test_cli_autotune(store, monkeypatch, capsys):
     assert "--head-dim is required" in capsys.readouterr().err
     assert cli.main(["autotune", "prefill", "--head-dim", "100"]) == 2
     assert "not supported" in capsys.readouterr().err
-    monkeypatch.setattr(autotune, "device_name", lambda: None)
+    monkeypatch.setattr(tuned, "device_name", lambda: None)
     assert cli.main(["autotune", "prefill", "--head-dim", "128"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert cli.main(["autotune", "show"]) == 0
@@ -299,7 +301,7 @@ def test_cli_autotune_table(store, monkeypatch, capsys):
 
 def test_import_does_not_touch_cupy(tmp_path):
     code = ("import sys, cukv.autotune as a\n"
-            "from cukv.prefill import default_config\n"
+            "from cukv.policy.prefill import default_config\n"
             "assert a.lookup('bfloat16', 128, 16) is None\n"
             "default_config('bfloat16', 128, 16)\n"
             "assert 'cupy' not in sys.modules, 'cupy imported'\n")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cukv import PageAllocator, PagedKVCache, PageTable
 from cukv.arrays import elem_strides
-from cukv.cache import LAYOUTS, SequenceTable, check_table
+from cukv.kvcache import LAYOUTS, SequenceTable, check_table
 from cukv.operand import KV_PARAMS
 
 # ----------------------------------------------------------------------------------------------
@@ -59,6 +59,19 @@ def test_allocator_double_free_and_foreign_pages():
         with pytest.raises(ValueError, match=rf"page {bad} is not allocated \(valid: allocated ids in 0\.\.3\)"):
             a.free([bad])
     assert a.num_free == 3  # none of the failed frees changed anything
+
+
+def test_allocator_orders():
+    assert PageAllocator(6).alloc(6) == [0, 1, 2, 3, 4, 5]
+    a, b = PageAllocator(64, order="random", seed=3), PageAllocator(64, order="random", seed=3)
+    got = a.alloc(64)
+    assert got == b.alloc(64) and sorted(got) == list(range(64)) and got != list(range(64))
+    a.free([got[5]])
+    assert a.alloc(1) == [got[5]]  # freed pages come back first
+    with pytest.raises(ValueError, match="order='shuffled'"):
+        PageAllocator(4, order="shuffled")
+    with pytest.raises(ValueError, match="seed=1 applies to order='random'"):
+        PageAllocator(4, seed=1)
 
 
 @pytest.mark.parametrize("n", [0, -1])
@@ -248,7 +261,7 @@ def test_cache_constructor_bad_dtype(dtype):
 
 
 def _views(layout, P, ps, H, D, L=3, layer=1):
-    """Storage and K/V views exactly as cukv/cache.py builds them, over a NumPy array whose values are their
+    """Storage and K/V views exactly as cukv/kvcache.py builds them, over a NumPy array whose values are their
     own flat element offsets."""
     if layout == "separate":
         n = P * ps * H * D

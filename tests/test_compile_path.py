@@ -10,6 +10,7 @@ import jinja2
 import pytest
 
 from cukv import AppendConfig, CompileError, CompileForbidden, DecodeConfig, compiler
+from cukv.policy.decode import decode_config
 from cukv.errors import CukvError
 
 ARCH = "sm_90a"
@@ -85,7 +86,7 @@ def test_cache_key_covers_included_headers(tmp_path, monkeypatch):
 
 
 def test_decode_source_key_covers_its_headers():
-    fields = compiler.cache_key_fields(DecodeConfig().render(), ARCH, compiler.compile_options(ARCH))
+    fields = compiler.cache_key_fields(decode_config().render(), ARCH, compiler.compile_options(ARCH))
     # everything the decode kernel includes from templates/ is hashed (transitively)
     assert {"decode.cuh", "common.cuh", "kv_operand.cuh"} <= set(fields["headers"])
 
@@ -198,7 +199,7 @@ def test_strict_undefined_rendering(monkeypatch):
         return real(template, **params)
 
     monkeypatch.setattr(compiler, "render", spy)
-    DecodeConfig().render()
+    decode_config().render()
     assert seen["template"] == "decode.cu.j2"
     params = dict(seen["params"])
     assert compiler._jinja_env().undefined is jinja2.StrictUndefined
@@ -324,8 +325,8 @@ def test_parse_cubin_several_kernels(cache, arch):
         _agree(log, elf)
 
 
-SHIPPED_SAMPLE = [DecodeConfig("bfloat16", d, g, 16) for d in (64, 96, 128, 256) for g in (1, 16)] + \
-    [DecodeConfig("float16", 128, 4, 16), AppendConfig("bfloat16", 128, 16)]
+SHIPPED_SAMPLE = [decode_config("bfloat16", d, g, 16) for d in (64, 96, 128, 256) for g in (1, 16)] + \
+    [decode_config("float16", 128, 4, 16), AppendConfig("bfloat16", 128, 16)]
 
 
 @pytest.mark.parametrize("cfg", SHIPPED_SAMPLE, ids=lambda c: c.name)
@@ -480,7 +481,7 @@ def _assert_timing_build(templates, symbol: bytes, monkeypatch):
     launch-per-item grid: on the persistent one the wait-stats build spills 24 bytes at d64, a timing aid's cost)."""
     import dataclasses
 
-    from cukv.prefill import default_config
+    from cukv.policy.prefill import default_config
 
     monkeypatch.setattr(compiler, "template_dir", lambda: templates)
     compiler._jinja_env.cache_clear()

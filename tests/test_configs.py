@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cukv import AppendConfig, DecodeConfig
+from cukv.policy.decode import decode_config
 from cukv.operand import APPEND_ARGS, DECODE_ARGS
 
 DTYPES = ("bfloat16", "float16")
@@ -17,7 +18,7 @@ WARPS = (1, 2, 4, 8)
 
 def _decode_or_none(**kw):
     try:
-        return DecodeConfig(**kw)
+        return decode_config(**kw)
     except ValueError:  # outside the domain (a launch bound below the kernel's registers)
         return None
 
@@ -104,7 +105,7 @@ def test_decode_names_identify_configs(a, b):
 ])
 def test_decode_ring_stages_domain(kw, why):
     with pytest.raises(ValueError, match=f"DecodeConfig.stages={kw['stages']!r} is not valid.*{why}"):
-        DecodeConfig(**kw)
+        decode_config(**kw)
 
 
 @settings(max_examples=6)
@@ -112,7 +113,7 @@ def test_decode_ring_stages_domain(kw, why):
        st.sampled_from((2, 4)), st.sampled_from((2, 3, 4)), st.sampled_from(DTYPES))
 def test_decode_ring_configs_compile_without_spills(d, group, ps, nw, stages, dt):
     try:
-        cfg = DecodeConfig(dt, d, group, ps, nw, stages=stages)
+        cfg = decode_config(dt, d, group, ps, nw, stages=stages)
     except ValueError:  # too much shared memory for this (warps, stages, head_dim)
         assume(False)
     _check_resources(cfg)
@@ -122,7 +123,7 @@ def test_decode_ring_configs_compile_without_spills(d, group, ps, nw, stages, dt
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_decode_every_head_dim_compiles_for_both_stagings(d, stages):
     """Hypothesis samples the domain; this pins every head dim (a d256-only static_assert once slipped by)."""
-    _check_resources(DecodeConfig("bfloat16", d, 1, 16, 4, stages=stages))
+    _check_resources(decode_config("bfloat16", d, 1, 16, 4, stages=stages))
 
 
 @pytest.mark.parametrize("kw", [
@@ -130,7 +131,7 @@ def test_decode_every_head_dim_compiles_for_both_stagings(d, stages):
     {"cluster": 3, "kv_dtype": "fp8_e4m3", "scale_block": 128},
 ], ids=lambda kw: "_".join(f"{k}{v}" for k, v in kw.items()))
 def test_decode_cluster_merge_compiles_without_spills(kw):
-    cfg = DecodeConfig(**kw)
+    cfg = decode_config(**kw)
     assert cfg.name.endswith(f"_c{kw['cluster']}")
     src = cfg.render()
     assert f"__cluster_dims__({kw['cluster']}, 1, 1)" in src
@@ -140,14 +141,14 @@ def test_decode_cluster_merge_compiles_without_spills(kw):
 @pytest.mark.parametrize("cluster", [1, 9, -2])
 def test_decode_cluster_domain(cluster):
     with pytest.raises(ValueError, match=f"DecodeConfig.cluster={cluster!r} is not valid"):
-        DecodeConfig(cluster=cluster)
+        decode_config(cluster=cluster)
 
 
 def test_decode_config_is_frozen_and_hashable():
-    cfg = DecodeConfig()
+    cfg = decode_config()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.head_dim = 64
-    assert {cfg: 1}[DecodeConfig()] == 1
+    assert {cfg: 1}[decode_config()] == 1
 
 
 def _check_resources(cfg):
@@ -171,12 +172,12 @@ def test_decode_valid_configs_compile_without_spills(cfg):
     ("bfloat16", 64, 16, 16, 4, 4, "fp8_e4m3", 64), ("bfloat16", 64, 1, 16, 8, 3),
 ], ids=lambda a: "d{1}_g{2}_p{3}_w{4}_b{5}".format(*a) + ("_fp8" if len(a) > 6 else ""))
 def test_decode_spilling_corners_are_outside_the_domain(args):
-    """Launch bounds that leave fewer registers than the kernel needs spilled (ptxas, sm_90a; session 32 sweep):
+    """Launch bounds that leave fewer registers than the kernel needs spilled (ptxas, sm_90a sweep):
     the config names min_blocks, the cap and the need."""
     kw = dict(zip(("kv_dtype", "scale_block"), args[6:]))
     with pytest.raises(ValueError, match=r"DecodeConfig.min_blocks=\d is not valid: with num_warps=\d caps registers "
                                          r"at \d+ per thread .*below the \d+ this kernel needs"):
-        DecodeConfig(*args[:6], stages=0, **kw)
+        decode_config(*args[:6], stages=0, **kw)
 
 
 @pytest.mark.parametrize("args,stages", [
@@ -187,7 +188,7 @@ def test_decode_capped_launch_bounds_that_the_domain_keeps_compile_without_spill
     """The other side of min_registers: points it lets through under a cap of 168 or 128, beside the swept ones
     (other groups, page size 1, d32, float16)."""
     kw = {"kv_dtype": "fp8_e4m3", "scale_block": 128} if args[1] == 128 else {}
-    cfg = DecodeConfig(*args, stages=stages, **kw)
+    cfg = decode_config(*args, stages=stages, **kw)
     assert cfg.register_cap < 255
     _check_resources(cfg)
 
@@ -198,8 +199,8 @@ def test_decode_fp8_64_dim_blocks_past_d128_take_the_ring(group):
     ring alone."""
     kw = dict(kv_dtype="fp8_e4m3", scale_block=64)
     with pytest.raises(ValueError, match=r"DecodeConfig.stages=0 is not valid: .*64-dim scale blocks"):
-        DecodeConfig("bfloat16", 256, group, 16, stages=0, **kw)
-    cfg = DecodeConfig("bfloat16", 256, group, 16, **kw)
+        decode_config("bfloat16", 256, group, 16, stages=0, **kw)
+    cfg = decode_config("bfloat16", 256, group, 16, **kw)
     assert cfg.stages > 0
     _check_resources(cfg)
     from cukv import BatchDecode
@@ -224,7 +225,7 @@ def test_decode_fp8_64_dim_blocks_past_d128_take_the_ring(group):
 ])
 def test_decode_invalid_field_is_named(field, value):
     with pytest.raises(ValueError, match=re.escape(f"DecodeConfig.{field}={value!r} is not valid")):
-        DecodeConfig(**{field: value})
+        decode_config(**{field: value})
 
 
 @given(st.sampled_from(["head_dim", "group", "page_size", "num_warps"]), st.integers(-10_000, 10_000))
@@ -232,16 +233,16 @@ def test_decode_invalid_integers_rejected(field, value):
     ok = {"head_dim": 32 <= value <= 256 and value % 32 == 0, "group": 1 <= value <= 16,
           "page_size": 1 <= value <= 4096, "num_warps": value in WARPS}[field]
     if ok:
-        assert getattr(DecodeConfig(**{field: value}), field) == value
+        assert getattr(decode_config(**{field: value}), field) == value
     else:
         with pytest.raises(ValueError, match=re.escape(f"{field}={value!r}")):
-            DecodeConfig(**{field: value})
+            decode_config(**{field: value})
 
 
 def test_decode_bool_dims_rejected():
     for field in ("head_dim", "group", "page_size"):
         with pytest.raises(ValueError, match=f"{field}=True"):
-            DecodeConfig(**{field: True})
+            decode_config(**{field: True})
 
 
 @pytest.mark.parametrize("cls,field,value", [
@@ -255,11 +256,11 @@ def test_non_int_values_equal_to_allowed_ints_rejected(cls, field, value):
 
 def test_decode_error_lists_accepted_values():
     with pytest.raises(ValueError, match=r"accepted: 1, 2, 4, 8"):
-        DecodeConfig(num_warps=3)
+        decode_config(num_warps=3)
     with pytest.raises(ValueError, match=r"accepted: integers 1\.\.16"):
-        DecodeConfig(group=17)
+        decode_config(group=17)
     with pytest.raises(ValueError, match=r"multiple of 32"):
-        DecodeConfig(head_dim=100)
+        decode_config(head_dim=100)
 
 
 # ----------------------------------------------------------------------------------------------

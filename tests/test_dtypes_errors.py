@@ -210,11 +210,11 @@ def test_batch_decode_rejects_a_non_bool_cluster_merge(bad):
 
 
 def test_paged_kv_check_names_the_wrong_types():
-    from cukv.cache import check_paged_kv
-    from cukv.decode import DecodeConfig
+    from cukv.kvcache import check_paged_kv
+    from cukv.policy.decode import decode_config
 
     with pytest.raises(TypeError, match="BatchDecode reads a PagedKVCache through a PageTable; got dict and list"):
-        check_paged_kv("BatchDecode", DecodeConfig(), 2, {}, [])
+        check_paged_kv("BatchDecode", decode_config(), 2, {}, [])
 
 
 def test_check_aligned_names_the_argument_and_boundary():

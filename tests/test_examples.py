@@ -16,7 +16,9 @@ def test_there_are_examples():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(path, tmp_path):
-    env = dict(os.environ, CUKV_CACHE_DIR=str(tmp_path / "cache"))
+    # this checkout's cukv, not an installed one
+    env = dict(os.environ, CUKV_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.pop("CUKV_NO_COMPILE", None)
     p = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, env=env,
                        timeout=600)

@@ -6,8 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from cukv.decode import DecodeConfig
-from cukv.prefill import DEFAULTS, DEQUANT_TILES, HEAD_DIMS, ONCE_HEAD_DIMS, PrefillConfig, default_config
+from cukv.policy.decode import decode_config
+from cukv.configs.prefill import HEAD_DIMS, PrefillConfig
+from cukv.policy.prefill import DEFAULTS, DEQUANT_TILES, ONCE_HEAD_DIMS, default_config
 
 DECODE = [("bfloat16", 128, 4, sb) for sb in (0, 32, 64, 128)] + [
     ("float16", 128, 4, 128), ("bfloat16", 64, 8, 64), ("bfloat16", 96, 4, 32), ("bfloat16", 256, 4, 256),
@@ -20,7 +21,7 @@ PREFILL = [("bfloat16", d, sb) for d in HEAD_DIMS for sb in sorted({0, d, 32, 64
 @pytest.mark.parametrize("stages", [None, 0], ids=["lane_ring", "registers"])
 @pytest.mark.parametrize("dtype,d,group,sb", DECODE)
 def test_decode_fp8_compiles_without_spills(dtype, d, group, sb, stages):
-    cfg = DecodeConfig(dtype, d, group, 16, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages)
+    cfg = decode_config(dtype, d, group, 16, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages)
     assert (cfg.stages > 0) == (stages is None) and cfg.sub == (1 if cfg.stages else cfg.sub)
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0, rep
@@ -41,8 +42,8 @@ def _nvrtc_version():
 @pytest.mark.parametrize("dtype,d,sb", PREFILL)
 def test_prefill_fp8_default_compiles_without_spills(dtype, d, sb, page_size, request):
     if (dtype, d, sb, page_size) == ("float16", 128, 128, 16) and _nvrtc_version() < (13, 5):
-        # the device's NVRTC 13.0 spills 8 bytes here in some compiles and none in others (session 16: both, from the
-        # same templates in two cache folders; sessions 14 and 15 saw one each); NVRTC 13.5, which CI uses, spills none
+        # the device's NVRTC 13.0 spills 8 bytes here in some compiles and none in others (both seen from the same
+        # templates in two cache folders); NVRTC 13.5, which CI uses, spills none
         request.applymarker(pytest.mark.xfail(reason="NVRTC 13.0 spills 8 bytes in this specialization", strict=False))
     cfg = default_config(dtype, d, page_size, "fp8_e4m3", sb)
     rep = cfg.compiled.functions[cfg.name]
@@ -51,9 +52,9 @@ def test_prefill_fp8_default_compiles_without_spills(dtype, d, sb, page_size, re
 
 def test_fp8_config_domains():
     with pytest.raises(ValueError, match="scale_block"):
-        DecodeConfig("bfloat16", 256, 4, 16, kv_dtype="fp8_e4m3", scale_block=32)
+        decode_config("bfloat16", 256, 4, 16, kv_dtype="fp8_e4m3", scale_block=32)
     with pytest.raises(ValueError, match="scale_block"):
-        DecodeConfig("bfloat16", 128, 4, 16, scale_block=64)  # scales without an FP8 cache
+        decode_config("bfloat16", 128, 4, 16, scale_block=64)  # scales without an FP8 cache
     with pytest.raises(ValueError, match="page_size"):
         PrefillConfig("bfloat16", 128, 0, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128)
     with pytest.raises(ValueError, match="BN"):
@@ -76,7 +77,7 @@ def test_fp8_scores_domain():
     with pytest.raises(ValueError, match="fp8_scores"):
         PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, kv_dtype="fp8_e4m3", scale_block=128, fp8_scores=1)
     assert default_config("bfloat16", 128, 16, "fp8_e4m3", 128).fp8_scores
-    # d64: e4m3 scores measured slower with the cp.async producer, faster with TMA (benchmarks/NOTES.md)
+    # d64: e4m3 scores measured slower with the cp.async producer, faster with TMA (docs/tuning.md)
     assert not default_config("bfloat16", 64, 1, "fp8_e4m3", 64).fp8_scores
     assert default_config("bfloat16", 64, 16, "fp8_e4m3", 64).fp8_scores
     assert not default_config("float16", 128, 16, "fp8_e4m3", 128).fp8_scores
@@ -143,8 +144,8 @@ def test_pingpong_domain():
     with pytest.raises(ValueError, match="pingpong=1 is not valid"):
         PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, pingpong=1)
     # defaults: FP8 e4m3-score tiles at d128 and d256 (measured faster there; per-tensor d256 would spill); 16-bit
-    # tiles, and so convert-once's, at d256 (session 34)
-    from cukv.prefill import once_config
+    # tiles, and so convert-once's, at d256
+    from cukv.policy.prefill import once_config
 
     for d, token, tensor, b16 in ((64, False, False, False), (80, False, False, False), (128, True, True, False),
                                   (192, False, False, False), (256, True, False, True)):
@@ -158,7 +159,7 @@ def test_pingpong_domain():
     # the rule lives in tile_config, so the autotuner's default and its records keep it; one consumer warpgroup
     # has nothing to order
     from cukv.autotune import default_prefill_config
-    from cukv.prefill import tile_config
+    from cukv.policy.prefill import tile_config
 
     assert default_prefill_config("bfloat16", 256, 16) == default_config("bfloat16", 256, 16)
     assert tile_config("bfloat16", 256, 16, 128, 32, 256, 4).pingpong
@@ -180,7 +181,7 @@ def test_dequantizing_fp8_defaults_keep_their_measured_tile():
 @pytest.mark.parametrize("dtype,d,sb,ps", [("bfloat16", d, sb, 16) for d in (64, 128, 256) for sb in (0, d, 32)]
                          + [("float16", 128, 64, 16), ("bfloat16", 80, 80, 1), ("bfloat16", 512, 128, 48)])
 def test_dequantize_kv_compiles_without_spills_or_stack(dtype, d, sb, ps):
-    from cukv.dequant import DequantConfig
+    from cukv.configs.dequant import DequantConfig
 
     cfg = DequantConfig(dtype, d, ps, sb)
     rep = cfg.compiled.functions[cfg.name]
@@ -195,21 +196,21 @@ def test_dequantize_kv_compiles_without_spills_or_stack(dtype, d, sb, ps):
                             ("bfloat16", 256, 64, 16), ("bfloat16", 256, 32, 16), ("bfloat16", 256, 0, 16),
                             ("bfloat16", 128, 64, 48)])
 def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
-    from cukv.prefill import once_config
+    from cukv.policy.prefill import once_config
 
     cfg = once_config(dtype, d, ps, "fp8_e4m3", sb)
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
     assert cfg.producer_registers == (80 if cfg.BM == 192 else 72) and cfg.smem_bytes <= 227 * 1024
-    assert cfg.persistent and "_pers_" in cfg.name  # every head dim convert-once takes (d256 from session 30)
+    assert cfg.persistent and "_pers_" in cfg.name  # every head dim convert-once takes
 
 
 def test_convert_once_takes_its_own_d256_tile_where_it_fits(monkeypatch):
-    # ONCE_TILES: 128 x 112 x 2 with pv_wait at d256 for every granularity on the persistent grid (session 43), and
-    # d64's 16-bit tile in a ring of 4 (session 44); a tile that does not
+    # ONCE_TILES: 128 x 112 x 2 with pv_wait at d256 for every granularity on the persistent grid, and
+    # d64's 16-bit tile in a ring of 4; a tile that does not
     # fit falls back to the 16-bit default, then to the FP8 fused kernels' tile (d256's 16-bit default, 128 keys in a
     # ring of one tile, leaves convert-once's raw slots no room), and where none fits the last one's error says why
-    from cukv.prefill import FP8_TILES, ONCE_TILES, once_config
+    from cukv.policy.prefill import FP8_TILES, ONCE_TILES, once_config
 
     for sb in (256, 128, 64, 32, 0):
         c = once_config("bfloat16", 256, 16, "fp8_e4m3", sb)
@@ -218,17 +219,17 @@ def test_convert_once_takes_its_own_d256_tile_where_it_fits(monkeypatch):
     assert (c.BN, c.stages, c.persistent, c.pv_wait) == (64, 4, False, False)
     assert once_config("bfloat16", 128, 16, "fp8_e4m3", 128).BN == DEFAULTS[128][1]  # d128: the default tile
     assert once_config("bfloat16", 64, 16, "fp8_e4m3", 64).stages == ONCE_TILES[64][3] == 4  # d64: 4 stages, not 6
-    monkeypatch.setitem(sys.modules["cukv.prefill"].ONCE_TILES, 256, (128, 128, 256, 4))  # 290 KB: too big
+    monkeypatch.setitem(sys.modules["cukv.policy.prefill"].ONCE_TILES, 256, (128, 128, 256, 4))  # 290 KB: too big
     c = once_config("bfloat16", 256, 16, "fp8_e4m3", 256)
     assert (c.BM, c.BN, c.BK, c.stages) == FP8_TILES[256] == (128, 64, 256, 4) and not c.pv_wait
-    monkeypatch.setitem(sys.modules["cukv.prefill"].ONCE_TILES, 128, (128, 96, 128, 2))  # a ring of one tile
+    monkeypatch.setitem(sys.modules["cukv.policy.prefill"].ONCE_TILES, 128, (128, 96, 128, 2))  # a ring of one tile
     assert once_config("bfloat16", 128, 16, "fp8_e4m3", 128).pv_wait
     with pytest.raises(ValueError, match="shared memory"):
         once_config("bfloat16", 256, 16, "fp8_e4m3", 64, persistent=False)
 
 
 def test_dequant_config_domain():
-    from cukv.dequant import DequantConfig
+    from cukv.configs.dequant import DequantConfig
 
     for kw, field in ((dict(head_dim=72), "head_dim"), (dict(scale_block=48), "scale_block"),
                       (dict(head_dim=64, scale_block=128), "scale_block"), (dict(page_size=0), "page_size"),
@@ -241,7 +242,7 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
     import numpy as np
 
     from cukv import BatchPrefill
-    from cukv.prefill import _tile_cost
+    from cukv.ops.prefill import _tile_cost
 
     pf = BatchPrefill(hq, hkv, d, 16, kv_dtype="fp8_e4m3", scale_granularity=gran, fp8_prefill=fp8_prefill)
     cfg = pf.config
@@ -251,10 +252,10 @@ def _strategy(hq, hkv, d, q_lens, kv_lens, gran="token", fp8_prefill="auto"):
 
 
 def test_fp8_prefill_strategy_choice(monkeypatch):
-    """'auto' follows the measured crossovers (ONCE_*_ROWS_PER_KEY*, sessions 27-30 and 33; DEQUANT_MIN_ROWS_PER_KEY[_TENSOR],
-    session 23; on H100)."""
+    """'auto' follows the measured crossovers (cukv.policy.prefill.ONCE_MIN_ROWS, DEQUANT_MIN_ROWS_PER_KEY[_TENSOR];
+    docs/tuning.md)."""
     import cukv
-    from cukv.prefill import DEQUANT_WORKSPACE_LIMIT
+    from cukv.policy.prefill import DEQUANT_WORKSPACE_LIMIT
 
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4) == "convert_once"         # 8448 rows per key
     assert _strategy(32, 8, 128, [16384], [16384]) == "convert_once"               # 33024: no upper bound (s. 33)
@@ -263,31 +264,31 @@ def test_fp8_prefill_strategy_choice(monkeypatch):
     assert _strategy(32, 32, 128, [8192] * 2, [8192] * 2) == "convert_once"        # MHA, 4160
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4) == "convert_once"        # MHA d256, 2112
     assert _strategy(32, 16, 128, [2048] * 8, [2048] * 8) == "convert_once"        # GQA 2, 2176
-    # up to d128 from ONCE_MIN_ROWS_PER_KEY_PERSISTENT (session 29), at d256 from ONCE_MIN_ROWS_PER_KEY (session 30)
+    # token scales on the persistent grid: up to d128 from 256 rows per key, at d256 from 1024 (ONCE_MIN_ROWS)
     assert _strategy(32, 32, 128, [1024] * 16, [1024] * 16) == "convert_once"      # MHA, 576
     assert _strategy(32, 32, 128, [512] * 32, [512] * 32) == "convert_once"        # MHA, 320
     assert _strategy(32, 32, 128, [256] * 64, [256] * 64) == "fused"               # MHA, 192
     assert _strategy(32, 8, 128, [256] * 64, [256] * 64) == "convert_once"         # GQA 4, 768
     assert _strategy(16, 16, 256, [1024] * 16, [1024] * 16) == "fused"             # MHA d256, 576
     assert _strategy(32, 32, 80, [4096] * 4, [4096] * 4) == "dequantize_first"     # d80: unmeasured
-    # block scales: converted once on the persistent grid (at d256 32- and 64-dim blocks too, since session 34)
+    # block scales: converted once on the persistent grid (at d256 32- and 64-dim blocks too)
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
     assert _strategy(32, 32, 128, [256] * 64, [256] * 64, gran=64) == "convert_once"  # 208
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran=32) == "convert_once"
     assert _strategy(32, 8, 128, [16384], [16384], gran=64) == "convert_once"      # 33151
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=64) == "convert_once"
     assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran=32) == "convert_once"
-    assert _strategy(16, 16, 256, [256] * 64, [256] * 64, gran=64) == "fused"       # 192: ONCE_MIN_ROWS_PER_KEY_BLOCK_D256
-    # d256 on the persistent grid (session 30): 128-dim blocks from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256, token scales at GQA
+    assert _strategy(16, 16, 256, [256] * 64, [256] * 64, gran=64) == "fused"       # 192: below d256's block threshold (320)
+    # d256 on the persistent grid: 128-dim blocks from 320 rows per key, token scales at GQA
     assert _strategy(16, 16, 256, [512] * 32, [512] * 32, gran=128) == "convert_once"  # 320
     assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4) == "convert_once"        # GQA 4 d256, 8448
-    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 from 2048
-    # (ONCE_MIN_ROWS_PER_KEY_TENSOR_D256, session 38), below which the fused kernel is as fast
+    # per-tensor scales: converted once up to d128 (ONCE_LOW_MAX_HEAD_DIM) from 512 rows per key; at d256 from 2048,
+    # below which the fused kernel is as fast
     assert _strategy(32, 32, 128, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 64, [2048] * 8, [2048] * 8, gran="tensor") == "convert_once"
     assert _strategy(32, 8, 128, [16384], [16384], gran="tensor") == "convert_once"
-    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"     # 2112 (session 38)
+    assert _strategy(16, 16, 256, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"     # 2112
     assert _strategy(16, 16, 256, [2048] * 8, [2048] * 8, gran="tensor") == "fused"            # 1088
     assert _strategy(16, 16, 256, [8192] * 2, [8192] * 2, gran="tensor") == "convert_once"     # 4160
     assert _strategy(32, 8, 256, [4096] * 4, [4096] * 4, gran="tensor") == "convert_once"      # GQA 4, 8448
@@ -306,10 +307,9 @@ def test_fp8_prefill_strategy_choice(monkeypatch):
     with pytest.raises(ValueError, match="convert_once.*head_dim up to 256, not 512"):
         cukv.BatchPrefill(32, 8, 512, 16, kv_dtype="fp8_e4m3", fp8_prefill="convert_once")
     # the launch-per-item kernel keeps warp 0's raw quarter: 64-dim blocks at d256 fit only the persistent grid
-    with monkeypatch.context() as m:
-        m.setattr(sys.modules["cukv.prefill"], "ONCE_PERSISTENT", False)
-        with pytest.raises(ValueError, match="convert_once.*head_dim=256 with scale_granularity 64.*shared memory"):
-            cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64, fp8_prefill="convert_once")
+    with pytest.raises(ValueError, match="convert_once.*head_dim=256 with scale_granularity 64.*shared memory"):
+        cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64, fp8_prefill="convert_once",
+                          once_persistent=False)
     assert cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=32,
                              fp8_prefill="convert_once").fp8_prefill == "convert_once"
 
@@ -357,6 +357,6 @@ def test_once_schedule_model_runs_and_prefers_top_down_at_d256():
     # (the longest sequence's first), then one tile below each top, ...
     assert list(model.once_tile_order([2, 5, 3])) == [6, 9, 1, 5, 8, 0, 4, 7, 3, 2]
     assert list(model.once_tile_order([3, 3])) == [2, 5, 1, 4, 0, 3] and model.once_tile_order([]).size == 0
-    # the model's figure (benchmarks/NOTES.md session 31); the H100 disagreed (session 33)
+    # the model's figure (the H100 disagreed: docs/tuning.md)
     up, down = model.simulate(order="seq_up"), model.simulate(order="top_down")
     assert down["end_us"] < up["end_us"] and down["waits_us_per_sm"] < up["waits_us_per_sm"]

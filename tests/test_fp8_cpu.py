@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cukv import fp8
-from cukv.append import AppendConfig
+from cukv.configs.append import AppendConfig
 from cukv.fp8 import E4M3_MAX, E4M3_VALUES, SCALE_FLOOR, decode_e4m3, encode_e4m3, round_e4m3
 
 FINITE_CODES = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
@@ -306,7 +306,7 @@ def test_granularities_listed():
 def test_cache_rejects_bad_fp8_arguments_before_allocating(kw, match):
     """These checks run before any device allocation, so they work without a GPU."""
     pytest.importorskip("cupy")
-    from cukv.cache import PagedKVCache
+    from cukv.kvcache import PagedKVCache
 
     with pytest.raises(ValueError, match=re.escape(match)):
         PagedKVCache(4, 16, 2, **kw)

@@ -1,7 +1,7 @@
 """Decode over FP8 e4m3 caches on the GPU.
 
 Tolerances are bf16's for both query dtypes. With an FP8 cache P.V runs in f16 whatever the query dtype (P times
-the V scale over a power-of-two bound, rounded to f16; until session 6 it ran in bf16), and the register kernel's
+the V scale over a power-of-two bound, rounded to f16), and the register kernel's
 scores run in the query dtype; the tolerance was not tightened when P.V moved to f16.
 
 Two references: the float64 decode over the *dequantized* cache (``e4m3 * scale`` exactly), which the kernel

@@ -30,14 +30,14 @@ def _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout="combined
 
 
 def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="token", config=None, layout="combined",
-           prepare=None, unit=1.0, fp8_prefill="auto", **kw):
+           prepare=None, unit=1.0, fp8_prefill="auto", once_persistent=None, max_blocks=None, **kw):
     import cupy as cp
 
     case = _case(rng, q_lens, cache_lens, hq, hkv, d, ps, dtype, gran, layout)
     if prepare is not None:
         prepare(case)
     pf = cukv.BatchPrefill(hq, hkv, d, ps, dtype, kv_dtype="fp8_e4m3", scale_granularity=gran, config=config,
-                           fp8_prefill=fp8_prefill)
+                           fp8_prefill=fp8_prefill, once_persistent=once_persistent, max_blocks=max_blocks)
     plan_kw = {k: kw.pop(k) for k in ("mask", "window", "chunk") if k in kw}
     pf.plan(case["q_offsets"], case["kv_lens"], **plan_kw)
     nan = np.float16(np.nan) if dtype == "float16" else np.uint16(0x7FC0)
@@ -64,7 +64,7 @@ def _check(rng, q_lens, cache_lens, hq, hkv, d, ps=16, dtype="bfloat16", gran="t
         st_o, _ = reference_prefill(case, staged=dtype, fp8_scores=False, **plan_kw, **kw)
         assert_within_staging(got, ref_o, st_o / unit, dtype, name="out vs dequantized reference")
         # the e4m3 accumulators' error scales with sum |q_d k_d|, which outgrows |s| as sqrt(d) for random rows:
-        # d256 measured one LSE of 2128 at 0.0325 (14.74) where 2^-9 relative allows 0.031 (session 11)
+        # d256 measured one LSE of 2128 at 0.0325 (14.74) where 2^-9 relative allows 0.031
         rtol = 2.0 ** -9 * max(1.0, (d / 128) ** 0.5)
         assert_close(lse.get(), ref_lse, "float32", atol=2e-3, rtol=rtol, name="lse vs dequantized reference")
     else:
@@ -89,7 +89,7 @@ def test_head_dims(rng, d, gran):
 @pytest.mark.parametrize("fp8_scores", [True, False])
 def test_both_paths_at_d64_and_d128(rng, fp8_scores):
     """The defaults pick one path per head dim (d64 dequantizes K); the other is a valid config too."""
-    from cukv.prefill import PrefillConfig
+    from cukv.configs.prefill import PrefillConfig
 
     for d, tile in ((64, (192, 96, 64, 6)), (128, (192, 64, 128, 4))):
         cfg = PrefillConfig("bfloat16", d, 16, *tile, kv_dtype="fp8_e4m3", scale_block=d, fp8_scores=fp8_scores)
@@ -107,7 +107,7 @@ def test_tma_and_cp_async_producers(rng, tma, d, gran, ps, layout):
     import dataclasses
 
     from cukv.fp8 import resolve_kv
-    from cukv.prefill import default_config
+    from cukv.policy.prefill import default_config
 
     _, sb = resolve_kv("bfloat16", "fp8_e4m3", gran, d)
     base = default_config("bfloat16", d, ps, "fp8_e4m3", sb)
@@ -137,7 +137,7 @@ def test_token_v_scales_far_apart(rng, d):
     """Token V scales of neighbouring tokens 2^12 apart and whole 64-key blocks 2^30 apart either way: a row's
     output can then come from keys of small weight p and large V, so P and V must keep their precision over that
     range (they are staged as bf16, whose exponent is float32's). An f16 staging relative to a power of two per
-    tile lost such rows (benchmarks/NOTES.md, session 15)."""
+    tile lost such rows."""
     import cupy as cp
 
     def prepare(case):
@@ -222,7 +222,7 @@ def test_dequant_strategy_granularities(rng, gran, dtype, strategy):
 def test_dequant_strategy_head_dims_and_pages(rng, d, ps, gran, strategy):
     # (256, 1, 'token'): outputs in units of their row's largest value. Its draw has a row with outputs near 10 whose
     # P V rounding (bf16 P, about 0.004 typical here) reaches 0.024 on an element of 0.07, past atol 0.02; convert-
-    # once's 80-key tile (session 35) lands there and the 64-key tile does not, with the same error spread elsewhere
+    # once's 80-key tile lands there and the 64-key tile does not, with the same error spread elsewhere
     # (std 0.0041 both, run-to-run identical)
     unit = "row" if (d, ps) == (256, 1) else 1.0
     _check(rng, [200, 65], [50, 300], 8, 2, d, ps, "bfloat16", gran, fp8_prefill=strategy, unit=unit)
@@ -256,19 +256,18 @@ def test_convert_once_rereads_the_cache_every_run(rng):
 
 def test_auto_strategy_by_rows_per_key(rng):
     # one 1024-token prompt, 8 query heads per KV head: about 4600 query rows per key, token scales at d128: past
-    # ONCE_MIN_ROWS_PER_KEY_PERSISTENT
+    # the persistent grid's token threshold (ONCE_MIN_ROWS)
     _check(rng, [1024], [0], 16, 2, 128, 16, "bfloat16", "token")
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 1024]), np.array([1024]))
     assert pf.strategy == "convert_once"
-    # 4096 tokens: about 16900 rows per key; converting once has no upper bound (session 33)
+    # 4096 tokens: about 16900 rows per key; converting once has no upper bound
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3").plan(np.array([0, 4096]), np.array([4096]))
     assert pf.strategy == "convert_once"
-    # 64-dim blocks at d256 (MHA) convert once from ONCE_MIN_ROWS_PER_KEY_BLOCK_D256 (they fit its shared memory
-    # since session 34), fused below it
+    # 64-dim blocks at d256 (MHA) convert once from d256's block threshold (ONCE_MIN_ROWS), fused below it
     pf = cukv.BatchPrefill(16, 16, 256, 16, kv_dtype="fp8_e4m3", scale_granularity=64)
     assert pf.plan(np.array([0, 4096]), np.array([4096])).strategy == "convert_once"
     assert pf.plan(np.array([0, 16]), np.array([16])).strategy == "fused"
-    # per-tensor scales convert once up to d128 from 512 rows per key, at d256 from 2048 (session 38): GQA 8 over
+    # per-tensor scales convert once up to d128 from 512 rows per key, at d256 from 2048: GQA 8 over
     # 1024 tokens has about 4200, MHA about 520
     pf = cukv.BatchPrefill(16, 2, 128, 16, kv_dtype="fp8_e4m3", scale_granularity="tensor")
     assert pf.plan(np.array([0, 1024]), np.array([1024])).strategy == "convert_once"
@@ -286,25 +285,20 @@ def test_convert_once_mha_many_heads(rng):
 
 
 @pytest.mark.parametrize("grid", [None, 1, 5])
-def test_convert_once_persistent_walks_many_items(rng, monkeypatch, grid):
+def test_convert_once_persistent_walks_many_items(rng, grid):
     # the persistent grid (one block per SM, or `grid` blocks): each block walks many items, carrying its ring
     # position and staging the next item's query while the last one finishes; the converters' queue crosses
     # sequences of every length (a one-token one too) and every KV head
-    import sys
-
-    monkeypatch.setattr(sys.modules["cukv.prefill"], "ONCE_GRID", grid)  # the module (cukv.prefill is the function)
     _check(rng, [200, 1, 150, 33, 129], [0, 0, 100, 0, 70], 24, 24, 128, 16, "bfloat16", "token",
-           fp8_prefill="convert_once")
-    _check(rng, [600, 64], [40, 0], 8, 2, 256, 16, "bfloat16", "token", fp8_prefill="convert_once")
+           fp8_prefill="convert_once", max_blocks=grid)
+    _check(rng, [600, 64], [40, 0], 8, 2, 256, 16, "bfloat16", "token", fp8_prefill="convert_once", max_blocks=grid)
 
 
-def test_convert_once_d256_tile_launched_per_item(rng, monkeypatch):
+def test_convert_once_d256_tile_launched_per_item(rng):
     # convert-once's own d256 tile (ONCE_TILES: 80 keys, 3 stages) on the launch-per-item grid as well: tiles of 80
     # rows cut sequences and pages at odd places
-    import sys
-
-    monkeypatch.setattr(sys.modules["cukv.prefill"], "ONCE_PERSISTENT", False)
-    _check(rng, [300, 81, 1], [60, 0, 159], 8, 4, 256, 16, "bfloat16", "token", fp8_prefill="convert_once")
+    _check(rng, [300, 81, 1], [60, 0, 159], 8, 4, 256, 16, "bfloat16", "token", fp8_prefill="convert_once",
+           once_persistent=False)
 
 
 def _capture(pf, case, out):

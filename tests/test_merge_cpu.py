@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cukv import compiler
 from cukv.errors import CompileError
-from cukv.merge import MERGE_ARGS, MERGE_DTYPES, THREADS, MergeConfig, merge_states, merge_states_n
+from cukv.ops.merge import MERGE_ARGS, MERGE_DTYPES, THREADS, MergeConfig, merge_states, merge_states_n
 
 ARCH = "sm_90a"
 DTYPES = tuple(MERGE_DTYPES)
@@ -115,19 +115,23 @@ def test_compiles_for_sm90a_without_spills(dtype, head_dim, threads):
     assert again.cache_hit and again.key == mod.key
 
 
-def test_compiled_goes_through_compiler_build(monkeypatch):
+def test_compiled_goes_through_the_shared_base(monkeypatch):
+    """MergeConfig renders and compiles through KernelConfig (the one path every config takes)."""
+    from cukv.configs.base import KernelConfig
+
     calls = []
-    real = compiler.build
+    real = compiler.compile_source
 
-    def spy(template, module_name, **params):
-        calls.append((template, module_name, params))
-        return real(template, module_name, **params)
+    def spy(name, source, *a, **k):
+        calls.append((name, source))
+        return real(name, source, *a, **k)
 
-    monkeypatch.setattr(compiler, "build", spy)
+    monkeypatch.setattr(compiler, "compile_source", spy)
     cfg = MergeConfig("float16", 96)
+    assert isinstance(cfg, KernelConfig) and cfg.template == "merge_states.cu.j2"
     mod = cfg.compiled
-    assert calls and calls[0][0] == "merge_states.cu.j2" and calls[0][1] == cfg.name
-    assert calls[0][2] == cfg.template_params()
+    assert calls == [(cfg.name, compiler.render("merge_states.cu.j2", **cfg.render_params()))]
+    assert calls[0][1] == cfg.render()
     assert cfg.name in mod.functions
     assert cfg.compiled is mod  # once per config object
 
@@ -136,7 +140,7 @@ def test_static_asserts_catch_a_drift():
     """A derived size that disagrees with the header's own fails the compile, naming the size."""
     cfg = MergeConfig("bfloat16", 128)
     for field, wrong in (("vec", 4), ("rows_per_block", 7), ("args_bytes", 72)):
-        src = compiler.render("merge_states.cu.j2", **{**cfg.template_params(), field: wrong})
+        src = compiler.render("merge_states.cu.j2", **{**cfg.render_params(), field: wrong})
         with pytest.raises(CompileError) as e:
             compiler.compile_source(cfg.name + "_drift", src, arch=ARCH)
         assert "static assertion failed" in str(e.value) or "static_assert" in str(e.value)

@@ -6,7 +6,7 @@ import pytest
 
 from cukv import reference
 from cukv.dtypes import from_storage, to_storage
-from cukv.merge import merge_states, merge_states_n
+from cukv.ops.merge import merge_states, merge_states_n
 from cukv.testing import assert_close
 
 pytestmark = pytest.mark.gpu

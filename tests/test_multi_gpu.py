@@ -122,7 +122,7 @@ def test_append_on_every_device(rng, dtype):
 def test_merge_on_every_device(rng):
     import cupy as cp
 
-    from cukv.merge import merge_states, merge_states_n
+    from cukv import merge_states, merge_states_n
 
     for dev in DEVICES:
         with _on(dev):

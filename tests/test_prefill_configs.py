@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cukv.operand import PREFILL_ARGS
-from cukv.prefill import DEFAULTS, HEAD_DIMS, SMEM_LIMIT, KVBufferConfig, PrefillConfig, pv_wait_16bit, tile_config
+from cukv.configs.prefill import HEAD_DIMS, SMEM_LIMIT, KVBufferConfig, PrefillConfig
+from cukv.policy.prefill import DEFAULTS, pv_wait_16bit, tile_config
 
 DTYPES = ("bfloat16", "float16")
 PAGE_SIZES = (0, 1, 16, 48)
@@ -184,7 +185,7 @@ def test_names_identify_configs(a, b, pa, pb):
 
 # Every valid BM 128/192 shape at head_dim 192 and 256 (page sizes 0, 1, 16, 48, with and without tensor copies) and
 # every BM 64 one with BN >= 96 compiled without spills once PrefillConfig took in the three rules that sweep found
-# (session 32: BM=128 with whole elements of 48-80 rows and no tensor copies at depths 3 and 5-7; BM=64, d256, BN=128
+# (BM=128 with whole elements of 48-80 rows and no tensor copies at depths 3 and 5-7; BM=64, d256, BN=128
 # at depth 3; d192 with BK=64 and BN=128 beside two or more consumer warpgroups). The sample below draws from the
 # whole valid domain; test_gaps_of_the_domain pins the points the sweep found.
 
@@ -341,7 +342,7 @@ def test_pv_wait_domain():
         dataclasses.replace(d256, pv_wait=False)
     with pytest.raises(ValueError, match=r"PrefillConfig\.pv_wait=1 is not valid"):
         dataclasses.replace(d256, pv_wait=1)
-    # launched per item, d192's one-tile ring spills (ptxas, session 43): the stages rule keeps it out
+    # launched per item, d192's one-tile ring spills (ptxas): the stages rule keeps it out
     with pytest.raises(ValueError, match=r"PrefillConfig\.stages=2"):
         PrefillConfig("bfloat16", 192, 16, 128, 128, 192, 2, tma=True, pv_wait=True)
     # S + O + P at d256 x 128 keys is over the consumers' budget; with pv_wait P V completes before the next S

@@ -70,12 +70,12 @@ def _reference(case, hq, causal=True, window=None, chunk=None, softcap=None, sin
 
 
 def _run(case, hq, hkv, d, page_size, dtype="bfloat16", mask="causal", window=None, chunk=None, softcap=None,
-         sink=None, config=None):
+         sink=None, config=None, max_blocks=None):
     import cupy as cp
 
     import cukv
 
-    pf = cukv.BatchPrefill(hq, hkv, d, page_size=page_size or None, dtype=dtype, config=config)
+    pf = cukv.BatchPrefill(hq, hkv, d, page_size=page_size or None, dtype=dtype, config=config, max_blocks=max_blocks)
     pf.plan(case["q_offsets"], case["kv_lens"], mask=mask, window=window, chunk=chunk)
     out = cp.full(case["q"].shape, 0x7FC0 if dtype == "bfloat16" else np.nan, case["q"].dtype)  # NaN-poisoned
     lse = cp.full((case["q"].shape[0], hq), np.nan, cp.float32)
@@ -197,7 +197,8 @@ def test_prefill_kv_offsets_past_the_arrays_read_nothing_outside(rng):
 def test_prefill_pingpong(rng, bm, d, page, mask, window, softcap):
     # S issued in warpgroup ring order on the 16-bit path (FP8 defaults at d128/d256 take it through the FP8 tests);
     # ragged rows leave the last block's warpgroups with rows past the sequence, which must still pass the ring
-    from cukv.prefill import DEFAULTS, PrefillConfig
+    from cukv.configs.prefill import PrefillConfig
+    from cukv.policy.prefill import DEFAULTS
 
     _, bn, bk, st = DEFAULTS[d]
     cfg = PrefillConfig("bfloat16", d, page, bm, min(bn, 64), bk, st, pingpong=True)
@@ -219,7 +220,7 @@ def test_prefill_tma_matches_cp_async(rng, d, page, layout):
     # ring holds the same values either way, so the output is bitwise the cp.async producer's.
     import dataclasses
 
-    from cukv.prefill import default_config
+    from cukv.policy.prefill import default_config
 
     cfg = default_config("bfloat16", d, page)
     assert cfg.tma, cfg.name
@@ -243,22 +244,20 @@ def test_prefill_tma_matches_cp_async(rng, d, page, layout):
     (256, 0, "causal", None, 96, None, None, 4),       # contiguous K/V; chunks leave items that see few keys
     (96, 48, "causal", None, None, None, None, 1),     # one block walks every item
 ])
-def test_prefill_persistent_16bit(rng, monkeypatch, d, page, mask, window, chunk, softcap, sink, grid):
+def test_prefill_persistent_16bit(rng, d, page, mask, window, chunk, softcap, sink, grid):
     # the 16-bit persistent grid (PrefillConfig.persistent): the launch-per-item kernel's outputs bit for bit, twice
     # (the item counter resets itself at the end of each launch), and the float64 reference
     import dataclasses
-    import sys
 
-    from cukv.prefill import default_config
+    from cukv.policy.prefill import default_config
 
-    monkeypatch.setattr(sys.modules["cukv.prefill"], "ONCE_GRID", grid)  # the module (cukv.prefill is the function)
     cfg = default_config("bfloat16", d, page)
     assert cfg.persistent
     base = dataclasses.replace(cfg, persistent=False)
     hq, hkv = 4, 2
     bn = cfg.BN
     case = _case(rng, [2 * bn + 5, 300, 1, 3 * bn, 40], [bn, 0, 2 * bn - 1, 0, 7], hq, hkv, d, page)
-    kw = dict(mask=mask, window=window, chunk=chunk, softcap=softcap, sink=sink)
+    kw = dict(mask=mask, window=window, chunk=chunk, softcap=softcap, sink=sink, max_blocks=grid)
     out, lse = _run(case, hq, hkv, d, page, config=cfg, **kw)
     out2, lse2 = _run(case, hq, hkv, d, page, config=cfg, **kw)
     out_b, lse_b = _run(case, hq, hkv, d, page, config=base, **kw)
@@ -281,7 +280,7 @@ def test_prefill_pv_wait(rng, d, page, mask, tile):
     # add: the same tile's outputs bit for bit either way, and the float64 reference
     import dataclasses
 
-    from cukv.prefill import default_config, tile_config
+    from cukv.policy.prefill import default_config, tile_config
 
     cfg = tile_config("bfloat16", d, page, *tile) if tile else default_config("bfloat16", d, page)
     other = dataclasses.replace(cfg, pv_wait=not cfg.pv_wait) if tile else None

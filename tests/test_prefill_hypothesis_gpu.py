@@ -9,7 +9,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from cukv.dtypes import from_storage, nan_bits
-from cukv.prefill import HEAD_DIMS, PrefillConfig, tile_config
+from cukv.configs.prefill import HEAD_DIMS, PrefillConfig
+from cukv.policy.prefill import tile_config
 from cukv.testing import assert_close, random_prefill_case, reference_prefill
 
 pytestmark = pytest.mark.gpu

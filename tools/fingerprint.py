@@ -13,19 +13,23 @@ import os
 import struct
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's cukv, not an installed one
 
 
 def configs():
     """Shipped specializations, plus the FP8 decode/prefill defaults and the convert-once kernels."""
     from cukv import specs
-    from cukv.decode import DecodeConfig
-    from cukv.prefill_config import HEAD_DIMS, default_config
+    from cukv.configs.prefill import HEAD_DIMS
+    from cukv.policy.decode import decode_config
+    from cukv.policy.prefill import default_config
 
     out = list(specs.shipped())
     for dt, d, g, sb in [("bfloat16", 128, 4, sb) for sb in (0, 32, 64, 128)] + [
             ("float16", 128, 4, 128), ("bfloat16", 64, 8, 64), ("bfloat16", 256, 4, 256), ("bfloat16", 128, 1, 0)]:
         for stages in (None, 0):
-            out.append(DecodeConfig(dt, d, g, 16, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages))
+            out.append(decode_config(dt, d, g, 16, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages))
     for d in HEAD_DIMS:
         for sb in sorted({0, d, 32, 64, 128}):
             if sb and d % sb:
@@ -33,7 +37,7 @@ def configs():
             for ps in (16, 1):
                 out.append(default_config("bfloat16", d, ps, "fp8_e4m3", sb))
     try:
-        from cukv.prefill import ONCE_HEAD_DIMS, once_config
+        from cukv.policy.prefill import ONCE_HEAD_DIMS, once_config
         for d in ONCE_HEAD_DIMS:
             for sb in (0, d):
                 try:

@@ -18,8 +18,8 @@ FLOPs count only the causal half of the score matrix: ``flops = 4 * B * H_q * D 
 (QK^T and PV are 2 * L * L * D multiply-adds each per head; causal keeps half). TFLOP/s = flops / time.
 Ratios are time ratios ``peer_ms / cukv_paged_ms``: above 1 means cukv is faster.
 
-Nothing here imports cukv's kernels, CuPy or PyTorch at import time, so ``python -m cukv --help`` and the
-CPU tests work on a machine without a GPU.
+Nothing here imports CuPy or PyTorch, or compiles a kernel, at import time, so ``python -m cukv --help`` and the
+CPU tests work on a machine without a GPU. The probes' own helpers live in benchmarks/probe_lib.py.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import time
 
 import numpy as np
 
+from ..ops.prefill import causal_flops  # noqa: F401 - the bench's flop count (FLOPS_FORMULA)
 from . import peer_torch
 from .timing import interleaved_rounds
 
@@ -48,11 +49,6 @@ SUPPORTED_KV_DTYPES = ("bfloat16", "fp8_e4m3")
 FLOPS_FORMULA = "flops = 4 * B * Hq * D * L * L / 2 (causal half of QK^T and PV)"
 PEERS = ("flash", "cudnn")
 ENGINES = ("paged", "contig")
-
-
-def causal_flops(batch: int, seq_len: int, num_qo_heads: int, head_dim: int) -> float:
-    """FLOPs of causal prefill with q_len = kv_len = seq_len: ``4 * B * Hq * D * L * L / 2``."""
-    return 4.0 * batch * num_qo_heads * head_dim * seq_len * seq_len / 2
 
 
 def tflops(flops: float, ms: float | None) -> float | None:
@@ -202,58 +198,9 @@ def fp8_cache_like(data, granularity):
     return fcache
 
 
-def probe_cases(shapes: str, granularity):
-    """The FP8 probes' cases (benchmarks/probe_*.py): for each ``'BxLxHQxHKVxD'`` of the comma-separated ``shapes``,
-    ``(shape, (batch, seq_len, hq, hkv, d), data, fcache, out)``: the bench's bf16 paged case (``_build``), the same
-    tokens in an FP8 cache of ``granularity`` and an output buffer. The memory pool is emptied after each shape."""
-    import cupy as cp
-
-    for shape in shapes.split(","):
-        dims = tuple(map(int, shape.split("x")))
-        data = _build(*dims)
-        yield shape, dims, data, fp8_cache_like(data, granularity), cp.empty_like(data[0])
-        cp.get_default_memory_pool().free_all_blocks()
-
-
-def probe_report(label: str, timer, fns: dict, rounds: int, diffs: dict | None = None, digits: int = 2,
-                 reps: int = 20) -> dict:
-    """Times ``fns`` (the first is the baseline) in ``rounds`` interleaved rounds of ``reps`` calls in all and prints
-    one line: each one's median ms and baseline/it, then the largest differences in ``diffs``. Returns the medians."""
-    from .timing import interleaved_medians
-
-    med = interleaved_medians(timer, fns, reps=reps, rounds=rounds)
-    base = next(iter(med.values()))
-    print(f"{label}: " + "  ".join(f"{n} {m:.3f} ({base / m:.{digits}f})" for n, m in med.items())
-          + ("  max|diff| " + " ".join(f"{n} {x:.3g}" for n, x in diffs.items()) if diffs else ""), flush=True)
-    return med
-
-
-def add_unchecked_option(ap) -> None:
-    """The tile probes' ``--unchecked``: :func:`apply_unchecked` then skips the configs' measured domain rules."""
-    ap.add_argument("--unchecked", action="store_true", help="skip the configs' measured rules (check_rule), to time "
-                    "tiles they exclude; ptxas and the kernels' static_asserts still apply")
-
-
-def apply_unchecked(args) -> None:
-    """With ``--unchecked``, every ``check_rule`` of the prefill configs passes for the rest of the process (a probe's
-    choice: the resource checks are then ptxas's and the kernels' own)."""
-    if args.unchecked:
-        from .. import prefill_config
-
-        prefill_config.check_rule = lambda *a, **k: None
-
-
-def once_variant(strategy: str):
-    """A probe's strategy name to ``(fp8_prefill, prefill.ONCE_PERSISTENT, prefill.ONCE_GRID)``:
-    ``'convert_once:np'`` runs convert-once on the launch-per-item grid, ``'convert_once:gN'`` on a persistent grid of
-    N blocks (benchmarks/probe_prefill_once.py, benchmarks/ncu_prefill.py)."""
-    return (strategy.split(":")[0], not strategy.endswith(":np"),
-            int(strategy.split(":g")[1]) if ":g" in strategy else None)
-
-
 #: FP8 bench: bf16 paged and every FP8 strategy are timed in this many interleaved rounds (cukv.bench.timing), so a
 #: slow spell of the GPU lands on a round of each; the bf16/FP8 ratio is also given per round (its spread says how
-#: far one call's ratio can be trusted: bf16 alone moved 1.01-1.05 ms between calls at MHA d256, NOTES.md session 30)
+#: far one call's ratio can be trusted; docs/tuning.md)
 FP8_ROUNDS = 5
 
 

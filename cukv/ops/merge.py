@@ -13,91 +13,15 @@ anything (NaN included); a row whose partitions are all empty gets output 0 and 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import numpy as np
 
-from . import compiler
-from .arrays import as_device, check_aligned
-from .config import check_in, check_range, check_rule
-from .device import sm_count
-from .operand import as_kernel_arg
-
-#: value dtypes: name -> (C++ type, short name, bytes)
-MERGE_DTYPES = {"bfloat16": ("__nv_bfloat16", "bf16", 2), "float16": ("__half", "f16", 2),
-                "float32": ("float", "f32", 4)}
-THREADS = (64, 128, 256, 512)
-
-#: Python twin of MergeArgs (templates/merge_states.cuh); its size is checked by static_assert
-MERGE_ARGS = np.dtype([
-    ("v", "u8"), ("s", "u8"), ("out", "u8"), ("lse", "u8"),
-    ("v_state_stride", "i8"), ("s_state_stride", "i8"), ("num_rows", "i8"),
-    ("num_states", "i4"), ("pad_", "i4"),
-], align=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class MergeConfig:
-    """Template parameters of the merge kernel: value dtype, head dim and threads per block.
-
-    A row (one token and head) is handled by ``threads_per_row`` consecutive threads, each moving 16 bytes
-    (``vec`` elements); a block holds ``rows_per_block`` rows and leaves ``idle_threads`` idle when the row
-    width does not divide the block. The number of states is a run-time argument.
-    """
-
-    dtype: str = "bfloat16"
-    head_dim: int = 128
-    threads: int = 128
-
-    def __post_init__(self):
-        c = "MergeConfig"
-        check_in(c, "dtype", self.dtype, tuple(MERGE_DTYPES))
-        check_range(c, "head_dim", self.head_dim, 4, 1024)
-        check_rule(c, "head_dim", self.head_dim, self.head_dim % self.vec == 0,
-                   f"must be a multiple of {self.vec} for {self.dtype} (each thread moves 16 bytes)")
-        check_in(c, "threads", self.threads, THREADS)
-        check_rule(c, "head_dim", self.head_dim, self.threads_per_row <= self.threads,
-                   f"needs {self.threads_per_row} threads per row, more than threads={self.threads}")
-
-    @property
-    def itemsize(self) -> int:
-        return MERGE_DTYPES[self.dtype][2]
-
-    @property
-    def vec(self) -> int:
-        """Elements per 16-byte load."""
-        return 16 // self.itemsize
-
-    @property
-    def threads_per_row(self) -> int:
-        return self.head_dim // self.vec
-
-    @property
-    def rows_per_block(self) -> int:
-        return self.threads // self.threads_per_row
-
-    @property
-    def idle_threads(self) -> int:
-        return self.threads - self.rows_per_block * self.threads_per_row
-
-    @property
-    def name(self) -> str:
-        return f"cukv_merge_{MERGE_DTYPES[self.dtype][1]}_d{self.head_dim}_t{self.threads}"
-
-    def template_params(self) -> dict:
-        return dict(name=self.name, ctype=MERGE_DTYPES[self.dtype][0], head_dim=self.head_dim, threads=self.threads,
-                    vec=self.vec, threads_per_row=self.threads_per_row, rows_per_block=self.rows_per_block,
-                    idle_threads=self.idle_threads, args_bytes=MERGE_ARGS.itemsize)
-
-    def render(self) -> str:
-        return compiler.render("merge_states.cu.j2", **self.template_params())
-
-    @cached_property
-    def compiled(self) -> compiler.CompiledModule:
-        return compiler.build("merge_states.cu.j2", self.name, **self.template_params())
-
+from ..arrays import as_device, check_aligned
+from ..configs.merge import MERGE_ARGS, MERGE_DTYPES, THREADS, MergeConfig  # noqa: F401 - MERGE_DTYPES, THREADS: the domain
+from ..device import sm_count
+from ..operand import as_kernel_arg
 
 @lru_cache(maxsize=None)
 def _function(cfg: MergeConfig):
@@ -219,7 +143,7 @@ def merge_states(v_a, s_a, v_b, s_b, out=None, lse=None, *, stream=None):
     >>> import cupy as cp, cukv.merge                                                  # doctest: +SKIP
     >>> v_a = cp.random.randn(5, 8, 128).astype(cp.float16); s_a = cp.random.randn(5, 8).astype(cp.float32)
     >>> v_b = cp.random.randn(5, 8, 128).astype(cp.float16); s_b = cp.full((5, 8), -cp.inf, cp.float32)
-    >>> v, s = cukv.merge.merge_states(v_a, s_a, v_b, s_b)      # v == v_a, s == s_a: b is empty
+    >>> v, s = cukv.merge_states(v_a, s_a, v_b, s_b)      # v == v_a, s == s_a: b is empty
     """
     va, va_dt = as_device(v_a, "v_a")
     vb, vb_dt = as_device(v_b, "v_b")

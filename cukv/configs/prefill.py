@@ -1,6 +1,6 @@
 """Prefill kernel configurations: the template parameters of templates/prefill.cu.j2 as frozen dataclasses
-(``PrefillConfig`` and its staging ring, ``KVBufferConfig``), their validation and derived sizes, and the documented
-default tile per head dim (``default_config``). :mod:`cukv.prefill` plans and launches them.
+(``PrefillConfig`` and its staging ring, ``KVBufferConfig``), their validation and derived sizes. The default tile
+per head dim is :mod:`cukv.policy.prefill`'s; :mod:`cukv.ops.prefill` plans and launches them.
 """
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import dataclasses
 import math
 from functools import cached_property
 
-from . import compiler
-from .config import CTYPES, SHORT, check_bool, check_in, check_kv_quant, check_range, check_rule
-from .operand import ONCE_ARGS, PREFILL_ARGS
-from .tma import MAP_BYTES
+from ..operand import ONCE_ARGS, PREFILL_ARGS
+from ..tma import MAP_BYTES
+from .base import KernelConfig
+from .checks import CTYPES, SHORT, check_bool, check_in, check_kv_quant, check_range, check_rule
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256, 512)
 #: shared memory one block may use on an H100 (227 KB)
@@ -108,12 +108,14 @@ def _round64(n: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillConfig:
+class PrefillConfig(KernelConfig):
     """Template parameters of one prefill specialization (templates/prefill.cu.j2).
 
     ``BM`` query rows per block (64 per consumer warpgroup), ``BN`` keys per tile, ``BK`` dims per ring
     element, ``stages`` ring elements, ``page_size`` 0 for contiguous ragged K/V.
     """
+
+    template = "prefill.cu.j2"
 
     dtype: str = "bfloat16"
     head_dim: int = 128
@@ -136,7 +138,7 @@ class PrefillConfig:
     tma: bool = False
     #: the consumer warpgroups issue their S wgmmas in a fixed ring order (named barriers), so their softmax phases
     #: run staggered instead of in lock-step. Needs BM >= 128. Default where ``FP8_PINGPONG`` lists it (FP8
-    #: ``fp8_scores`` tiles at d128, and d256 with token scales: 2-4% faster on H100; benchmarks/NOTES.md session 17).
+    #: ``fp8_scores`` tiles at d128, and d256 with token scales; docs/tuning.md).
     pingpong: bool = False
     #: FP8 caches (``fp8_prefill='convert_once'``): the 16-bit kernel over a workspace the blocks fill as they go.
     #: Three producer warps convert quarter tiles from the FP8 cache (``page_size`` tokens a page) into the workspace
@@ -153,7 +155,7 @@ class PrefillConfig:
     #: each tile's P V completes before the next tile's S is issued (cuDNN's order) instead of overlapping it: S and P
     #: are never live together, so a 128-key tile at d256 fits the consumers' registers, and the V element is released
     #: a tile earlier, which a ring of one tile (``stages`` = K elements + 1) needs. Default there (``pv_wait_16bit``);
-    #: elsewhere the overlap measured 2-4% faster (H100, benchmarks/NOTES.md session 43).
+    #: elsewhere the overlap is faster (docs/tuning.md).
     pv_wait: bool = False
 
     def __post_init__(self):
@@ -202,16 +204,16 @@ class PrefillConfig:
                    f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
         # measured (ptxas, sm_90a): with two consumer warpgroups, wide tiles and 2-atom+ elements, any ring
         # depth but 4 spills a few bytes of the ring arithmetic
-        # a ring of one tile (2) compiles without spills with pv_wait at d256 and on the persistent grids (session 43:
-        # 16-bit d192 BN=128 launched per item spills 16-20 bytes, the dequantizing FP8 kernels at d128/d192 12-336)
+        # a ring of one tile (2) compiles without spills with pv_wait at d256 and on the persistent grids only
+        # (ptxas; docs/tuning.md)
         check_rule(c, "stages", self.stages,
                    not (self.BM == 128 and self.BK >= 128 and self.BN >= 96) or self.stages == 4
                    or (self.stages == 2 and self.pv_wait
                        and (self.head_dim == 256 or self.persistent or self.convert_once)),
                    "must be 4 when BM=128, BK>=128 and BN>=96, or 2 with pv_wait=True at head_dim=256, on the "
                    "persistent grid or in convert_once (other depths spill there)")
-        # the same, found by compiling every BM 128/192 shape at head_dim >= 192 (session 32, benchmarks/NOTES.md):
-        # whole elements of 48-80 rows copied without tensor copies spill 12-96 bytes at depths 3 and 5-7
+        # the same, found by compiling every BM 128/192 shape at head_dim >= 192: whole elements of 48-80 rows copied
+        # without tensor copies spill at depths 3 and 5-7 (ptxas; docs/tuning.md)
         kb = self.kv_buffer
         check_rule(c, "stages", self.stages,
                    not (self.BM == 128 and self.head_dim >= 192 and kb.full_kv and 48 <= self.BN <= 80
@@ -368,10 +370,10 @@ class PrefillConfig:
         return (f"cukv_prefill_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}_m{self.BM}_n{self.BN}"
                 f"_k{self.BK}_s{self.stages}" + ("_pp" if self.pingpong else "") + ("_pvw" if self.pv_wait else ""))
 
-    def render(self) -> str:
+    def render_params(self) -> dict:
         kb = self.kv_buffer
-        return compiler.render(
-            "prefill.cu.j2", name=self.name, ctype=CTYPES[self.dtype], head_dim=self.head_dim, BM=self.BM, BN=self.BN,
+        return dict(
+            name=self.name, ctype=CTYPES[self.dtype], head_dim=self.head_dim, BM=self.BM, BN=self.BN,
             BK=self.BK, stages=self.stages, page_size=0 if self.convert_once else self.page_size,
             num_repeats=kb.num_repeats,
             smem_stage_size=kb.smem_stage_size, num_k_tiles=kb.num_k_tiles, num_k_mmas2=kb.num_k_mmas2,
@@ -384,79 +386,11 @@ class PrefillConfig:
             pingpong=self.pingpong, once_page=self.page_size if self.convert_once else 0,
             once_args_bytes=ONCE_ARGS.itemsize, persistent=self.persistent, pv_wait=self.pv_wait)
 
-    @cached_property
-    def compiled(self) -> compiler.CompiledModule:
-        return compiler.compile_source(self.name, self.render())
-
-
-#: documented defaults per head dim (BM, BN, BK, stages); see docs in README "Prefill configs"
-DEFAULTS = {
-    # d64 moved from 192 x 96 with the persistent grid (session 42, H100, 5 interleaved rounds, causal): 128 x 128 ran
-    # 1.04 / 1.05 / 1.01 / 1.15 / 1.18x of it at b8 L2048 h32/8, b8 L2048 h32/32, b2 L8192 h16/16, b16 L1024 h32/8,
-    # b32 L512 h32/32 (128 x 96: 0.93-1.02x)
-    64: (128, 128, 64, 6),
-    80: (128, 128, 128, 4),
-    96: (128, 128, 128, 4),
-    128: (128, 128, 128, 4),
-    192: (128, 64, 192, 4),
-    # d256 moved from 128 x 64 x 4 with pv_wait (session 43, H100, interleaved rounds, causal): 128 keys in a ring of
-    # one tile ran 1.085-1.13x of it at MHA b4 L4096 and b2 L8192 h16, 1.08x at GQA 4 b4 L4096
-    256: (128, 128, 256, 2),
-    512: (64, 64, 256, 4),
-}
-
-#: FP8 caches whose producer also dequantizes K (block scales, float16 queries) start from these tiles instead of
-#: DEFAULTS: d128 moved to 128 x 128 in session 19 (16-bit and ``fp8_scores`` measured faster there), but these kernels
-#: were measured only at 192 x 64
-DEQUANT_TILES = {128: (192, 64, 128, 4)}
-#: FP8 caches' fused kernels start from these tiles instead of DEFAULTS: d64 keeps the 192 x 96 its kernels were
-#: measured with before the 16-bit default moved to 128 x 128 (session 42; convert-once runs the 16-bit tile)
-#: and d256 keeps 128 x 64 x 4, since its raw slots do not fit beside a 128-key tile of one stage (session 43)
-FP8_TILES = {64: (192, 96, 64, 6), 256: (128, 64, 256, 4)}
-#: ``fp8_scores`` tiles take DEFAULTS but for these BN limits: at BN=128 the 88-register producer beside two
-#: consumer warpgroups spills (ptxas, d80/d96)
-FP8_SCORES_BN = {80: 64, 96: 64}
-#: head dims whose FP8 default keeps K dequantized although ``fp8_scores`` applies, unless the codes come by TMA: at
-#: d64 the per-score K scale multiply lands on the consumers' softmax, which bounds the short d64 tiles (H100, cp.async
-#: producer: 0.77x of bf16 against 0.89x; d80-d256 gain 4-37%, benchmarks/NOTES.md session 9). With the TMA producer
-#: d64 measured 0.90x with e4m3 scores against 0.85x dequantized (session 11).
-FP8_SCORES_OFF = (64,)
-#: (head dim, scales) whose ``fp8_scores`` default issues S in ring order (``PrefillConfig.pingpong``): H100, four A/B
-#: calls (session 17), token scales 2-4% faster at d128 and d256, per-tensor 1-7% at d128; d64 2% slower; others not
-#: measured. Per-tensor d256 spills 12 bytes with it (ptxas, 168 registers), so it stays off.
-FP8_PINGPONG = {(128, "token"), (128, "tensor"), (256, "token")}
-#: head dims whose 16-bit default (and so convert-once's kernel, which runs the 16-bit consumers) issues S in ring
-#: order. H100, session 34 (benchmarks/probe_once_pingpong.py, two calls of 15 interleaved rounds, bf16 cache, causal):
-#: MHA d256 b4 L4096 1.061 -> 1.016 and 1.059 -> 1.020 ms, b2 L8192 2.001 -> 1.946 and 2.010 -> 1.958 (3-4% faster;
-#: convert-once 1-3% faster); d128 mixed (MHA b8 L2048 0.644 -> 0.635, GQA 4 b4 L4096 1.062 -> 1.073), so off.
-#: Session 17 had measured 1-2% at d256 on the kernel of the time and left it off.
-PINGPONG_16BIT = {256}
-
-
-#: 16-bit tiles run on the persistent grid (``PrefillConfig.persistent``) wherever it applies (``persistent_16bit``).
-#: H100, session 42 (benchmarks/probe_prefill_tiles.py --persistent bf16, 5 interleaved rounds, causal, bit-identical
-#: outputs), launch per item -> persistent: MHA d128 b8 L2048 0.641 -> 0.539 ms, MHA d256 b4 L4096 0.978 -> 0.930,
-#: GQA 4 d64 b8 L2048 0.447 -> 0.404, GQA 4 d128 b1 L16384 3.69 -> 3.74 (level: the same tile read 3.65 -> 3.60).
-#: The launch-per-item grid pays each block's query load and ring fill with idle tensor cores; the persistent one
-#: stages the next item's query and tiles while the consumers finish the last (benchmarks/NOTES.md session 42).
-PERSISTENT_16BIT = True
-
 
 def persistent_grid_fits(head_dim: int, BM: int, BK: int, tma: bool) -> bool:
     """What a 16-bit cache's persistent grid needs: tensor copies, a producer warpgroup beside the consumers
     (BM >= 128) and the whole head in one ring element (templates/prefill.cuh's static_assert on PERSISTENT)."""
     return tma and BM >= 128 and BK >= head_dim
-
-
-def persistent_16bit(head_dim: int, BM: int, BK: int, tma: bool) -> bool:
-    """Whether a 16-bit tile runs on the persistent grid: ``PERSISTENT_16BIT``, wherever ``persistent_grid_fits``."""
-    return PERSISTENT_16BIT and persistent_grid_fits(head_dim, BM, BK, tma)
-
-
-def pingpong_16bit(head_dim: int, BM: int) -> bool:
-    """Whether a 16-bit tile (and convert-once's, which runs the 16-bit consumers) issues S in ring order: at the
-    PINGPONG_16BIT head dims, where there are two or more consumer warpgroups to order."""
-    return head_dim in PINGPONG_16BIT and BM >= 128
 
 
 def fp8_scores_unsupported(dtype: str, kv_dtype, scale_block: int, head_dim: int) -> str | None:
@@ -484,58 +418,3 @@ def tma_applies(page_size: int, BN: int) -> bool:
     """Whether a tile of BN keys can come by tensor copies from pages of ``page_size`` (0: contiguous K/V): the
     boxes must be whole 8-row swizzle groups."""
     return tma_box_rows(page_size, BN) % 8 == 0
-
-
-def pv_wait_16bit(dtype: str, head_dim: int, BN: int, BK: int, stages: int) -> bool:
-    """Whether a 16-bit tile (and convert-once's) waits for each P V before the next S (``PrefillConfig.pv_wait``):
-    where the ring holds one tile, whose V element must be free before the next tile's V can land. H100, session 43:
-    d256 128 x 128 keys x 2 stages 1.09-1.13x faster with it than without (and than the 64-key default); the 64-key
-    d256 default and the d64 / d128 defaults 2-4% slower with it."""
-    return stages == KVBufferConfig(dtype, BN, BK, head_dim, stages).one_tile_stages
-
-
-def tile_config(dtype: str, head_dim: int, page_size: int, BM: int, BN: int, BK: int, stages: int) -> PrefillConfig:
-    """The 16-bit config of this tile with the producer, issue order and grid the defaults use: tensor copies (``tma``)
-    wherever the pages allow them (3-19% faster than cp.async on H100 at the bench shapes, benchmarks/NOTES.md
-    session 18), S in warpgroup ring order where ``pingpong_16bit`` says (session 34), the persistent grid where
-    ``persistent_16bit`` says (session 42), P V waited for in a ring of one tile (``pv_wait_16bit``, session 43). The
-    documented default, the autotuner's candidates and its stored records all come from here, so a tuned tile keeps
-    the same order."""
-    tma = tma_applies(page_size, BN)
-    return PrefillConfig(dtype, head_dim, page_size, BM, BN, BK, stages, tma=tma, pingpong=pingpong_16bit(head_dim, BM),
-                         persistent=persistent_16bit(head_dim, BM, BK, tma),
-                         pv_wait=pv_wait_16bit(dtype, head_dim, BN, BK, stages))
-
-
-def default_config(dtype: str, head_dim: int, page_size: int, kv_dtype: str | None = None,
-                   scale_block: int = 0) -> PrefillConfig:
-    """The documented default (or this GPU's autotuned winner). FP8 caches where S can run on the e4m3 tensor
-    cores (``fp8_scores``: bf16 queries, token or tensor scales, head dim 80-256; not 64, measured slower)
-    take the 16-bit default tile, with ``pingpong`` (S issued in warpgroup ring order) where FP8_PINGPONG says.
-    Other FP8 caches take it with BN halved until BN * BK <= 8192 (4096 with 32-dim scale blocks):
-    wider tiles measured no faster there (the producer's conversion bounds them either way,
-    benchmarks/NOTES.md) and need more shared memory."""
-    if head_dim not in DEFAULTS:
-        raise ValueError(f"head_dim={head_dim!r} is not supported by prefill; accepted: {', '.join(map(str, HEAD_DIMS))}")
-    bm, bn, bk, st = DEFAULTS[head_dim] if kv_dtype is None else FP8_TILES.get(head_dim, DEFAULTS[head_dim])
-    if kv_dtype is not None and fp8_scores_unsupported(dtype, kv_dtype, scale_block, head_dim) is None:
-        bn8 = min(bn, FP8_SCORES_BN.get(head_dim, bn))
-        tma = tma_applies(page_size, bn8)
-        if head_dim not in FP8_SCORES_OFF or tma:
-            return PrefillConfig(dtype, head_dim, page_size, bm, bn8, bk, st, kv_dtype=kv_dtype,
-                                 scale_block=scale_block, fp8_scores=True, tma=tma,
-                                 pingpong=(head_dim, "tensor" if scale_block == 0 else "token") in FP8_PINGPONG)
-    if kv_dtype is not None:
-        bm, bn, bk, st = DEQUANT_TILES.get(head_dim, (bm, bn, bk, st))
-        # 32-dim scale blocks hold two scales per 64-dim chunk column: half the rows again (measured spills)
-        limit = 4096 if scale_block == 32 else 8192
-        while bn * bk > limit and bn > 16:
-            bn //= 2
-        return PrefillConfig(dtype, head_dim, page_size, bm, bn, bk, st, kv_dtype=kv_dtype, scale_block=scale_block,
-                             tma=tma_applies(page_size, bn))
-    from .autotune import lookup
-
-    tuned = lookup(dtype, head_dim, page_size)
-    if tuned is not None:
-        return tuned
-    return tile_config(dtype, head_dim, page_size, bm, bn, bk, st)

@@ -1,7 +1,7 @@
 """Shared pieces of the frozen kernel-config dataclasses: domain checks and element types."""
 from __future__ import annotations
 
-from .validate import is_int
+from ..validate import is_int
 
 CTYPES = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
 SHORT = {"bfloat16": "bf16", "float16": "f16"}

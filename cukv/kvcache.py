@@ -28,12 +28,29 @@ LAYOUTS = ("separate", "combined", "layers")
 DEQUANTIZE_CHUNK_BYTES = 64 << 20
 
 
-class PageAllocator:
-    """A free list of physical page ids ``0 .. num_pages-1`` (host side, O(1) alloc and free)."""
+#: ``PageAllocator`` orders: pages handed out 0, 1, 2, ... or in a random permutation (a fragmented cache)
+ORDERS = ("sequential", "random")
 
-    def __init__(self, num_pages: int):
+
+class PageAllocator:
+    """A free list of physical page ids ``0 .. num_pages-1`` (host side, O(1) alloc and free).
+
+    ``order='sequential'`` hands pages out in id order; ``order='random'`` in a permutation drawn from ``seed``
+    (examples and tests use it to scatter a sequence's pages over the cache, as a long-running server's are).
+    Freed pages are handed out again first.
+    """
+
+    def __init__(self, num_pages: int, order: str = "sequential", seed: int | None = None):
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r} is not valid; accepted: {', '.join(map(repr, ORDERS))}")
+        if seed is not None and order != "random":
+            raise ValueError(f"seed={seed!r} applies to order='random' only")
         self.num_pages = check_int("num_pages", num_pages, 1)
-        self._free = list(range(self.num_pages - 1, -1, -1))
+        if order == "random":
+            first = np.random.default_rng(seed).permutation(self.num_pages).tolist()
+        else:
+            first = list(range(self.num_pages))
+        self._free = first[::-1]  # pop() takes from the end
         self._used = np.zeros(self.num_pages, bool)
 
     @property

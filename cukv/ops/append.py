@@ -1,65 +1,12 @@
 """append_kv: write new tokens' K and V into their cache slots."""
 from __future__ import annotations
 
-import dataclasses
-from functools import cached_property
-
 import numpy as np
 
-from . import compiler
-from .arrays import as_device, check_contiguous, element_dtype
-from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range
-from .operand import APPEND_ARGS, as_kernel_arg, kv_params, ptr
-from .validate import check_slots, checked
-
-
-@dataclasses.dataclass(frozen=True)
-class AppendConfig:
-    """Template parameters of the append kernel."""
-
-    dtype: str = "bfloat16"
-    head_dim: int = 128
-    page_size: int = 16
-    threads: int = 256
-    #: cache element type: None (same as ``dtype``) or 'fp8_e4m3' (quantizing append)
-    kv_dtype: str | None = None
-    #: FP8 only: dims per scale (the head dim for per-token scales), 0 for the caller's per-tensor scales
-    scale_block: int = 0
-
-    def __post_init__(self):
-        check_in("AppendConfig", "dtype", self.dtype, tuple(CTYPES))
-        check_kv_quant("AppendConfig", self.kv_dtype, self.scale_block, self.head_dim)
-        if self.kv_dtype is not None and self.head_dim % 16:
-            raise ValueError(f"AppendConfig.head_dim={self.head_dim} is not valid: must be a multiple of 16 for an "
-                             "FP8 cache")
-        check_range("AppendConfig", "head_dim", self.head_dim, 8, 1024)
-        if self.head_dim % 8:
-            raise ValueError(f"AppendConfig.head_dim={self.head_dim} is not valid: must be a multiple of 8")
-        check_range("AppendConfig", "page_size", self.page_size, 1, 1 << 16)
-        check_in("AppendConfig", "threads", self.threads, (128, 256, 512))
-
-    @property
-    def quantized(self) -> bool:
-        return self.kv_dtype is not None
-
-    @property
-    def name(self) -> str:
-        q = f"_e4m3s{self.scale_block}" if self.quantized else ""
-        return f"cukv_append_{SHORT[self.dtype]}{q}_d{self.head_dim}_p{self.page_size}"
-
-    def grid(self, num_tokens: int, num_heads: int) -> int:
-        """Blocks to launch: a thread per 16-byte vector, or a warp per (token, head) row when quantizing."""
-        work = num_tokens * num_heads * (32 if self.quantized else self.head_dim // 8)
-        return max(1, min((work + self.threads - 1) // self.threads, 65535))
-
-    def render(self) -> str:
-        return compiler.render("append.cu.j2", name=self.name, ctype=CTYPES[self.dtype], page_size=self.page_size,
-                               head_dim=self.head_dim, threads=self.threads, args_bytes=APPEND_ARGS.itemsize,
-                               quantized=self.quantized, scale_block=self.scale_block)
-
-    @cached_property
-    def compiled(self) -> compiler.CompiledModule:
-        return compiler.compile_source(self.name, self.render())
+from ..arrays import as_device, check_contiguous, element_dtype
+from ..configs.append import AppendConfig
+from ..operand import APPEND_ARGS, as_kernel_arg, kv_params, ptr
+from ..validate import check_slots, checked
 
 
 def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None, check: bool | None = None) -> None:
@@ -86,7 +33,7 @@ def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None, check: bool | N
     """
     import cupy as cp
 
-    from .cache import PagedKVCache
+    from ..kvcache import PagedKVCache
 
     check = checked(check)
     kd, kdt = as_device(k_new, "k_new")

@@ -6,56 +6,11 @@ visits it (see ``BatchPrefill``). It is also a way to hand an FP8 cache to any 1
 """
 from __future__ import annotations
 
-import dataclasses
-from functools import cached_property
-
 import numpy as np
 
-from . import compiler
-from .config import CTYPES, SHORT, check_in, check_kv_quant, check_range
-from .operand import DEQUANT_ARGS, as_kernel_arg, kv_params, ptr
-from .validate import check_table, checked, host_ints
-
-
-@dataclasses.dataclass(frozen=True)
-class DequantConfig:
-    """Template parameters of the gather-and-dequantize kernel (``templates/dequant_kv.cuh``)."""
-
-    #: output type
-    dtype: str = "bfloat16"
-    head_dim: int = 128
-    page_size: int = 16
-    #: dims per scale (the head dim for per-token scales), 0 for one scale per tensor
-    scale_block: int = 128
-    threads: int = 256
-
-    def __post_init__(self):
-        check_in("DequantConfig", "dtype", self.dtype, tuple(CTYPES))
-        check_range("DequantConfig", "head_dim", self.head_dim, 16, 1024)
-        if self.head_dim % 16:
-            raise ValueError(f"DequantConfig.head_dim={self.head_dim} is not valid: must be a multiple of 16 "
-                             "(FP8 rows)")
-        check_kv_quant("DequantConfig", "fp8_e4m3", self.scale_block, self.head_dim)
-        check_range("DequantConfig", "page_size", self.page_size, 1, 4096)
-        check_in("DequantConfig", "threads", self.threads, (128, 256, 512))
-
-    @property
-    def name(self) -> str:
-        return f"cukv_dequant_{SHORT[self.dtype]}_e4m3s{self.scale_block}_d{self.head_dim}_p{self.page_size}"
-
-    def grid(self, max_len: int, num_heads: int, batch: int) -> tuple:
-        """(tokens of the longest sequence x heads x 8-code vectors over threads, sequences, K and V)."""
-        work = max(1, max_len) * num_heads * (self.head_dim // 8)
-        return ((work + self.threads - 1) // self.threads, batch, 2)
-
-    def render(self) -> str:
-        return compiler.render("dequant_kv.cu.j2", name=self.name, ctype=CTYPES[self.dtype], page_size=self.page_size,
-                               head_dim=self.head_dim, scale_block=self.scale_block, threads=self.threads,
-                               args_bytes=DEQUANT_ARGS.itemsize)
-
-    @cached_property
-    def compiled(self) -> compiler.CompiledModule:
-        return compiler.compile_source(self.name, self.render())
+from ..configs.dequant import DequantConfig
+from ..operand import DEQUANT_ARGS, as_kernel_arg, kv_params, ptr
+from ..validate import check_table, checked, host_ints
 
 
 def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *, stream=None,
@@ -84,9 +39,9 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
     """
     import cupy as cp
 
-    from .arrays import canonical_dtype
-    from .cache import PagedKVCache, PageTable
-    from .dtypes import storage_dtype
+    from ..arrays import canonical_dtype
+    from ..dtypes import storage_dtype
+    from ..kvcache import PagedKVCache, PageTable
 
     if not isinstance(cache, PagedKVCache) or not getattr(cache, "quantized", False):
         raise TypeError(f"cache must be an FP8 PagedKVCache (dequantize_kv reads FP8 codes); got {cache!r}")

@@ -1,0 +1,103 @@
+"""Decode policy: the default staging of a ``DecodeConfig`` and the per-batch choices ``BatchDecode.plan`` makes
+(register kernel or ring, split count, cluster merge). Measurements: docs/tuning.md."""
+from __future__ import annotations
+
+import math
+
+from ..configs.decode import CLUSTERS, SMEM_LIMIT, DecodeConfig, DecodeShape
+
+#: ring slots per warp to try, first that fits shared memory wins: 16-bit caches, then FP8 (docs/tuning.md)
+DEFAULT_STAGES = (3, 2)
+DEFAULT_FP8_STAGES = (2, 3)  # two slots as fast as three at 3 blocks per SM (docs/tuning.md)
+#: plan() stages strips in registers below this much K/V (latency-bound), the ring above it (docs/tuning.md)
+RING_MIN_BYTES = 192 << 20
+#: a cluster merge's splits stay at most this many tokens: longer ones stream too long (docs/tuning.md)
+CLUSTER_MAX_TOKENS = 256
+
+
+def staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub, stages,
+            cluster) -> tuple:
+    """``(stages, sub)`` with None resolved: the first default ring that fits in shared memory where a ring applies
+    (and ``sub`` is None or 1), else registers; ``sub`` 2 for the FP8 register kernel up to d128 (two FP8 strips in
+    flight match a 16-bit strip's bytes; 32-dim scale blocks need the registers), else 1. Arguments the config
+    would reject come back unresolved-safe (0, 1) so that ``DecodeConfig`` names the bad field."""
+    shape = DecodeShape()
+    vars(shape).update(dtype=dtype, head_dim=head_dim, group=group, page_size=page_size, num_warps=num_warps,
+                       min_blocks=min_blocks, BN=BN, BK=BK, kv_dtype=kv_dtype, scale_block=scale_block, sub=sub,
+                       stages=stages, cluster=cluster)
+    try:
+        quantized = kv_dtype is not None
+        if stages is None:
+            stages = 0
+            # the 16-bit ring (decode_ring.cuh) needs whole 16-token strips per page and 64-dim swizzle groups;
+            # the FP8 ring (decode.cuh, STAGES > 0) stages whole code rows for the register kernel's fragments
+            ring_ok = quantized or (page_size % 16 == 0 and head_dim % 64 == 0)
+            for st in (DEFAULT_FP8_STAGES if quantized else DEFAULT_STAGES) if ring_ok and sub in (None, 1) else ():
+                shape.stages = st
+                if shape.total_smem_bytes <= SMEM_LIMIT:
+                    stages = st
+                    break
+        if sub is None:
+            fp8_regs = quantized and stages == 0 and head_dim <= 128 and scale_block != 32
+            sub = 2 if fp8_regs else 1
+    except (TypeError, ValueError, KeyError, ZeroDivisionError):
+        stages = 0 if stages is None else stages
+        sub = 1 if sub is None else sub
+    return stages, sub
+
+
+def decode_config(dtype: str = "bfloat16", head_dim: int = 128, group: int = 4, page_size: int = 16,
+                  num_warps: int = 4, min_blocks: int = 1, BN: int = 16, BK: int = 32, kv_dtype: str | None = None,
+                  scale_block: int = 0, sub: int | None = None, stages: int | None = None,
+                  cluster: int = 0) -> DecodeConfig:
+    """A :class:`DecodeConfig` with ``stages``/``sub`` left None set to the default staging (:func:`staging`)."""
+    stages, sub = staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub,
+                          stages, cluster)
+    return DecodeConfig(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub,
+                        stages, cluster)
+
+
+def blocks_per_sm(registers: int, threads: int, smem_bytes: int) -> int:
+    """Resident blocks per Hopper SM from the compiler's register report (warp registers are allocated in
+    units of 256) and static shared memory."""
+    warps = threads // 32
+    regs_per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_regs = 65536 // (regs_per_warp * warps)
+    by_smem = (227 * 1024) // max(smem_bytes + 1024, 1)
+    return max(1, min(by_regs, by_smem, 64 // warps, 32))
+
+
+def kv_bytes(batch_size: int, max_kv_len: int, num_kv_heads: int, head_dim: int) -> int:
+    """K and V bytes of a 16-bit cache that one decode step reads at most."""
+    return 2 * 2 * batch_size * max_kv_len * num_kv_heads * head_dim
+
+
+def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: int) -> int:
+    """The split count with the fewest block waves per unit of work: ``ceil(blocks * s / slots) / s`` over
+    ``slots`` = SMs x blocks per SM; the smallest count within 5% of the best (each split pays its prologue
+    and a merge). A single wave comes out as ``slots // blocks`` splits; past one wave, splits fill the last wave
+    (H100, a kernel at 3 blocks per SM: 64 x 4096 is 512 blocks on 396 slots, and 3 splits turn 2 waves, the
+    second a third full, into 4 nearly full ones). No split gets under 64 tokens (one 16-token strip per warp
+    of a 4-warp block), and the count is trimmed so that no split is left empty (the kernel gives each split
+    ``ceil(strips / num_splits)`` strips). Measurements: docs/tuning.md."""
+    blocks = max(1, batch_size * num_kv_heads)
+    strips = max(1, math.ceil(max_kv_len / 16))
+    most = int(max(1, min(math.ceil(strips / 4), 128)))
+
+    def cost(s):
+        return math.ceil(blocks * s / slots) / s
+
+    least = min(cost(s) for s in range(1, most + 1))
+    n = min(s for s in range(1, most + 1) if cost(s) <= least / 0.95)
+    return math.ceil(strips / math.ceil(strips / n))
+
+
+def choose_cluster(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
+    """Splits for a cluster merge, or 0 for none: a small step whose (sequence, KV head) pairs times the
+    cluster size fit one block per SM, with splits of at most ``CLUSTER_MAX_TOKENS``; with more blocks than SMs
+    clusters lose to the global merge (docs/tuning.md)."""
+    strips = max(1, math.ceil(max_kv_len / 16))
+    c = min(CLUSTERS[-1], num_sms // max(1, batch_size * num_kv_heads), math.ceil(strips / 4))  # >= 64 tokens
+    return c if c >= 2 and math.ceil(max_kv_len / c) <= CLUSTER_MAX_TOKENS else 0
+
+
