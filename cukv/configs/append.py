@@ -10,7 +10,21 @@ from .checks import CTYPES, SHORT, check_in, check_kv_quant, check_range
 
 @dataclasses.dataclass(frozen=True)
 class AppendConfig(KernelConfig):
-    """Template parameters of the append kernel (templates/append.cu.j2)."""
+    """Template parameters of the append kernel (templates/append.cu.j2).
+
+    Examples
+    --------
+    >>> from cukv import AppendConfig
+    >>> cfg = AppendConfig("bfloat16", head_dim=128, page_size=16)
+    >>> cfg.name, cfg.grid(num_tokens=100, num_heads=8)
+    ('cukv_append_bf16_d128_p16', 50)
+    >>> AppendConfig("bfloat16", head_dim=128, page_size=16, kv_dtype="fp8_e4m3", scale_block=128).name
+    'cukv_append_bf16_e4m3s128_d128_p16'
+    >>> AppendConfig("bfloat16", head_dim=100)
+    Traceback (most recent call last):
+    ...
+    ValueError: AppendConfig.head_dim=100 is not valid: must be a multiple of 8
+    """
 
     template = "append.cu.j2"
 

@@ -133,6 +133,22 @@ class DecodeConfig(DecodeShape, KernelConfig):
     strip (mma shape 16x8x16, BN=16 tokens, BK=32 dims), rendered into the source and re-checked there by
     ``static_assert``. Every field is explicit: :func:`cukv.policy.decode.decode_config` fills ``stages`` and
     ``sub`` left None with the default staging.
+
+    Examples
+    --------
+    >>> from cukv import DecodeConfig
+    >>> from cukv.policy.decode import decode_config
+    >>> cfg = decode_config("bfloat16", head_dim=128, group=4, page_size=16)   # the policy picks the staging
+    >>> cfg.name, cfg.stages, cfg.sub, cfg.num_threads
+    ('cukv_decode_bf16_d128_g4_p16_w4_b1_r3', 3, 1, 128)
+    >>> DecodeConfig("bfloat16", 128, 4, 16, stages=0, sub=1).name          # the register kernel, spelled out
+    'cukv_decode_bf16_d128_g4_p16_w4_b1'
+    >>> cfg.name in cfg.render()                                            # the CUDA source (no GPU needed)
+    True
+    >>> DecodeConfig("bfloat16", 100, 4, 16, stages=0, sub=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: DecodeConfig.head_dim=100 is not valid: must be a multiple of 32 (64, 96, 128, 256 ship)
     """
 
     template = "decode.cu.j2"

@@ -10,7 +10,19 @@ from .checks import CTYPES, SHORT, check_in, check_kv_quant, check_range
 
 @dataclasses.dataclass(frozen=True)
 class DequantConfig(KernelConfig):
-    """Template parameters of the gather-and-dequantize kernel (``templates/dequant_kv.cuh``)."""
+    """Template parameters of the gather-and-dequantize kernel (``templates/dequant_kv.cuh``).
+
+    Examples
+    --------
+    >>> from cukv import DequantConfig
+    >>> cfg = DequantConfig("bfloat16", head_dim=128, page_size=16, scale_block=128)   # per-token scales
+    >>> cfg.name, cfg.grid(max_len=40, num_heads=2, batch=3)
+    ('cukv_dequant_bf16_e4m3s128_d128_p16', (5, 3, 2))
+    >>> DequantConfig("bfloat16", head_dim=100)
+    Traceback (most recent call last):
+    ...
+    ValueError: DequantConfig.head_dim=100 is not valid: must be a multiple of 16 (FP8 rows)
+    """
 
     template = "dequant_kv.cu.j2"
 

@@ -28,6 +28,17 @@ class MergeConfig(KernelConfig):
     A row (one token and head) is handled by ``threads_per_row`` consecutive threads, each moving 16 bytes
     (``vec`` elements); a block holds ``rows_per_block`` rows and leaves ``idle_threads`` idle when the row
     width does not divide the block. The number of states is a run-time argument.
+
+    Examples
+    --------
+    >>> from cukv import MergeConfig
+    >>> cfg = MergeConfig("float16", head_dim=128)
+    >>> cfg.name, cfg.vec, cfg.threads_per_row, cfg.rows_per_block
+    ('cukv_merge_f16_d128_t128', 8, 16, 8)
+    >>> MergeConfig("float16", head_dim=100)
+    Traceback (most recent call last):
+    ...
+    ValueError: MergeConfig.head_dim=100 is not valid: must be a multiple of 8 for float16 (each thread moves 16 bytes)
     """
 
     template = "merge_states.cu.j2"

@@ -27,6 +27,19 @@ class KVBufferConfig:
     otherwise (head dim 512) a K tile is ``num_k_tiles`` elements of ``BK`` dims and V is read from
     ``head_dim_offset`` on. ``transpose`` is the K role (K-major wgmma operand); V uses the same element
     as an MN-major operand.
+
+    Examples
+    --------
+    >>> from cukv import KVBufferConfig
+    >>> ring = KVBufferConfig("bfloat16", BN=128, BK=128, depth=128, stages=4)
+    >>> ring.full_kv, ring.num_k_tiles, ring.smem_stage_size
+    (True, 1, 16384)
+    >>> KVBufferConfig("bfloat16", BN=64, BK=256, depth=512, stages=4).num_k_tiles   # head dim 512 streams blocks
+    2
+    >>> KVBufferConfig("bfloat16", BN=128, BK=64, depth=80, stages=4)
+    Traceback (most recent call last):
+    ...
+    ValueError: KVBufferConfig.BK=64 is not valid: must be the head dim rounded up to 64 (128, full_kv) or divide depth=80 (streamed blocks)
     """
 
     dtype: str = "bfloat16"
@@ -112,7 +125,23 @@ class PrefillConfig(KernelConfig):
     """Template parameters of one prefill specialization (templates/prefill.cu.j2).
 
     ``BM`` query rows per block (64 per consumer warpgroup), ``BN`` keys per tile, ``BK`` dims per ring
-    element, ``stages`` ring elements, ``page_size`` 0 for contiguous ragged K/V.
+    element, ``stages`` ring elements, ``page_size`` 0 for contiguous ragged K/V. The default tile per head dim
+    (and the switches that go with it) is :func:`cukv.policy.prefill.default_config`'s; pass a config to
+    ``BatchPrefill(config=...)`` to override it.
+
+    Examples
+    --------
+    >>> from cukv import PrefillConfig
+    >>> from cukv.policy.prefill import default_config
+    >>> cfg = default_config("bfloat16", head_dim=128, page_size=16)
+    >>> cfg.BM, cfg.BN, cfg.BK, cfg.stages, cfg.num_threads, cfg.smem_bytes
+    (128, 128, 128, 4, 384, 164992)
+    >>> cfg.kv_buffer.num_k_tiles, cfg.name in cfg.render()
+    (1, True)
+    >>> PrefillConfig("bfloat16", head_dim=100)
+    Traceback (most recent call last):
+    ...
+    ValueError: PrefillConfig.head_dim=100 is not valid; accepted: 64, 80, 96, 128, 192, 256, 512
     """
 
     template = "prefill.cu.j2"
