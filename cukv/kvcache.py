@@ -7,11 +7,19 @@ pair, the combined ``[pages, 2, page_size, H, D]`` tensor and MAX's multi-layer
 
 Examples
 --------
->>> import cukv
->>> cache = cukv.PagedKVCache(num_pages=64, page_size=16, num_kv_heads=8, head_dim=128)  # doctest: +SKIP
->>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=8)                     # doctest: +SKIP
+>>> import cupy as cp, numpy as np, cukv
+>>> cache = cukv.PagedKVCache(num_pages=64, page_size=16, num_kv_heads=8, head_dim=128)   # bf16, combined
+>>> cache.storage.shape                                       # [pages, 2 (K, V), page_size, H, D]
+(64, 2, 16, 8, 128)
+>>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=8)
 >>> slots = seqs.extend([20, 5])   # 20 tokens for sequence 0, 5 for sequence 1: pages get allocated
->>> table = seqs.page_table()      # block_table [2, 8] int32 and lengths [25 -> 20, 5] on the device
+>>> slots[18:].tolist()            # sequence 0 fills pages 0 and 1, sequence 1 starts page 2 (slot 32)
+[18, 19, 32, 33, 34, 35, 36]
+>>> kv = cp.asarray(cukv.dtypes.to_storage(np.random.default_rng(0).standard_normal((25, 8, 128)), "bfloat16"))
+>>> cukv.append_kv(cache, kv, kv, cp.asarray(slots))
+>>> table = seqs.page_table()      # what kernels read: device block_table [2, 8] int32 and lengths
+>>> table.block_table[:, :2].get().tolist(), table.lengths.get().tolist()
+([[0, 1], [2, 0]], [20, 5])
 """
 from __future__ import annotations
 
@@ -38,6 +46,22 @@ class PageAllocator:
     ``order='sequential'`` hands pages out in id order; ``order='random'`` in a permutation drawn from ``seed``
     (examples and tests use it to scatter a sequence's pages over the cache, as a long-running server's are).
     Freed pages are handed out again first.
+
+    Examples
+    --------
+    >>> from cukv import PageAllocator
+    >>> pages = PageAllocator(8)
+    >>> pages.alloc(3)
+    [0, 1, 2]
+    >>> pages.free([1])
+    >>> pages.alloc(2), pages.num_free                 # the freed page comes back first
+    ([1, 3], 4)
+    >>> PageAllocator(8, order="random", seed=0).alloc(4)
+    [2, 4, 3, 6]
+    >>> pages.alloc(5)
+    Traceback (most recent call last):
+    ...
+    MemoryError: asked for 5 pages, 4 of 8 are free
     """
 
     def __init__(self, num_pages: int, order: str = "sequential", seed: int | None = None):
@@ -96,8 +120,13 @@ class PagedKVCache:
 
     Examples
     --------
-    >>> cache = cukv.PagedKVCache(64, 16, 8, 128, dtype="fp8_e4m3", scale_granularity=64)   # doctest: +SKIP
-    >>> cache.k.dtype, cache.k_scales.shape                     # uint8 codes, [64, 16, 8, 2] float32
+    >>> import cupy as cp, cukv
+    >>> cache = cukv.PagedKVCache(64, 16, 8, 128, dtype="fp8_e4m3", scale_granularity=64)
+    >>> cache.k.dtype == cp.uint8, cache.k.shape, cache.k_scales.shape    # e4m3 codes; a scale per 64 dims
+    (True, (64, 16, 8, 128), (64, 16, 8, 2))
+    >>> sep = cukv.PagedKVCache(8, 16, 2, 64, dtype="float16", layout="separate", fill="nan")
+    >>> bool(cp.isnan(sep.v).all())                              # unwritten slots poisoned, as tests do
+    True
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype="bfloat16",
@@ -279,7 +308,22 @@ def _alloc(layout: str, shape: tuple, dtype, num_layers: int, layer: int):
 class PageTable:
     """What attention kernels read: ``block_table[B, max_pages]`` int32 (logical -> physical page) and
     ``lengths[B]`` int32 (tokens to attend to, new ones included). Both are device arrays; a CUDA graph
-    captured over a PageTable replays with whatever the arrays hold at replay time."""
+    captured over a PageTable replays with whatever the arrays hold at replay time.
+
+    Examples
+    --------
+    >>> import cupy as cp, cukv
+    >>> table = cukv.PageTable(cp.asarray([[3, 1, 0], [2, 0, 0]], cp.int32), cp.asarray([40, 9], cp.int32), page_size=16)
+    >>> table.batch_size, table.max_pages
+    (2, 3)
+    >>> fi = cukv.PageTable.from_flashinfer(indptr=[0, 3, 4], indices=[3, 1, 0, 2], last_page_len=[8, 9], page_size=16)
+    >>> fi.block_table.get().tolist(), fi.lengths.get().tolist()    # the same table in FlashInfer's CSR form
+    ([[3, 1, 0], [2, 0, 0]], [40, 9])
+    >>> cukv.PageTable(table.block_table, table.lengths.astype(cp.int64), page_size=16)
+    Traceback (most recent call last):
+    ...
+    TypeError: lengths must be int32 of shape (2,); got int64 (2,)
+    """
 
     def __init__(self, block_table, lengths, page_size: int):
         import cupy as cp
@@ -336,7 +380,19 @@ class PageTable:
 
     @classmethod
     def from_vllm(cls, block_table, seq_lens, page_size: int):
-        """vLLM's ``block_table[B, max_blocks]`` and ``seq_lens[B]`` (the slot mapping goes to append_kv)."""
+        """vLLM's ``block_table[B, max_blocks]`` and ``seq_lens[B]`` (the slot mapping goes to append_kv).
+
+        Examples
+        --------
+        >>> import cupy as cp, numpy as np, cukv
+        >>> table = cukv.PageTable.from_vllm(np.array([[3, 1, 0], [2, 0, 0]]), np.array([40, 9]), page_size=16)
+        >>> table.block_table.dtype == cp.int32, table.lengths.get().tolist()
+        (True, [40, 9])
+        >>> cukv.PageTable.from_vllm(np.array([[3, 1, 0], [2, 0, 0]]), np.array([40, 49]), page_size=16)
+        Traceback (most recent call last):
+        ...
+        ValueError: seq_lens[1]=49 needs 4 pages; block_table has 3 columns
+        """
         page_size = check_int("page_size", page_size, 1)
         bt, sl = host_ints("block_table", block_table), host_ints("seq_lens", seq_lens)
         if bt.ndim != 2:
@@ -390,6 +446,25 @@ class SequenceTable:
     page by page from a shared :class:`PageAllocator` and hands out slot mappings and page tables.
 
     Slot ``s`` of the cache is token ``s % page_size`` of physical page ``s // page_size``.
+
+    Examples
+    --------
+    >>> import cupy as cp, cukv
+    >>> cache = cukv.PagedKVCache(num_pages=8, page_size=4, num_kv_heads=1, head_dim=64, dtype="float16")
+    >>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=4,
+    ...                           allocator=cukv.PageAllocator(8, order="random", seed=0))   # scattered pages
+    >>> seqs.extend([6, 3]).tolist()              # sequence 0 gets pages 2 and 4, sequence 1 page 3
+    [8, 9, 10, 11, 16, 17, 12, 13, 14]
+    >>> seqs.extend([1, 2]).tolist()              # one token more for 0, two for 1 (a new page: 6)
+    [18, 15, 24]
+    >>> seqs.block_table().tolist(), seqs.lengths.tolist()
+    ([[2, 4, 0, 0], [3, 6, 0, 0]], [7, 5])
+    >>> seqs.release(0)                           # sequence 0 finished: its pages go back to the allocator
+    >>> seqs.allocator.alloc(2)
+    [4, 2]
+    >>> table = seqs.page_table()                 # a PageTable on the device, for run()
+    >>> table.lengths.get().tolist()
+    [0, 5]
     """
 
     def __init__(self, cache: PagedKVCache, max_batch: int, max_pages_per_seq: int,

@@ -24,12 +24,20 @@ def append_kv(cache, k_new, v_new, slot_mapping, *, stream=None, check: bool | N
 
     Examples
     --------
-    >>> import cupy as cp, cukv                                                     # doctest: +SKIP
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv.testing import cache_pages_host
     >>> cache = cukv.PagedKVCache(num_pages=8, page_size=4, num_kv_heads=2, head_dim=64, dtype="float16")
     >>> seqs = cukv.SequenceTable(cache, max_batch=1, max_pages_per_seq=8)
-    >>> slots = cp.asarray(seqs.extend([6]))       # 6 tokens -> 2 pages
-    >>> k = cp.random.randn(6, 2, 64).astype(cp.float16); v = k.copy()
-    >>> cukv.append_kv(cache, k, v, slots)
+    >>> slots = seqs.extend([6])                   # 6 tokens -> 2 pages
+    >>> slots.tolist()
+    [0, 1, 2, 3, 4, 5]
+    >>> rng = np.random.default_rng(0)
+    >>> k, v = (rng.standard_normal((6, 2, 64)).astype(np.float16) for _ in range(2))
+    >>> cukv.append_kv(cache, cp.asarray(k), cp.asarray(v), cp.asarray(slots))
+    >>> k_pages, v_pages = cache_pages_host(cache)
+    >>> bool((k_pages[0] == k[:4]).all() and (k_pages[1, :2] == k[4:]).all() and (v_pages[1, :2] == v[4:]).all())
+    True
+    >>> cukv.append_kv(cache, cp.asarray(k[:1]), cp.asarray(v[:1]), cp.asarray([-1]))   # -1: a padding token
     """
     import cupy as cp
 

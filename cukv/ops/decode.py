@@ -48,16 +48,27 @@ class BatchDecode:
 
     Examples
     --------
-    >>> import cupy as cp, numpy as np, cukv                                        # doctest: +SKIP
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv import reference
+    >>> from cukv.testing import assert_close, cache_pages_host
+    >>> rng = np.random.default_rng(0)
     >>> cache = cukv.PagedKVCache(num_pages=32, page_size=16, num_kv_heads=2, head_dim=64, dtype="float16")
     >>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=16)
-    >>> slots = cp.asarray(seqs.extend([40, 7]))                  # prompts of 40 and 7 tokens
-    >>> kv = cp.random.randn(47, 2, 64).astype(cp.float16)
-    >>> cukv.append_kv(cache, kv, kv, slots)
+    >>> slots = cp.asarray(seqs.extend([40, 7]))                  # contexts of 40 and 7 tokens
+    >>> k, v = (cp.asarray(rng.standard_normal((47, 2, 64)), cp.float16) for _ in range(2))
+    >>> cukv.append_kv(cache, k, v, slots)
     >>> dec = cukv.BatchDecode(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype="float16")
-    >>> dec.plan(batch_size=2, max_kv_len=256)
-    >>> q = cp.random.randn(2, 8, 64).astype(cp.float16)
-    >>> out, lse = dec.run(q, cache, seqs.page_table(), return_lse=True)   # out [2, 8, 64], lse [2, 8]
+    >>> dec = dec.plan(batch_size=2, max_kv_len=256)              # once per batch shape; run() many times
+    >>> q = rng.standard_normal((2, 8, 64)).astype(np.float16)
+    >>> out, lse = dec.run(cp.asarray(q), cache, seqs.page_table(), return_lse=True)
+    >>> out.shape, lse.shape
+    ((2, 8, 64), (2, 8))
+    >>> k_pages, v_pages = cache_pages_host(cache)                # float64 on the host
+    >>> want, want_lse = reference.decode(q, k_pages, v_pages, seqs.block_table(), seqs.lengths)
+    >>> assert_close(out.get(), want, "float16") < 0.01
+    True
+    >>> assert_close(lse.get(), want_lse, "float32", atol=1e-3, rtol=1e-3) < 0.01
+    True
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -188,7 +199,26 @@ class BatchDecode:
 
 
 def decode(q, cache, table, **kwargs):
-    """One-shot convenience: plan for this batch and run (use :class:`BatchDecode` in a loop)."""
+    """One-shot convenience: plan for this batch and run (use :class:`BatchDecode` in a loop). The kernel is the
+    cache's dtype (or, for an FP8 cache, the query's); keyword arguments go to :meth:`BatchDecode.run`.
+
+    Examples
+    --------
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv import reference
+    >>> from cukv.testing import assert_close, cache_pages_host
+    >>> rng = np.random.default_rng(0)
+    >>> cache = cukv.PagedKVCache(num_pages=4, page_size=16, num_kv_heads=1, head_dim=128, dtype="float16")
+    >>> seqs = cukv.SequenceTable(cache, max_batch=1, max_pages_per_seq=4)
+    >>> k, v = (cp.asarray(rng.standard_normal((30, 1, 128)), cp.float16) for _ in range(2))
+    >>> cukv.append_kv(cache, k, v, cp.asarray(seqs.extend([30])))
+    >>> q = rng.standard_normal((1, 4, 128)).astype(np.float16)      # MQA: 4 query heads read 1 KV head
+    >>> out = cukv.decode(cp.asarray(q), cache, seqs.page_table(), window=16)
+    >>> k_pages, v_pages = cache_pages_host(cache)
+    >>> want, _ = reference.decode(q, k_pages, v_pages, seqs.block_table(), seqs.lengths, window=16)
+    >>> assert_close(out.get(), want, "float16") < 0.01
+    True
+    """
     qd, _ = as_device(q, "q")
     if qd.ndim != 3:
         raise ValueError(f"q has shape {tuple(qd.shape)}; expected [batch, num_qo_heads, head_dim]")

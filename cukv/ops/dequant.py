@@ -27,15 +27,20 @@ def dequantize_kv(cache, table, kv_lengths, dtype: str = "bfloat16", out=None, *
 
     Examples
     --------
-    >>> import cupy as cp, numpy as np, cukv                                        # doctest: +SKIP
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv.dtypes import to_storage
     >>> cache = cukv.PagedKVCache(num_pages=8, page_size=16, num_kv_heads=2, head_dim=128, dtype="fp8_e4m3")
     >>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=4)
     >>> slots = cp.asarray(seqs.extend([20, 5]))                    # 20 + 5 tokens -> 3 pages
-    >>> x = cp.asarray(cukv.dtypes.to_storage(np.random.randn(25, 2, 128), "bfloat16"))
-    >>> cukv.append_kv(cache, x, x, slots)                          # quantizes per (token, head)
+    >>> rng = np.random.default_rng(0)
+    >>> x, y = (cp.asarray(to_storage(rng.standard_normal((25, 2, 128)), "bfloat16")) for _ in range(2))
+    >>> cukv.append_kv(cache, x, y, slots)                          # quantizes per (token, head)
     >>> k, v, offs = cukv.dequantize_kv(cache, seqs.page_table(), [20, 5])
     >>> k.shape, offs.get().tolist()
     ((25, 2, 128), [0, 20, 25])
+    >>> k_pages, v_pages = cache.dequantize()                       # the same values, page by page
+    >>> bool((k[:16] == k_pages[seqs.pages[0][0]]).all() and (v[20:] == v_pages[seqs.pages[1][0], :5]).all())
+    True
     """
     import cupy as cp
 

@@ -140,10 +140,20 @@ def merge_states(v_a, s_a, v_b, s_b, out=None, lse=None, *, stream=None):
 
     Examples
     --------
-    >>> import cupy as cp, cukv.merge                                                  # doctest: +SKIP
-    >>> v_a = cp.random.randn(5, 8, 128).astype(cp.float16); s_a = cp.random.randn(5, 8).astype(cp.float32)
-    >>> v_b = cp.random.randn(5, 8, 128).astype(cp.float16); s_b = cp.full((5, 8), -cp.inf, cp.float32)
-    >>> v, s = cukv.merge_states(v_a, s_a, v_b, s_b)      # v == v_a, s == s_a: b is empty
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv import reference
+    >>> from cukv.testing import assert_close
+    >>> rng = np.random.default_rng(0)
+    >>> v_a, v_b = (rng.standard_normal((5, 8, 128)).astype(np.float16) for _ in range(2))
+    >>> s_a, s_b = (rng.standard_normal((5, 8)).astype(np.float32) for _ in range(2))
+    >>> v, s = cukv.merge_states(cp.asarray(v_a), cp.asarray(s_a), cp.asarray(v_b), cp.asarray(s_b))
+    >>> want, want_s = reference.merge_states([v_a, v_b], [s_a, s_b])
+    >>> assert_close(v.get(), want, "float16") < 0.01 and assert_close(s.get(), want_s, "float32") < 0.01
+    True
+    >>> s_b[:] = -np.inf                                  # b saw no key: the result is a
+    >>> v, s = cukv.merge_states(cp.asarray(v_a), cp.asarray(s_a), cp.asarray(v_b), cp.asarray(s_b))
+    >>> assert_close(v.get(), v_a, "float16") < 0.01 and assert_close(s.get(), s_a, "float32") < 0.01
+    True
     """
     va, va_dt = as_device(v_a, "v_a")
     vb, vb_dt = as_device(v_b, "v_b")
@@ -181,6 +191,20 @@ def merge_states_n(vs, ss, out=None, lse=None, *, stream=None):
     Same dtypes and rules as :func:`merge_states`; each state ``vs[i]``/``ss[i]`` must be C-contiguous, the
     stride between states is free (a slice of a bigger stack works). N = 1 copies (empty rows become 0).
     Returns ``(v[tokens, heads, head_dim], s[tokens, heads])``.
+
+    Examples
+    --------
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv import reference
+    >>> from cukv.testing import assert_close
+    >>> rng = np.random.default_rng(0)
+    >>> vs = rng.standard_normal((3, 5, 4, 64)).astype(np.float32)     # 3 partial attentions of 5 tokens, 4 heads
+    >>> ss = rng.standard_normal((3, 5, 4)).astype(np.float32)
+    >>> ss[2, 0] = -np.inf                                             # state 2 saw no key for token 0
+    >>> v, s = cukv.merge_states_n(cp.asarray(vs), cp.asarray(ss))
+    >>> want, want_s = reference.merge_states(list(vs), list(ss))
+    >>> assert_close(v.get(), want, "float32") < 1e-4 and assert_close(s.get(), want_s, "float32") < 1e-4
+    True
     """
     vd, v_dt = as_device(vs, "vs")
     sd, _ = as_device(ss, "ss")

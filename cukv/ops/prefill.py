@@ -76,17 +76,30 @@ class BatchPrefill:
 
     Examples
     --------
-    >>> import cupy as cp, numpy as np, cukv                                        # doctest: +SKIP
-    >>> cache = cukv.PagedKVCache(num_pages=16, page_size=16, num_kv_heads=2, head_dim=128)
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv import reference
+    >>> from cukv.dtypes import from_storage, to_storage
+    >>> from cukv.testing import assert_close, cache_pages_host
+    >>> rng = np.random.default_rng(0)
+    >>> cache = cukv.PagedKVCache(num_pages=16, page_size=16, num_kv_heads=2, head_dim=128)    # bf16
     >>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=8)
     >>> q_lens = [40, 7]                                            # two prompts, no cached prefix
     >>> slots = cp.asarray(seqs.extend(q_lens))
-    >>> k = cp.asarray(cukv.dtypes.to_storage(np.random.randn(47, 2, 128), "bfloat16"))
-    >>> cukv.append_kv(cache, k, k, slots)                          # append first, then attend
-    >>> pf = cukv.BatchPrefill(8, 2, 128, page_size=16)
-    >>> pf.plan(np.array([0, 40, 47], np.int32), np.array(q_lens, np.int32), mask="causal")
-    >>> q = cp.asarray(cukv.dtypes.to_storage(np.random.randn(47, 8, 128), "bfloat16"))
-    >>> out, lse = pf.run(q, (cache, seqs.page_table()), return_lse=True)  # out [47, 8, 128], lse [47, 8]
+    >>> k, v = (cp.asarray(to_storage(rng.standard_normal((47, 2, 128)), "bfloat16")) for _ in range(2))
+    >>> cukv.append_kv(cache, k, v, slots)                          # append first, then attend
+    >>> q_offsets = np.array([0, 40, 47])
+    >>> pf = cukv.BatchPrefill(8, 2, 128, page_size=16).plan(q_offsets, q_lens, mask="causal")
+    >>> q = to_storage(rng.standard_normal((47, 8, 128)), "bfloat16")   # bf16 bits (uint16)
+    >>> out, lse = pf.run(cp.asarray(q), (cache, seqs.page_table()), return_lse=True)
+    >>> out.shape, lse.shape
+    ((47, 8, 128), (47, 8))
+    >>> k_pages, v_pages = cache_pages_host(cache)
+    >>> want, want_lse = reference.prefill_paged(from_storage(q, "bfloat16"), q_offsets, k_pages, v_pages,
+    ...                                          seqs.block_table(), q_lens, mask="causal")
+    >>> assert_close(from_storage(out.get(), "bfloat16"), want, "bfloat16") < 0.02
+    True
+    >>> assert_close(lse.get(), want_lse, "float32", atol=2e-3, rtol=2e-3) < 0.01
+    True
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int | None = 16,
@@ -503,7 +516,25 @@ def _tile_cost(q_len, kv_len, t, cfg, mask, window, chunk) -> int:
 
 
 def prefill(q, q_offsets, kv, *, mask: str = "causal", window=None, chunk=None, **kwargs):
-    """One-shot convenience: plan from ``q_offsets`` (host or device) and the KV lengths, then run."""
+    """One-shot convenience: plan from ``q_offsets`` (host or device) and the KV lengths (the table's, or
+    ``diff(kv_offsets)``), then run; ``kv`` is ``(cache, table)`` or ``(k, v, kv_offsets)`` as in
+    :meth:`BatchPrefill.run`, keyword arguments other than the mask's go to it.
+
+    Examples
+    --------
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv import reference
+    >>> from cukv.testing import assert_close
+    >>> rng = np.random.default_rng(0)
+    >>> q_offsets = kv_offsets = np.array([0, 30, 50])             # contiguous K/V: two prompts of 30 and 20
+    >>> q = rng.standard_normal((50, 4, 128)).astype(np.float16)
+    >>> k, v = (rng.standard_normal((50, 1, 128)).astype(np.float16) for _ in range(2))
+    >>> kv = (cp.asarray(k), cp.asarray(v), cp.asarray(kv_offsets.astype(np.int32)))
+    >>> out = cukv.prefill(cp.asarray(q), q_offsets, kv, mask="causal")
+    >>> want, _ = reference.prefill_contiguous(q, q_offsets, k, v, kv_offsets, mask="causal")
+    >>> assert_close(out.get(), want, "float16") < 0.01
+    True
+    """
     qd, _ = as_device(q, "q")
     if qd.ndim != 3:
         raise ValueError(f"q has shape {tuple(qd.shape)}; expected [total_q, num_qo_heads, head_dim]")
