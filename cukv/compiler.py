@@ -149,7 +149,21 @@ def _jinja_env() -> jinja2.Environment:
 
 
 def render(template: str, **params) -> str:
-    """Render ``templates/<template>`` with StrictUndefined: a missing parameter is an error."""
+    """Render ``templates/<template>`` with StrictUndefined: a missing parameter is an error.
+
+    Examples
+    --------
+    >>> from cukv import compiler
+    >>> from cukv.configs import MergeConfig
+    >>> cfg = MergeConfig("float16", head_dim=128)
+    >>> src = compiler.render(cfg.template, **cfg.render_params())      # what cfg.render() does
+    >>> src == cfg.render() and cfg.name in src
+    True
+    >>> compiler.render(cfg.template)
+    Traceback (most recent call last):
+    ...
+    jinja2.exceptions.UndefinedError: 'name' is undefined
+    """
     return _jinja_env().get_template(template).render(**params)
 
 
@@ -345,6 +359,18 @@ def parse_defines(defines, what: str = "defines") -> dict[str, str | None]:
     Accepts a mapping (``{"CUKV_FOO": 1, "CUKV_BAR": None}``; True/False become 1/0), a sequence of
     ``"NAME"``/``"NAME=VALUE"`` strings or ``(name, value)`` pairs, or one string of such tokens separated by
     whitespace (the form of ``CUKV_DEFINES``). ``what`` names the source in errors.
+
+    Examples
+    --------
+    >>> from cukv.compiler import parse_defines
+    >>> parse_defines("CUKV_WAIT_STATS=1 CUKV_X")
+    {'CUKV_WAIT_STATS': '1', 'CUKV_X': None}
+    >>> parse_defines({"CUKV_FOO": True})
+    {'CUKV_FOO': '1'}
+    >>> parse_defines("1X=2")
+    Traceback (most recent call last):
+    ...
+    ValueError: defines: '1X' is not a macro name (a C identifier: letters, digits, '_', not starting with a digit); expected NAME or NAME=VALUE
     """
     if defines is None:
         return {}
@@ -661,6 +687,18 @@ def compile_source(name: str, source: str, arch: str | None = None, defines=None
 
     ``defines`` (see :func:`parse_defines`) are added to ``CUKV_DEFINES``'s, passed to NVRTC as ``-D`` and
     keyed. Concurrent callers (threads or processes) of one missing key compile it once.
+
+    Examples
+    --------
+    >>> from cukv import compiler
+    >>> from cukv.configs import MergeConfig
+    >>> cfg = MergeConfig("float16", head_dim=128)
+    >>> mod = compiler.compile_source(cfg.name, cfg.render())           # NVRTC for sm_90a, or the disk cache
+    >>> mod.functions[cfg.name].registers > 0                           # the resource report
+    True
+    >>> src = cfg.render()                                              # an experiment's define is its own entry
+    >>> compiler.cache_key(src) != compiler.cache_key(src, defines={"CUKV_EXPERIMENT": 1})
+    True
     """
     arch = arch or target_arch()
     options, defs, key = _options_and_key(source, arch, defines)

@@ -1,5 +1,22 @@
 """Decode policy: the default staging of a ``DecodeConfig`` and the per-batch choices ``BatchDecode.plan`` makes
-(register kernel or ring, split count, cluster merge). Measurements: docs/tuning.md."""
+(register kernel or ring, split count, cluster merge). Measurements: docs/tuning.md.
+
+Examples
+--------
+>>> from cukv.policy.decode import choose_cluster, choose_splits, decode_config
+>>> decode_config("bfloat16", head_dim=128, group=4, page_size=16).stages      # 16-bit pages of 16: a ring
+3
+>>> decode_config("float16", head_dim=64, group=8, page_size=1).stages         # page size 1: registers
+0
+>>> choose_splits(batch_size=1, num_kv_heads=8, max_kv_len=32768, slots=132 * 3)   # one long sequence: split
+48
+>>> choose_splits(batch_size=64, num_kv_heads=8, max_kv_len=4096, slots=132 * 3)   # fill the last wave
+3
+>>> choose_cluster(batch_size=1, num_kv_heads=8, max_kv_len=1024, num_sms=132)     # a small step: a cluster
+8
+>>> choose_cluster(batch_size=64, num_kv_heads=8, max_kv_len=4096, num_sms=132)    # more blocks than SMs: none
+0
+"""
 from __future__ import annotations
 
 import math

@@ -1,6 +1,24 @@
 """Prefill policy: the default tile per head dim and cache kind, and which FP8 strategy ``BatchPrefill.plan`` runs.
 
 Tables of data first, then the pure functions that read them. Each number has its measurement in docs/tuning.md.
+
+Examples
+--------
+>>> from cukv.policy.prefill import DEFAULTS, ONCE_MIN_ROWS, default_config, fp8_strategy
+>>> DEFAULTS[128]                                                  # (BM, BN, BK, stages) for 16-bit caches
+(128, 128, 128, 4)
+>>> cfg = default_config("bfloat16", head_dim=128, page_size=16, kv_dtype="fp8_e4m3", scale_block=128)
+>>> cfg.fp8_scores                                                 # S = Q K^T on the e4m3 tensor cores
+True
+>>> ws = 8192 * 8 * 128 * 4                                         # a 16-bit copy of 8192 keys, 8 KV heads
+>>> fp8_strategy("auto", cfg, keys=8192, rows_per_key=1, workspace_bytes=ws)    # a decode-like step
+'fused'
+>>> fp8_strategy("auto", cfg, keys=8192, rows_per_key=ONCE_MIN_ROWS["token"][0], workspace_bytes=ws)
+'convert_once'
+>>> default_config("bfloat16", head_dim=100, page_size=16)
+Traceback (most recent call last):
+...
+ValueError: head_dim=100 is not supported by prefill; accepted: 64, 80, 96, 128, 192, 256, 512
 """
 from __future__ import annotations
 
