@@ -1,14 +1,22 @@
 """cukv: GPU attention kernels over paged KV caches, compiled at run time (Jinja2 -> NVRTC -> cubin).
 
-Quick tour::
+A decode step over a paged bf16 cache (bf16 arrays are uint16 bit patterns: ``cukv.dtypes.to_storage``):
 
-    cache = cukv.PagedKVCache(num_pages, page_size, num_kv_heads, head_dim, dtype="bfloat16")
-    seqs = cukv.SequenceTable(cache, max_batch, max_pages_per_seq)
-    cukv.append_kv(cache, k_new, v_new, cupy.asarray(seqs.extend(counts)))
-    dec = cukv.BatchDecode(num_qo_heads, num_kv_heads, head_dim, page_size).plan(batch, max_len)
-    out, lse = dec.run(q, cache, seqs.page_table(), return_lse=True)
+>>> import cupy as cp, numpy as np, cukv
+>>> from cukv.dtypes import to_storage
+>>> rng = np.random.default_rng(0)
+>>> def bf16(*shape): return cp.asarray(to_storage(rng.standard_normal(shape), "bfloat16"))
+>>> cache = cukv.PagedKVCache(num_pages=16, page_size=16, num_kv_heads=2, head_dim=128, dtype="bfloat16")
+>>> seqs = cukv.SequenceTable(cache, max_batch=2, max_pages_per_seq=8)
+>>> cukv.append_kv(cache, bf16(50, 2, 128), bf16(50, 2, 128), cp.asarray(seqs.extend([30, 20])))
+>>> dec = cukv.BatchDecode(num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16)
+>>> dec = dec.plan(batch_size=2, max_kv_len=128)
+>>> out, lse = dec.run(bf16(2, 8, 128), cache, seqs.page_table(), return_lse=True)
+>>> out.shape, lse.shape
+((2, 8, 128), (2, 8))
 
-``cukv.reference`` holds the float64 NumPy definitions every kernel is tested against.
+``cukv.reference`` holds the float64 NumPy definitions every kernel is tested against; the examples of
+``BatchDecode``, ``BatchPrefill``, ``append_kv``, ``merge_states`` and ``dequantize_kv`` check against it.
 """
 from ._version import __version__
 from .configs import AppendConfig, DecodeConfig, DequantConfig, KVBufferConfig, MergeConfig, PrefillConfig

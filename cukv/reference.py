@@ -4,6 +4,33 @@ each other. Inputs are host float arrays (use :mod:`cukv.dtypes` to read bf16 bi
 Conventions (design.md section 3): scores ``s = (q . k) * sm_scale``; with a soft-cap
 ``s = cap * tanh(s / cap)``; a sink logit joins the denominator only; LSE is the natural log of
 ``sum_j exp(s_j)`` without the sink; a row with no visible key gives output 0 and LSE -inf.
+
+Examples
+--------
+>>> import numpy as np
+>>> from cukv import reference
+>>> rng = np.random.default_rng(0)
+>>> q = rng.standard_normal((2, 4, 64))                          # 2 queries, 4 heads (GQA over 1 KV head)
+>>> k, v = rng.standard_normal((10, 1, 64)), rng.standard_normal((10, 1, 64))
+>>> out, lse = reference.attention(q, k, v, q_pos=[8, 9])        # causal: the query at 8 sees keys 0..8
+>>> out.shape, lse.shape
+((2, 4, 64), (2, 4))
+
+Attention over two disjoint key sets, merged by LSE, is attention over their union (cascade attention):
+
+>>> a = reference.attention(q, k[:6], v[:6], [9, 9], causal=False)
+>>> b = reference.attention(q, k[6:], v[6:], [9, 9], causal=False)
+>>> o, s = reference.merge_states([a[0], b[0]], [a[1], b[1]])
+>>> full, full_lse = reference.attention(q, k, v, [9, 9], causal=False)
+>>> bool(np.allclose(o, full) and np.allclose(s, full_lse))
+True
+
+A ragged prefill: sequence 0 has a cached prefix of 3 keys, so its 2 queries sit at positions 3 and 4:
+
+>>> q_offsets, kv_offsets = [0, 2, 5], [0, 5, 8]
+>>> out, lse = reference.prefill_contiguous(q[[0, 1, 0, 1, 0]], q_offsets, k[:8], v[:8], kv_offsets)
+>>> bool(np.allclose(out[1], reference.attention(q[1:2], k[:5], v[:5], [4])[0][0]))
+True
 """
 from __future__ import annotations
 

@@ -27,6 +27,58 @@ to the host and validate them before the launch. ``docs/errors.md`` says what th
 each kind of bad device data.
 
 This module is a leaf: it imports NumPy, :mod:`cukv.errors` and :mod:`cukv.arrays` (CuPy only inside functions).
+
+Examples
+--------
+What a user sees from the entry points (no GPU needed to be refused):
+
+>>> import cukv
+>>> cukv.BatchDecode(8, 2, 128, page_size=16.5)
+Traceback (most recent call last):
+...
+ValueError: page_size=16.5 must be in 1..4096 (an integer)
+>>> cukv.BatchPrefill(8, 3, 128)
+Traceback (most recent call last):
+...
+ValueError: num_qo_heads=8 must be a multiple of num_kv_heads=3
+>>> cukv.BatchDecode(8, 2, 128, 16).run(None, None, None)
+Traceback (most recent call last):
+...
+cukv.errors.NotPlannedError: BatchDecode.run() before plan(): call plan(batch_size, max_kv_len) first
+
+The checks themselves:
+
+>>> import numpy as np
+>>> from cukv.validate import check_choice, check_float, check_int, check_slots, check_table, host_ints
+>>> check_int("window", None, 1, none_ok=True), check_int("page_size", np.int64(16), 1)
+(None, 16)
+>>> check_int("window", 0, 1, none_ok=True, note="no window")
+Traceback (most recent call last):
+...
+ValueError: window=0 must be a positive integer (or None for no window)
+>>> check_float("sm_scale", float("nan"), positive=True)
+Traceback (most recent call last):
+...
+ValueError: sm_scale=nan must be a finite number > 0
+>>> check_choice("mask", "casual", ("none", "causal"))
+Traceback (most recent call last):
+...
+ValueError: mask='casual' is not valid; accepted: 'none', 'causal'
+>>> host_ints("kv_lengths", [1.5, 2])
+Traceback (most recent call last):
+...
+TypeError: kv_lengths=[1.5, 2] must be an integer array; got dtype float64
+
+The checked mode's table and slot checks, on host arrays:
+
+>>> check_table(np.array([[0, 1], [2, 9]]), np.array([20, 17]), page_size=16, num_pages=8)
+Traceback (most recent call last):
+...
+ValueError: block_table[1, 1]=9 is not a page of the cache (0..7)
+>>> check_slots(np.array([0, 5, 5, -1]), num_slots=64)
+Traceback (most recent call last):
+...
+ValueError: slot_mapping[1] and slot_mapping[2] both write slot 5
 """
 from __future__ import annotations
 
