@@ -268,7 +268,8 @@ def test_defaults_table_and_readme():
     for row, d in zip(rows, sorted(DEFAULTS)):
         c = tile_config("bfloat16", d, 16, *DEFAULTS[d])
         assert row == f"| {d} | {c.BM} | {c.BN} | {c.BK} | {c.stages} | {c.num_threads} | {c.smem_bytes} |"
-    assert table in README.read_text(), ("README's 'Prefill configs' table is out of date with prefill.DEFAULTS; "
+    assert table in README.read_text(), ("README's prefill tile table (section 'Command line') is out of date with "
+                                         "cukv.policy.prefill.DEFAULTS; "
                                          "paste the output of `python -m cukv autotune defaults`")
 
 

@@ -177,7 +177,7 @@ def test_dequantizing_fp8_defaults_keep_their_measured_tile():
         assert not c.fp8_scores and (c.BM, c.BN, c.BK, c.stages) == (bm, want_bn, bk, st), (dtype, sb)
 
 
-# fp8_prefill='dequantize_first' (cukv/dequant.py): the gather-and-dequantize pass, every granularity
+# fp8_prefill='dequantize_first' (cukv/ops/dequant.py): the gather-and-dequantize pass, every granularity
 @pytest.mark.parametrize("dtype,d,sb,ps", [("bfloat16", d, sb, 16) for d in (64, 128, 256) for sb in (0, d, 32)]
                          + [("float16", 128, 64, 16), ("bfloat16", 80, 80, 1), ("bfloat16", 512, 128, 48)])
 def test_dequantize_kv_compiles_without_spills_or_stack(dtype, d, sb, ps):
