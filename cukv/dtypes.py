@@ -1,4 +1,15 @@
-"""bfloat16 on the host: CuPy and NumPy have no bfloat16, so cukv stores bf16 as uint16 bit patterns."""
+"""bfloat16 on the host: CuPy and NumPy have no bfloat16, so cukv stores bf16 as uint16 bit patterns.
+
+Examples
+--------
+>>> import numpy as np
+>>> from cukv.dtypes import from_storage, to_storage
+>>> bits = to_storage(np.array([1.0, 0.1, -3.14159, np.nan]), "bfloat16")    # round to nearest even
+>>> bits.dtype, bits.tolist()
+(dtype('uint16'), [16256, 15821, 49225, 32704])
+>>> from_storage(bits, "bfloat16").tolist()                                   # float64 values again
+[1.0, 0.10009765625, -3.140625, nan]
+"""
 from __future__ import annotations
 
 import numpy as np

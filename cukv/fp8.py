@@ -14,6 +14,20 @@ Kernels see the granularity as ``scale_block`` (0 for per tensor, else the block
 the head dim) and compute a granule's scale as ``max(amax, 448 * SCALE_FLOOR) / 448`` in float32, then each
 code as ``e4m3_rn_satfinite(x / scale)`` with IEEE float32 division, exactly like :func:`quantize` below,
 so the GPU append is bit-identical to this module.
+
+Examples
+--------
+>>> import numpy as np
+>>> from cukv import fp8
+>>> x = np.random.default_rng(0).standard_normal((3, 2, 128))      # [tokens, heads, dims]
+>>> codes, scales = fp8.quantize(x, block=128)                       # per-token scales (block = head dim)
+>>> codes.dtype, codes.shape, scales.shape
+(dtype('uint8'), (3, 2, 128), (3, 2, 1))
+>>> bool(np.allclose(scales[..., 0], np.abs(x).max(-1) / 448))     # amax / 448
+True
+>>> err = np.abs(fp8.dequantize(codes, scales, 128) - x).max() / np.abs(x).max()
+>>> bool(err < 2 ** -4)                                              # e4m3 keeps 3 mantissa bits
+True
 """
 from __future__ import annotations
 

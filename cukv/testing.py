@@ -16,7 +16,20 @@ TOLERANCE = {"bfloat16": (2e-2, 2e-2), "float16": (4e-3, 4e-3), "float32": (1e-4
 def assert_close(actual, expected, dtype: str = "bfloat16", *, atol=None, rtol=None, name: str = "output"):
     """Fail with the worst coordinates when ``|actual - expected| > atol + rtol * |expected|`` anywhere.
 
-    NaN never passes; matching infinities (LSE of an empty row) do.
+    NaN never passes; matching infinities (LSE of an empty row) do. Returns the relative error
+    ``|actual - expected| / |expected|`` (Frobenius norms over the finite entries).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cukv.testing import assert_close
+    >>> want = np.random.default_rng(0).standard_normal((4, 8))
+    >>> assert_close(want + 1e-3, want, "bfloat16") < 0.01             # (atol, rtol) from TOLERANCE["bfloat16"]
+    True
+    >>> assert_close(want + 0.5, want, "bfloat16", name="decode out")
+    Traceback (most recent call last):
+    ...
+    AssertionError: decode out: 32 of 32 elements outside atol=0.02, rtol=0.02; worst: ...
     """
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)
