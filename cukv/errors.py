@@ -17,6 +17,17 @@ class CompileError(CukvError):
         The NVRTC log.
     source : str
         The rendered source, with line numbers, so the log's line references can be read directly.
+
+    Examples
+    --------
+    >>> from cukv import CompileError, compiler
+    >>> try:
+    ...     compiler.compile_source("cukv_broken", 'extern "C" __global__ void cukv_broken() { undefined_fn(); }')
+    ... except CompileError as e:
+    ...     print(e.log.splitlines()[0])
+    ...     print(e.source)
+    cukv_broken.cu(1): error: identifier "undefined_fn" is undefined
+        1  extern "C" __global__ void cukv_broken() { undefined_fn(); }
     """
 
     def __init__(self, name: str, log: str, source: str):

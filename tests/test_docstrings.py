@@ -22,6 +22,8 @@ import cukv
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 ROOT = Path(cukv.__file__).resolve().parent
+#: switches that change what an example does (compiles refused, extra defines, checked mode, tuned tiles)
+ENV = ("CUKV_NO_COMPILE", "CUKV_DEFINES", "CUKV_DUMP_SOURCE", "CUKV_CHECK", "CUKV_AUTOTUNE")
 
 #: the public entry points that must carry an example of their own (cukv/__init__.py's names, errors aside)
 PUBLIC = ("BatchDecode", "BatchPrefill", "PagedKVCache", "SequenceTable", "PageTable", "PageAllocator", "append_kv",
@@ -56,7 +58,9 @@ TESTS = _doctests()
 
 @pytest.mark.parametrize("test", [pytest.param(t, id=t.name, marks=[pytest.mark.gpu] if needs_gpu(t) else [])
                                   for t in TESTS])
-def test_docstring_examples(test):
+def test_docstring_examples(test, monkeypatch):
+    for var in ENV:  # examples show the library's defaults, whatever switches the calling shell set
+        monkeypatch.delenv(var, raising=False)
     out = io.StringIO()
     runner = doctest.DocTestRunner(optionflags=FLAGS)
     result = runner.run(test, out=out.write, clear_globs=True)
