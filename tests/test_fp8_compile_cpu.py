@@ -3,7 +3,6 @@ spills (NVRTC needs no GPU). The append kernels are covered in test_fp8_cpu.py."
 import dataclasses
 import sys
 
-import numpy as np
 import pytest
 
 from cukv.policy.decode import decode_config
@@ -337,26 +336,3 @@ def test_persistent_domain():
     quarter = 2 * (128 // 4) * (128 + 4)
     assert ok.smem_bytes == dataclasses.replace(ok, persistent=False).smem_bytes + 48 - quarter
     assert "const __grid_constant__ CUtensorMap q" in ok.render() and ok.name.endswith("_once_pers_d128_p16_m128_n128_k128_s4")
-
-
-def test_once_schedule_model_runs_and_prefers_top_down_at_d256():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parent.parent / "benchmarks" / "model_once_schedule.py"
-    spec = importlib.util.spec_from_file_location("model_once_schedule", path)
-    model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(model)
-    small = dict(seqs=2, q_tiles=4, kv_tiles=8, kv_heads=3, sms=6)
-    for order in ("seq_up", "top_down"):
-        r = model.simulate(order=order, **small)
-        assert r["ws_reads"] == 3 * 2 * 4 * sum(2 * j + 2 for j in range(4))  # every item's tiles, four quarters each
-        assert r["end_us"] > 0 and r["converted_us"] > 0
-    assert model.simulate(ahead=1, **small)["end_us"] > 0
-    # tiles back to back: sequence 0 holds tiles 0-1, sequence 1 tiles 2-6, sequence 2 tiles 7-9; the tops first
-    # (the longest sequence's first), then one tile below each top, ...
-    assert list(model.once_tile_order([2, 5, 3])) == [6, 9, 1, 5, 8, 0, 4, 7, 3, 2]
-    assert list(model.once_tile_order([3, 3])) == [2, 5, 1, 4, 0, 3] and model.once_tile_order([]).size == 0
-    # the model's figure (the H100 disagreed: docs/tuning.md)
-    up, down = model.simulate(order="seq_up"), model.simulate(order="top_down")
-    assert down["end_us"] < up["end_us"] and down["waits_us_per_sm"] < up["waits_us_per_sm"]
