@@ -1,0 +1,1 @@
+"""Frozen kernel configs: one dataclass per kernel family, fields = template parameters."""

@@ -1,0 +1,1 @@
+"""One module per kernel family: validate -> plan -> launch."""
