@@ -159,6 +159,11 @@ struct MLADecodeConsumer {
 
   // Both warpgroups' l -> the row's total; then the output (direct) or the float32 partial and its LSE.
   __device__ void finish(const MLADecodeParams& a, const MLAWorkItem& w, int r0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // a row's sum is spread over the 4 lanes of its quad
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
     stats()[g * 128 + t] = make_float2(l[0], l[1]);
     named_barrier_sync<256>(1);
     const float2 other = stats()[(1 - g) * 128 + t];
