@@ -101,7 +101,8 @@ def _bench(args) -> int:
         require_gpu("cukv bench")
         from .bench.mla_decode import run as run_mla
 
-        run_mla(out_dir=args.out, quick=args.quick, **({"reps": args.reps} if args.reps else {}))
+        cfgs = tuple(tuple(int(v) for v in c.split("x")) for c in args.mla_configs.split(","))
+        run_mla(out_dir=args.out, quick=args.quick, configs=cfgs, **({"reps": args.reps} if args.reps else {}))
         return 0
     if args.what == "prefill":
         from .bench.prefill import check_kv_dtype
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv-dtype", default="bfloat16",
                    help="fp8_e4m3: also time an FP8 cache beside bf16 on every shape")
     b.add_argument("--scale-granularity", default="token", help="FP8 scales: token, tensor, 32, 64 or 128")
+    b.add_argument("--mla-configs", default="64x2", help="mla-decode: block_n x num_kv_stages pairs to time, "
+                   "comma-separated; the first is the one compared with FlashMLA")
     a = sub.add_parser("autotune", help="time prefill tile shapes on this GPU and keep the fastest (opt-in)",
                        description="prefill: time candidate (BM, BN, BK, stages) around the default on a causal "
                        "prefill, check each against the default's output, store the fastest next to the compile "

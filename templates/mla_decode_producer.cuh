@@ -93,11 +93,17 @@ struct MLAKVProducerPipeline {
     return a.cache + page * a.page_stride + off * a.row_stride;
   }
 
-  // Tile `it` of the item into stage s: warp w copies rows w * BN/4 .. ; lane j < BN/4 looks up row j's page.
-  __device__ void load_tile(const MLADecodeParams& a, const MLAWorkItem& w, int it, int s, int warp, int lane) const {
+  // Lane j < BN/4 of warp w looks up the page of row w * BN/4 + j of tile `it` (null: read as zeros).
+  __device__ __forceinline__ const char* lookup(const MLADecodeParams& a, const MLAWorkItem& w, int it, int warp,
+                                                int lane) const {
     constexpr int kRowsPerWarp = BN / 4;
-    const int r_lane = warp * kRowsPerWarp + (lane < kRowsPerWarp ? lane : 0);
-    const char* mine = lane < kRowsPerWarp ? row_ptr(a, w, w.begin + it * BN + r_lane) : nullptr;
+    if (lane >= kRowsPerWarp) return nullptr;
+    return row_ptr(a, w, w.begin + it * BN + warp * kRowsPerWarp + lane);
+  }
+
+  // A tile into stage s: warp w copies rows w * BN/4 .. (w + 1) * BN/4 - 1, their addresses broadcast from `mine`.
+  __device__ __forceinline__ void load_tile(const MLADecodeParams& a, const char* mine, int s, int warp, int lane) const {
+    constexpr int kRowsPerWarp = BN / 4;
     const u32 dst = stage(s);
 #pragma unroll 4
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
@@ -112,13 +118,18 @@ struct MLAKVProducerPipeline {
     mbar_arrive_cp_async(full(s));
   }
 
+  // The query block, then the tiles through the ring. Each tile's page lookups (a dependent load of the block
+  // table) are issued one tile ahead, so their latency hides behind the wait for a free stage.
   __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
+    const char* next = n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;
     load_q(a, w, warp, lane);
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
       const int s = it % num_kv_stages;
+      const char* cur = next;
+      if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
       if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
-      load_tile(a, w, it, s, warp, lane);
+      load_tile(a, cur, s, warp, lane);
     }
     cp_async_wait<0>();
   }

@@ -67,7 +67,10 @@ def _problem(batch, heads, s_q, lens, seed=0):
     return cache, cp.asarray(table), q
 
 
-def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: bool = True) -> dict:
+def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: bool = True,
+        configs=((64, 2),)) -> dict:
+    """Time every shape; ``configs`` lists (block_n, num_kv_stages) pairs of cukv to time (the first is the
+    default one the ratios use; the others are reported as ``cukv_n{BN}s{S}``)."""
     import cupy as cp
 
     from ..ops.mla_decode import BatchMLADecode
@@ -81,10 +84,13 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
             continue
         lens = _lengths(batch, ctx)
         cache, table, q = _problem(batch, heads, s_q, lens)
-        dec = BatchMLADecode(heads).plan(lens, s_q)
+        decs = [BatchMLADecode(heads, block_n=bn, num_kv_stages=st).plan(lens, s_q) for bn, st in configs]
+        dec = decs[0]
         out = cp.empty((batch, s_q, heads, 512), cp.uint16)
         lse = cp.empty((batch, s_q, heads), cp.float32)
         fns = {"cukv": lambda: dec.run(q, cache, table, out=out, lse=lse)}
+        for (bn, st), d in zip(configs[1:], decs[1:]):
+            fns[f"cukv_n{bn}s{st}"] = lambda d=d: d.run(q, cache, table, out=out, lse=lse)
         err = None
         if fm is not None:
             kc = torch.from_dlpack(cache.data).view(torch.bfloat16).view(cache.num_pages, PAGE, 1, 576)
@@ -114,7 +120,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
             r["flashmla_over_cukv"] = r["flashmla_ms"] / r["cukv_ms"]
         rows.append(r)
         print(_fmt(r), flush=True)
-        del cache, table, q, out, lse, dec
+        del cache, table, q, out, lse, dec, decs
         cp.get_default_memory_pool().free_all_blocks()
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
               "flashmla": why or "imported", "rows": rows}
@@ -135,6 +141,9 @@ def _fmt(r) -> str:
     if "flashmla_ms" in r:
         s += f" | FlashMLA {r['flashmla_ms']:8.3f} ms {r['flashmla_tflops']:6.1f} TF/s {r['flashmla_tbs']:5.2f} TB/s" \
              f" | FlashMLA/cukv {r['flashmla_over_cukv']:.3f}"
+    for k in r:
+        if k.startswith("cukv_n") and k.endswith("_ms"):
+            s += f" | {k[:-3]} {r[k]:8.3f} ms"
     if r.get("max_abs_diff_vs_flashmla") is not None:
         s += f" | diff {r['max_abs_diff_vs_flashmla']:.1e}"
     return s
