@@ -54,14 +54,14 @@ def make_problem(rng, lens, s_q, heads, page_size, dtype="bfloat16", garbage=Tru
     return cache, cp.asarray(table), _to_dev(q, dtype), qv, vals, table
 
 
-def run_check(rng, lens, s_q, heads, page_size, dtype="bfloat16", sink=False, scale=None, atol=None):
+def run_check(rng, lens, s_q, heads, page_size, dtype="bfloat16", sink=False, scale=None, atol=None, **cfg):
     import cupy as cp
 
     from cukv.ops.mla_decode import BatchMLADecode
 
     cache, table, q, qv, vals, table_h = make_problem(rng, lens, s_q, heads, page_size, dtype)
     sk = rng.standard_normal(heads).astype(np.float32) if sink else None
-    dec = BatchMLADecode(heads, dtype).plan(np.array(lens), s_q)
+    dec = BatchMLADecode(heads, dtype, **cfg).plan(np.array(lens), s_q)
     out, lse = dec.run(q, cache, table, return_lse=True, sink=None if sk is None else cp.asarray(sk),
                        softmax_scale=scale)
     ro, rl = reference.mla_decode(qv, np.nan_to_num(vals), np.where(table_h < vals.shape[0], np.maximum(table_h, 0), 0),
@@ -98,6 +98,11 @@ def test_mla_decode_grid(rng, lens, s_q, heads, page_size):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_mla_decode_sink_scale_dtype(rng, dtype):
     run_check(rng, [700, 0, 65], 2, 16, 16, dtype=dtype, sink=True, scale=0.1)
+
+
+@pytest.mark.parametrize("lens,s_q,heads", [([3000, 0, 33], 2, 16), ([700], 1, 128)])
+def test_mla_decode_other_tiles(rng, lens, s_q, heads):
+    run_check(rng, lens, s_q, heads, 16, block_n=32, num_kv_stages=4, sink=True)
 
 
 @pytest.mark.slow
