@@ -40,8 +40,9 @@ struct MLADecodeConsumer {
     return reinterpret_cast<u32*>(smem + Pipe::p_offset);
   }
 
-  // Issues S = Q K^T for this warpgroup's tokens of stage s (completes at the next wgmma_wait).
-  __device__ __forceinline__ void issue_scores(float (&s)[kSRegs], int stage) {
+  // S for this warpgroup's tokens of stage s, scaled to log2 units and masked: token columns at or past a row's
+  // limit become -inf (selected, never multiplied).
+  __device__ __forceinline__ void scores(float (&s)[kSRegs], int stage, int tok0, int lim0, int lim1, float sl2) {
     const u64 qd = sw128_desc(pipe.q(), 1, 1024);
     const u64 kd = sw128_desc(pipe.stage(stage) + (u32)(g * kHalf * kAtomRowBytes), 1, 1024);
     wgmma_fence();
@@ -50,10 +51,8 @@ struct MLADecodeConsumer {
       MmaS::ss(s, desc_add(qd, (u32)((k / 4) * Pipe::q_atom_col_bytes + (k % 4) * 32)),
                desc_add(kd, (u32)((k / 4) * Pipe::atom_col_bytes + (k % 4) * 32)), k > 0);
     wgmma_commit();
-  }
-
-  // Scores to log2 units, masked: token columns at or past a row's limit become -inf (selected, never multiplied).
-  __device__ __forceinline__ void mask_scores(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2) const {
+    wgmma_wait<0>();
+    fence_regs(s);
     const int c0 = tok0 + g * kHalf + 2 * (lane & 3);
 #pragma unroll
     for (int j = 0; j < kHalf / 8; ++j) {
@@ -110,7 +109,7 @@ struct MLADecodeConsumer {
     }
   }
 
-  // Issues O[:, this warpgroup's 256 columns] += P V over the tile's BN tokens; P of the other half comes from the
+  // O[:, this warpgroup's 256 columns] += P V over the tile's BN tokens; P of the other half comes from the
   // other warpgroup through shared memory (word q of thread t at [g][q][t]: conflict-free).
   __device__ __forceinline__ void accumulate(const u32 (&p)[kPWords], int stage) {
     u32* pw = pwords();
@@ -131,6 +130,8 @@ struct MLADecodeConsumer {
       MmaO::rs(o, frag, desc_add(vd, (u32)(kk * 16 * kAtomRowBytes)), 1);
     }
     wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
   }
 
   __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles) {
@@ -141,34 +142,18 @@ struct MLADecodeConsumer {
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
     mbar_wait(pipe.q_full(), 0);
     fence_proxy_async();
-    float s[kSRegs];
-    u32 p[kPWords];
-    if (n_tiles > 0) {
-      mbar_wait(pipe.full(0), 0);
-      fence_proxy_async();
-      issue_scores(s, 0);
-    }
-    // Software pipelined: P V of tile it and S of tile it + 1 run back to back on the tensor cores; the wait at the
-    // top of the next iteration covers both (P V's registers p are not touched until then).
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
       const int stage = it % STAGES;
-      wgmma_wait<0>();
-      fence_regs(s);
-      fence_regs(o);
-      if (it > 0 && lane == 0) mbar_arrive(pipe.empty((it - 1) % STAGES));
-      mask_scores(s, w.begin + it * BN, lim0, lim1, a.scale_log2);
+      mbar_wait(pipe.full(stage), (it / STAGES) & 1);
+      fence_proxy_async();
+      float s[kSRegs];
+      scores(s, stage, w.begin + it * BN, lim0, lim1, a.scale_log2);
+      u32 p[kPWords];
       softmax(s, p);
       accumulate(p, stage);
-      if (it + 1 < n_tiles) {
-        const int next = (it + 1) % STAGES;
-        mbar_wait(pipe.full(next), ((it + 1) / STAGES) & 1);
-        fence_proxy_async();
-        issue_scores(s, next);
-      }
+      if (lane == 0) mbar_arrive(pipe.empty(stage));
     }
-    wgmma_wait<0>();
-    fence_regs(o);
     finish(a, w, r0);
   }
 
