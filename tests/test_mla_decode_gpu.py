@@ -54,14 +54,15 @@ def make_problem(rng, lens, s_q, heads, page_size, dtype="bfloat16", garbage=Tru
     return cache, cp.asarray(table), _to_dev(q, dtype), qv, vals, table
 
 
-def run_check(rng, lens, s_q, heads, page_size, dtype="bfloat16", sink=False, scale=None, atol=None, **cfg):
+def run_check(rng, lens, s_q, heads, page_size, dtype="bfloat16", sink=False, scale=None, atol=None, plan_kw=None,
+              **cfg):
     import cupy as cp
 
     from cukv.ops.mla_decode import BatchMLADecode
 
     cache, table, q, qv, vals, table_h = make_problem(rng, lens, s_q, heads, page_size, dtype)
     sk = rng.standard_normal(heads).astype(np.float32) if sink else None
-    dec = BatchMLADecode(heads, dtype, **cfg).plan(np.array(lens), s_q)
+    dec = BatchMLADecode(heads, dtype, **cfg).plan(np.array(lens), s_q, **(plan_kw or {}))
     out, lse = dec.run(q, cache, table, return_lse=True, sink=None if sk is None else cp.asarray(sk),
                        softmax_scale=scale)
     ro, rl = reference.mla_decode(qv, np.nan_to_num(vals), np.where(table_h < vals.shape[0], np.maximum(table_h, 0), 0),
@@ -103,6 +104,13 @@ def test_mla_decode_sink_scale_dtype(rng, dtype):
 @pytest.mark.parametrize("lens,s_q,heads", [([3000, 0, 33], 2, 16), ([700], 1, 128)])
 def test_mla_decode_other_tiles(rng, lens, s_q, heads):
     run_check(rng, lens, s_q, heads, 16, block_n=32, num_kv_stages=4, sink=True)
+
+
+def test_mla_decode_many_chunks(rng):
+    """One tile per chunk asked for: 40000 tokens would be 625 chunks, over the combine kernel's 512, so plan
+    doubles the chunk; every partial merges through the combine kernel."""
+    dec, *_ = run_check(rng, [40000, 100], 1, 16, 64, sink=True, plan_kw={"chunk_tiles": 1})
+    assert dec.chunk_tiles == 2
 
 
 @pytest.mark.slow

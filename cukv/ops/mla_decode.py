@@ -27,6 +27,7 @@ MAX_HEADS = 128
 # A block's fixed cost (query load, epilogue) in K tiles, for plan's schedule model: each block stages 72 KB
 # of query rows and writes its output before and after its tiles (an estimate; see docs/mla.md)
 ITEM_OVERHEAD_TILES = 1.5
+MAX_CHUNKS = 512  # chunks per (sequence, row block): the combine kernel's shared arrays (kMlaMaxChunks)
 
 
 def _float16_kind(a, declared, name: str) -> str:
@@ -58,7 +59,7 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
     tiles = [-(-int(n) // block_n) for n in lengths]
     total = row_blocks * sum(tiles)
     most = max(tiles + [1])
-    least = max(1, -(-total // (2 * num_sms)))  # at most 2 chunks per SM, plus one per row block
+    least = max(1, -(-total // (2 * num_sms)), -(-most // MAX_CHUNKS))  # <= 2 chunks per SM (+ 1 per row block)
     if chunk_tiles is None:
         cands = sorted({max(least, -(-most // k)) for k in range(1, most + 1) if -(-most // k) >= least} | {least, most})
         if len(cands) > 48:
@@ -72,7 +73,7 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
             if best is None or span < best[0] * 0.99 or (span <= best[0] * 1.01 and c > best[1]):
                 best = (min(span, best[0]) if best else span, c)
         chunk_tiles = best[1]
-    c = max(1, int(chunk_tiles))
+    c = max(1, int(chunk_tiles), -(-most // MAX_CHUNKS))
     items = []
     for b, t in enumerate(tiles):
         n_chunks = max(1, -(-t // c))
