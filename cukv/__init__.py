@@ -19,8 +19,12 @@ from .prefill_config import KVBufferConfig, PrefillConfig
 from .dequant import DequantConfig, dequantize_kv
 from .merge import MergeConfig, merge_states, merge_states_n
 from .errors import CompileError, CompileForbidden, CukvError, NoGPUError
+from .mla_cache import MLAKVCache, append_mla
+from .configs.mla_decode import MLADecodeConfig
+from .ops.mla_decode import BatchMLADecode, mla_decode
 
 __all__ = [
     "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",
     "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "DequantConfig", "dequantize_kv", "MergeConfig", "merge_states", "merge_states_n", "CompileError", "CompileForbidden", "CukvError", "NoGPUError",
+    "MLAKVCache", "append_mla", "MLADecodeConfig", "BatchMLADecode", "mla_decode",
 ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .append import AppendConfig
+from .configs.mla_decode import shipped as mla_decode_shipped
 from .decode import HEAD_DIMS, DecodeConfig
 from .merge import MergeConfig
 from .prefill_config import HEAD_DIMS as PREFILL_HEAD_DIMS
@@ -30,6 +31,10 @@ def shipped():
         for d in PREFILL_HEAD_DIMS:
             for ps in (16, 0):  # page 16 and contiguous K/V
                 out.append(prefill_default(dt, d, ps))
+    out.extend(mla_decode_shipped())
+    from .mla_cache import MLAAppendConfig
+
+    out.extend(MLAAppendConfig(dt, f8, p2) for dt in DTYPES for f8, p2 in ((False, False), (True, False), (True, True)))
     return out
 
 
