@@ -1,6 +1,6 @@
 // Absorbed MLA decode on Hopper: the parameters, the work item and the shared-memory plan.
 //
-// A block (one per SM, persistent) works through its list of work items; an item is 64 query rows (heads and the s_q new tokens folded together, row R = i * H + h)
+// A block owns one work item: 64 query rows (heads and the s_q new tokens folded together, row R = i * H + h)
 // of one sequence, against one chunk of its cached tokens. Warpgroup 0 produces: it stages the query block
 // once and streams K tiles of BN tokens x 576 values through a ring of shared-memory stages (cp.async,
 // completion on mbarriers). Warpgroups 1 and 2 consume: each computes S = Q K^T for half of the tile's tokens
@@ -28,10 +28,9 @@ struct MLADecodeParams {
   const int* block_table;
   const int* seq_lens;   // [B]
   const int* items;      // [capacity, 8]: batch, row block, first token, end token, partial slot (-1: direct)
-  const int* cta_indptr; // [grid + 1]: block x works through cta_items[cta_indptr[x] .. cta_indptr[x + 1]) ...
+  const int* num_items;  // device scalar: blocks past it return at once
   const int* rb_indptr;  // [B * row_blocks + 1]: the items of each (sequence, row block) ...
   const int* rb_slots;   // ... as partial slots, for the combine kernel
-  const int* cta_items;  // ... item indices, in order
   long long q_nope_stride[3], q_pe_stride[3];
   long long page_stride, row_stride, table_stride;  // bytes, bytes, elements
   int num_pages, page_size, table_width, batch;

@@ -134,19 +134,18 @@ struct MLADecodeConsumer {
     fence_regs(o);
   }
 
-  // Item j of this block; its tiles are the block's ring tiles first_tile .. first_tile + n_tiles - 1.
-  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int j, int first_tile) {
+  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles) {
     const int warp = t >> 5;
     const int r0 = warp * 16 + (lane >> 2);
     const int len = a.seq_lens[w.batch];
     const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
-    mbar_wait(pipe.q_full(), j & 1);
+    mbar_wait(pipe.q_full(), 0);
     fence_proxy_async();
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
-      const int g = first_tile + it, stage = g % STAGES;
-      mbar_wait(pipe.full(stage), (g / STAGES) & 1);
+      const int stage = it % STAGES;
+      mbar_wait(pipe.full(stage), (it / STAGES) & 1);
       fence_proxy_async();
       float s[kSRegs];
       scores(s, stage, w.begin + it * BN, lim0, lim1, a.scale_log2);
@@ -156,7 +155,6 @@ struct MLADecodeConsumer {
       if (lane == 0) mbar_arrive(pipe.empty(stage));
     }
     finish(a, w, r0);
-    if (lane == 0) mbar_arrive(pipe.q_empty());  // every wgmma reading this item's query block is done
   }
 
   // Both warpgroups' l -> the row's total; then the output (direct) or the float32 partial and its LSE.
@@ -169,7 +167,6 @@ struct MLADecodeConsumer {
     stats()[g * 128 + t] = make_float2(l[0], l[1]);
     named_barrier_sync<256>(1);
     const float2 other = stats()[(1 - g) * 128 + t];
-    named_barrier_sync<256>(2);  // both have read: the next item may write its row maxima there
     const float lt[2] = {l[0] + other.x, l[1] + other.y};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

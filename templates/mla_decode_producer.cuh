@@ -25,7 +25,7 @@ struct MLAKVProducerPipeline {
   static constexpr int half = BN / 2;                                          // tokens per consumer warpgroup
   static constexpr int p_bytes = 2 * 128 * (half / 4) * 4;                     // each thread's P words, both WGs
   static constexpr int stats_bytes = 2 * 128 * 8;                              // (m or l) x 2 rows per thread
-  static constexpr int barrier_bytes = (8 * (2 + 2 * num_kv_stages) + 63) / 64 * 64;
+  static constexpr int barrier_bytes = (8 * (1 + 2 * num_kv_stages) + 63) / 64 * 64;
   // offsets: the query block, the ring, then the exchange buffers and barriers (swizzled parts 1 KB aligned)
   static constexpr int q_offset = 0;
   static constexpr int ring_offset = q_offset + q_bytes;
@@ -36,7 +36,7 @@ struct MLAKVProducerPipeline {
   static_assert(sizeof(T) == 2, "16-bit tiles");
   static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
   static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
-  static_assert(8 * (2 + 2 * num_kv_stages) <= barrier_bytes, "barriers fit");
+  static_assert(8 * (1 + 2 * num_kv_stages) <= barrier_bytes, "barriers fit");
   static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
   u32 base;  // shared address of the dynamic shared memory (1 KB aligned)
@@ -44,13 +44,11 @@ struct MLAKVProducerPipeline {
   __device__ __forceinline__ u32 q() const { return base + q_offset; }
   __device__ __forceinline__ u32 stage(int s) const { return base + ring_offset + s * k_bytes; }
   __device__ __forceinline__ u32 q_full() const { return base + barrier_offset; }
-  __device__ __forceinline__ u32 q_empty() const { return base + barrier_offset + 8; }
-  __device__ __forceinline__ u32 full(int s) const { return base + barrier_offset + 16 + 8 * s; }
-  __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 16 + 8 * (num_kv_stages + s); }
+  __device__ __forceinline__ u32 full(int s) const { return base + barrier_offset + 8 + 8 * s; }
+  __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 8 + 8 * (num_kv_stages + s); }
 
   __device__ __forceinline__ void init_barriers() const {
     mbar_init(q_full(), 128);  // every producer thread arrives when its copies land
-    mbar_init(q_empty(), 8);   // lane 0 of each consumer warp, once the item's last wgmma is done
     for (int s = 0; s < num_kv_stages; ++s) {
       mbar_init(full(s), 128);
       mbar_init(empty(s), 8);  // lane 0 of each consumer warp, once its wgmmas on the stage are done
@@ -120,22 +118,20 @@ struct MLAKVProducerPipeline {
     mbar_arrive_cp_async(full(s));
   }
 
-  // Item j of this block (its tiles numbered from `first_tile` in the block's ring order): the query block, once
-  // the consumers are done with the previous one, then the tiles. Each tile's page lookups (a dependent load of
-  // the block table) are issued one tile ahead, so their latency hides behind the wait for a free stage.
-  __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int j, int first_tile, int warp,
-                          int lane) const {
+  // The query block, then the tiles through the ring. Each tile's page lookups (a dependent load of the block
+  // table) are issued one tile ahead, so their latency hides behind the wait for a free stage.
+  __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
     const char* next = n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;
-    if (j > 0) mbar_wait(q_empty(), (j - 1) & 1);
     load_q(a, w, warp, lane);
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
-      const int g = first_tile + it, s = g % num_kv_stages;
+      const int s = it % num_kv_stages;
       const char* cur = next;
       if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
-      if (g >= num_kv_stages) mbar_wait(empty(s), ((g / num_kv_stages) - 1) & 1);
+      if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
       load_tile(a, cur, s, warp, lane);
     }
+    cp_async_wait<0>();
   }
 };
 

@@ -28,7 +28,7 @@ def test_shipped_mla_compiles_without_spills(cfg):
 def test_config_domain(dtype, block_n, stages):
     valid = dtype != "float32" and block_n in (32, 64) and 2 <= stages <= 8
     if valid:
-        smem = 64 * 576 * 2 + stages * block_n * 576 * 2 + block_n * 128 + 2048 + (8 * (2 + 2 * stages) + 63) // 64 * 64
+        smem = 64 * 576 * 2 + stages * block_n * 576 * 2 + block_n * 128 + 2048 + (8 * (1 + 2 * stages) + 63) // 64 * 64
         valid = smem <= 227 * 1024
     if not valid:
         with pytest.raises(ValueError, match="MLADecodeConfig.(dtype|block_n|num_kv_stages)"):

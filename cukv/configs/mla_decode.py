@@ -25,7 +25,7 @@ PRODUCER_REGS, CONSUMER_REGS = 56, 224
 PARAMS = np.dtype([
     ("q_nope", "<u8"), ("q_pe", "<u8"), ("out", "<u8"), ("lse", "<u8"), ("part_o", "<u8"), ("part_lse", "<u8"),
     ("sink", "<u8"), ("cache", "<u8"), ("block_table", "<u8"), ("seq_lens", "<u8"), ("items", "<u8"),
-    ("cta_indptr", "<u8"), ("rb_indptr", "<u8"), ("rb_slots", "<u8"), ("cta_items", "<u8"),
+    ("num_items", "<u8"), ("rb_indptr", "<u8"), ("rb_slots", "<u8"),
     ("q_nope_stride", "<i8", (3,)), ("q_pe_stride", "<i8", (3,)),
     ("page_stride", "<i8"), ("row_stride", "<i8"), ("table_stride", "<i8"),
     ("num_pages", "<i4"), ("page_size", "<i4"), ("table_width", "<i4"), ("batch", "<i4"),
@@ -86,7 +86,7 @@ class MLADecodeConfig:
 
     @property
     def smem_bytes(self) -> int:
-        barriers = (8 * (2 + 2 * self.num_kv_stages) + 63) // 64 * 64
+        barriers = (8 * (1 + 2 * self.num_kv_stages) + 63) // 64 * 64
         return self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
 
     @property

@@ -6,10 +6,9 @@ those rows. ``q[B, s_q, H, 576]`` (or ``q_nope[..., 512]`` + ``q_pe[..., 64]``) 
 ``lse[B, s_q, H]`` (float32, natural log, without the sink). Query ``i`` of ``s_q`` sees keys
 ``< len - (s_q - 1 - i)``.
 
-:meth:`BatchMLADecode.plan` cuts every sequence into chunks of whole K tiles, choosing the chunk length whose
-greedy schedule over the SMs finishes first (uneven batches included), and deals the chunks, longest first,
-to one persistent block per SM; chunks of a split sequence write float32 partials that one combine kernel
-merges by LSE.
+:meth:`BatchMLADecode.plan` cuts every sequence into chunks of whole K tiles and orders the chunks longest
+first, choosing the chunk length whose greedy schedule over the SMs finishes first (uneven batches included);
+chunks of a split sequence write float32 partials that one combine kernel merges by LSE.
 """
 from __future__ import annotations
 
@@ -43,23 +42,11 @@ def _float16_kind(a, declared, name: str) -> str:
 
 
 def _makespan(costs: list[float], slots: int) -> float:
-    """Finish time of work of these costs dealt in order to ``slots`` SMs (each to the least loaded)."""
+    """Finish time of blocks of these costs launched in order onto ``slots`` SMs (each takes the next block)."""
     heap = [0.0] * min(slots, len(costs))
     for c in costs:
         heapq.heapreplace(heap, heap[0] + c)
     return max(heap) if heap else 0.0
-
-
-def assign_items(items, block_n: int, num_sms: int) -> list[list[int]]:
-    """Deal the work list (longest first) to ``num_sms`` persistent blocks, each item to the least loaded
-    block (cost: its tiles plus ``ITEM_OVERHEAD_TILES``): the schedule ``plan_items`` chose the chunk for."""
-    heap = [(0.0, i) for i in range(num_sms)]
-    out = [[] for _ in range(num_sms)]
-    for idx, (_, _, begin, end, _) in enumerate(items):
-        load, cta = heapq.heappop(heap)
-        out[cta].append(idx)
-        heapq.heappush(heap, (load + -(-(end - begin) // block_n) + ITEM_OVERHEAD_TILES, cta))
-    return out
 
 
 def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles: int | None = None):
@@ -157,8 +144,7 @@ class BatchMLADecode:
         if cap > self._cap or (b, s_q) != (getattr(self, "batch_size", None), getattr(self, "s_q", None)):
             self._cap = cap
             self._items = cp.zeros((cap, 8), cp.int32)
-            self._cta_indptr = cp.zeros((sms + 1,), cp.int32)
-            self._cta_items = cp.zeros((cap,), cp.int32)
+            self._num_items = cp.zeros((1,), cp.int32)
             self._rb_indptr = cp.zeros((b * nrb + 1,), cp.int32)
             self._rb_slots = cp.zeros((cap,), cp.int32)
             self._lens = cp.zeros((b,), cp.int32)
@@ -174,14 +160,7 @@ class BatchMLADecode:
         slots = np.zeros(self._cap, np.int32)
         slots[:indptr[-1]] = [i for x in per_rb for i in x]
         self._items.set(host)
-        per_cta = assign_items(items, self.config.block_n, sms)
-        cta_indptr = np.zeros(sms + 1, np.int32)
-        cta_indptr[1:] = np.cumsum([len(x) for x in per_cta])
-        cta_items = np.zeros(self._cap, np.int32)
-        cta_items[:cta_indptr[-1]] = [i for x in per_cta for i in x]
-        self._cta_indptr.set(cta_indptr)
-        self._cta_items.set(cta_items)
-        self._grid = sms
+        self._num_items.set(np.array([len(items)], np.int32))
         self._rb_indptr.set(indptr)
         self._rb_slots.set(slots)
         self._lens.set(lens.astype(np.int32))
@@ -288,15 +267,14 @@ class BatchMLADecode:
         rec["cache"], rec["page_stride"], rec["row_stride"] = cache.ptr, cache.page_stride, cache.row_stride
         rec["num_pages"], rec["page_size"] = cache.num_pages, cache.page_size
         rec["block_table"], rec["table_stride"], rec["table_width"] = bt.data.ptr, bt.strides[0] // 4, bt.shape[1]
-        rec["seq_lens"], rec["items"] = self._lens.data.ptr, self._items.data.ptr
-        rec["cta_indptr"], rec["cta_items"] = self._cta_indptr.data.ptr, self._cta_items.data.ptr
+        rec["seq_lens"], rec["items"], rec["num_items"] = self._lens.data.ptr, self._items.data.ptr, self._num_items.data.ptr
         rec["rb_indptr"], rec["rb_slots"] = self._rb_indptr.data.ptr, self._rb_slots.data.ptr
         rec["batch"], rec["s_q"], rec["heads"], rec["rows"] = b, s_q, h, s_q * h
         rec["row_blocks"], rec["scale_log2"] = self.row_blocks, scale * math.log2(math.e)
         raw = rec.tobytes()
         arg = np.frombuffer(raw, dtype=np.dtype((np.void, len(raw))))[0]
         with (stream or cp.cuda.get_current_stream()):
-            self._fn((self._grid,), (self.config.num_threads,), (arg,), shared_mem=self.config.smem_bytes)
+            self._fn((self._cap,), (self.config.num_threads,), (arg,), shared_mem=self.config.smem_bytes)
             self._combine((s_q * h, b), (128,), (arg,))
         return (out, lse) if return_lse else out
 
