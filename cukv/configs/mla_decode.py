@@ -39,9 +39,10 @@ class MLADecodeConfig:
 
     #: query, output and 16-bit cache element type
     dtype: str = "bfloat16"
-    #: tokens per K tile (each consumer warpgroup scores half of them)
+    #: tokens per K tile (each consumer warpgroup scores half of them); 64 with 2 stages is the default (H200:
+    #: block_n 32 with 4 stages was 11-40% slower on every bench shape, docs/mla.md "Performance")
     block_n: int = 64
-    #: K tiles in flight in the shared-memory ring
+    #: K tiles in flight in the shared-memory ring (2 is all that fits beside the query block at block_n 64)
     num_kv_stages: int = 2
 
     def __post_init__(self):

@@ -24,8 +24,8 @@ from ..mla_cache import MLAKVCache, check_device_array, check_int
 
 MAX_S_Q = 8
 MAX_HEADS = 128
-# A block's fixed cost (query load, epilogue) in K tiles, for plan's schedule model: each block stages 72 KB
-# of query rows and writes its output before and after its tiles (an estimate; see docs/mla.md)
+# A block's fixed cost (query load, ring fill, epilogue) in K tiles, for plan's schedule model: an estimate;
+# the H200 timings in docs/mla.md ("Performance") suggest several tiles, which this model does not yet use
 ITEM_OVERHEAD_TILES = 1.5
 MAX_CHUNKS = 512  # chunks per (sequence, row block): the combine kernel's shared arrays (kMlaMaxChunks)
 
