@@ -10,9 +10,9 @@
 
 namespace cukv {
 
-template <typename T, int BN, int STAGES>
+template <typename T, int BN, int STAGES, bool FP8 = false>
 struct MLADecodeConsumer {
-  typedef MLAKVProducerPipeline<T, BN, STAGES> Pipe;
+  typedef MLAKVProducerPipeline<T, BN, STAGES, FP8> Pipe;
   static constexpr int kHalf = Pipe::half;
   static constexpr int kSRegs = kHalf / 2, kPWords = kHalf / 4, kORegs = 128;
   static constexpr int kQSteps = kMlaDim / 16;  // k16 steps of S = Q K^T

@@ -5,13 +5,25 @@
 // first 512 columns of the same rows (v_bytes aliases k_nope_bytes). The query block sits in the same layout
 // (64 rows). Rows past the item's end, and rows whose page id lies outside the cache or the table, are
 // zero-filled and never read, so nothing the cache holds there (NaN included) reaches the mma.
+//
+// FP8 caches (FP8 = true; 656-byte rows: 512 e4m3 codes, 4 float32 scales, 64 bf16 rope values) fill the same
+// bf16 tiles: each lane loads 16 codes and their scale of 8 rows at a time into registers, dequantizes them
+// (e4m3 -> f16 is exact; the product with the scale is rounded once to bf16, exactly when the scale is a power of
+// two) and stores them; the rope values are copied as they are with cp.async.
 #pragma once
 #include "mla_decode.cuh"
+#include "fp8.cuh"
 
 namespace cukv {
 
-template <typename T, int BN_, int STAGES_>
+__device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+template <typename T, int BN_, int STAGES_, bool FP8_ = false>
 struct MLAKVProducerPipeline {
+  static constexpr bool fp8 = FP8_;
+  static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
   static constexpr int k_nope_elements = BN * kMlaNope, k_rope_elements = BN * kMlaRope;
   static constexpr int k_nope_bytes = k_nope_elements * (int)sizeof(T);
@@ -34,6 +46,7 @@ struct MLAKVProducerPipeline {
   static constexpr int barrier_offset = stats_offset + stats_bytes;
   static constexpr int smem_bytes = barrier_offset + barrier_bytes;
   static_assert(sizeof(T) == 2, "16-bit tiles");
+  static_assert(!FP8_ || sizeof(T) == 2, "FP8 rows dequantize into 16-bit tiles");
   static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
   static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
   static_assert(8 * (1 + 2 * num_kv_stages) <= barrier_bytes, "barriers fit");
@@ -50,7 +63,7 @@ struct MLAKVProducerPipeline {
   __device__ __forceinline__ void init_barriers() const {
     mbar_init(q_full(), 128);  // every producer thread arrives when its copies land
     for (int s = 0; s < num_kv_stages; ++s) {
-      mbar_init(full(s), 128);
+      mbar_init(full(s), FP8_ ? 256 : 128);  // FP8: each producer thread arrives for its stores and its copies
       mbar_init(empty(s), 8);  // lane 0 of each consumer warp, once its wgmmas on the stage are done
     }
   }
@@ -118,6 +131,42 @@ struct MLAKVProducerPipeline {
     mbar_arrive_cp_async(full(s));
   }
 
+  // An FP8 tile into stage s: lane l of warp w dequantizes codes 16l .. 16l + 15 (scale l / 8) of its warp's rows,
+  // 8 rows in flight; lanes 0-7 copy the rope chunk l of each row. Rows read as zeros store zeros.
+  __device__ __forceinline__ void load_tile_fp8(const MLADecodeParams& a, const char* mine, int s, int warp,
+                                                int lane) const {
+    constexpr int kRowsPerWarp = BN / 4, kBatch = 8;
+    static_assert(kRowsPerWarp % kBatch == 0, "rows per warp in batches of 8");
+    const u32 dst = stage(s);
+#pragma unroll 1
+    for (int r0 = 0; r0 < kRowsPerWarp; r0 += kBatch) {
+      uint4 codes[kBatch];
+      float scale[kBatch];
+      bool ok[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
+        ok[i] = src != nullptr;
+        const int r = warp * kRowsPerWarp + r0 + i;
+        codes[i] = ok[i] ? ldg_stream16(src + 16 * lane) : make_uint4(0u, 0u, 0u, 0u);
+        scale[i] = ok[i] ? __ldg(reinterpret_cast<const float*>(src + kMlaNope) + lane / 8) : 0.f;
+        if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), ok[i] ? src + 528 + 16 * lane : a.cache,
+                                 ok[i] ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int r = warp * kRowsPerWarp + r0 + i;
+        const uint4 lo = ok[i] ? dequant8<T>(make_uint2(codes[i].x, codes[i].y), scale[i]) : make_uint4(0u, 0u, 0u, 0u);
+        const uint4 hi = ok[i] ? dequant8<T>(make_uint2(codes[i].z, codes[i].w), scale[i]) : make_uint4(0u, 0u, 0u, 0u);
+        st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes), lo);
+        st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes), hi);
+      }
+    }
+    fence_proxy_async();  // the generic-proxy stores -> the consumers' wgmma reads
+    mbar_arrive(full(s));
+    mbar_arrive_cp_async(full(s));
+  }
+
   // The query block, then the tiles through the ring. Each tile's page lookups (a dependent load of the block
   // table) are issued one tile ahead, so their latency hides behind the wait for a free stage.
   __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
@@ -129,7 +178,10 @@ struct MLAKVProducerPipeline {
       const char* cur = next;
       if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
       if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
-      load_tile(a, cur, s, warp, lane);
+      if constexpr (FP8_)
+        load_tile_fp8(a, cur, s, warp, lane);
+      else
+        load_tile(a, cur, s, warp, lane);
     }
     cp_async_wait<0>();
   }

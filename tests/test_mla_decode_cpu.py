@@ -40,6 +40,15 @@ def test_config_domain(dtype, block_n, stages):
     assert f"static_assert(Pipe::smem_bytes == {cfg.smem_bytes}" in cfg.render()
 
 
+def test_fp8_config_rules():
+    with pytest.raises(ValueError, match="MLADecodeConfig.kv_dtype"):
+        MLADecodeConfig("float16", kv_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="MLADecodeConfig.kv_dtype"):
+        MLADecodeConfig(kv_dtype="int8")
+    cfg = MLADecodeConfig(kv_dtype="fp8_e4m3")
+    assert cfg.row_bytes == 656 and "static_assert(Pipe::row_bytes == 656" in cfg.render()
+
+
 def test_config_static_asserts_compile_for_other_shapes():
     cfg = MLADecodeConfig("bfloat16", 32, 4)
     r = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH).functions[cfg.name]

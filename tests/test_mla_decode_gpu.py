@@ -125,6 +125,54 @@ def test_mla_decode_full_grid(rng, b, s_q, ctx, heads):
     run_check(rng, lens, s_q, heads, int(rng.choice([1, 16, 64, 48])), sink=bool(rng.integers(2)))
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_mla_decode_fp8_cache(rng, pow2):
+    """FP8 rows written by append_mla: tight against the reference on the dequantized cache (the tiles hold
+    bf16(e4m3 * scale), exact for power-of-two scales), loose against the unquantized tokens."""
+    import cupy as cp
+
+    from cukv.mla_cache import MLAKVCache, append_mla
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    lens, s_q, heads, ps = [3000, 0, 77, 640], 2, 16, 16
+    need = [-(-n // ps) for n in lens]
+    num_pages = sum(need) + 2
+    perm = rng.permutation(num_pages)
+    table = np.full((len(lens), max(need) + 1), -1, np.int32)
+    cache = MLAKVCache(num_pages, ps, "fp8_e4m3", fill="nan")
+    k, rows_all = 0, []
+    for i, n in enumerate(lens):
+        table[i, :need[i]] = perm[k:k + need[i]]
+        k += need[i]
+        rows = rng.standard_normal((n, 576)).astype(np.float32)
+        rows_all.append(rows)
+        if n:
+            pos = np.arange(n)
+            slots = table[i, pos // ps].astype(np.int64) * ps + pos % ps
+            append_mla(cache, _to_dev(rows[:, :512], "bfloat16"), _to_dev(rows[:, 512:], "bfloat16"),
+                       cp.asarray(slots), pow2_scales=pow2)
+    q = rng.standard_normal((len(lens), s_q, heads, 576)).astype(np.float32)
+    qd = _to_dev(q, "bfloat16")
+    dec = BatchMLADecode(heads, kv_dtype="fp8_e4m3").plan(lens, s_q)
+    out, lse = dec.run(qd, cache, cp.asarray(table), return_lse=True)
+    o = _to_host(out, "bfloat16")
+    deq = reference.mla_dequantize_fp8(cache.data.get())
+    deq = _to_host(_to_dev(deq, "bfloat16"), "bfloat16")  # the kernel's tiles are bf16
+    tab = np.maximum(table, 0)
+    qv = _to_host(qd, "bfloat16")
+    ro, rl = reference.mla_decode(qv, np.nan_to_num(deq), tab, lens)
+    np.testing.assert_allclose(o, ro, atol=2e-2, rtol=2e-2)
+    fin = np.isfinite(rl)
+    np.testing.assert_allclose(lse.get()[fin], rl[fin], atol=2e-3, rtol=1e-4)
+    assert np.array_equal(np.isinf(lse.get()), np.isinf(rl))
+    exact = np.zeros((num_pages, ps, 576))
+    for i, n in enumerate(lens):
+        for t in range(n):
+            exact[table[i, t // ps], t % ps] = _to_host(_to_dev(rows_all[i][t], "bfloat16"), "bfloat16")
+    ro2, _ = reference.mla_decode(qv, exact, tab, lens)
+    np.testing.assert_allclose(o, ro2, atol=0.15, rtol=0.15)
+
+
 def test_mla_decode_q_split_and_repeat(rng):
     """q_nope + q_pe give the same bits as q; repeated runs are bit-identical."""
     import cupy as cp

@@ -18,8 +18,10 @@ BLOCK_M = 64              # query rows per block (one wgmma M); heads x s_q fold
 SMEM_LIMIT = 227 * 1024   # Hopper's opt-in dynamic shared memory per block
 BLOCK_NS = (32, 64)
 # register split: the producer only forms addresses (56 like prefill's); the consumers get the rest of
-# 3 x 168 (the 384-thread launch allocation) for O's 128 accumulators beside S and P
+# 3 x 168 (the 384-thread launch allocation) for O's 128 accumulators beside S and P. An FP8 producer holds
+# 8 rows of codes and scales (96); the consumers then get 200 (they use 168 in the 16-bit kernel).
 PRODUCER_REGS, CONSUMER_REGS = 56, 224
+FP8_PRODUCER_REGS, FP8_CONSUMER_REGS = 96, 200
 
 # the kernel's by-value argument: templates/mla_decode.cuh MLADecodeParams
 PARAMS = np.dtype([
@@ -44,12 +46,17 @@ class MLADecodeConfig:
     block_n: int = 64
     #: K tiles in flight in the shared-memory ring (2 is all that fits beside the query block at block_n 64)
     num_kv_stages: int = 2
+    #: cache rows: None (16-bit, ``dtype``) or 'fp8_e4m3' (656-byte rows dequantized into bf16 tiles)
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         c = "MLADecodeConfig"
         check_in(c, "dtype", self.dtype, tuple(CTYPES))
         check_in(c, "block_n", self.block_n, BLOCK_NS)
         check_range(c, "num_kv_stages", self.num_kv_stages, 2, 8)
+        check_in(c, "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
+        check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
+                   "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
                    f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
                    f"at most {SMEM_LIMIT} (227 KB) fit")
@@ -91,19 +98,27 @@ class MLADecodeConfig:
         return self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
 
     @property
+    def row_bytes(self) -> int:
+        """One cache row in global memory."""
+        return 656 if self.kv_dtype else DIM * self.itemsize
+
+    @property
     def num_threads(self) -> int:
         return 384
 
     @property
     def name(self) -> str:
-        return f"cukv_mla_decode_{SHORT[self.dtype]}_n{self.block_n}_s{self.num_kv_stages}"
+        kv = "_e4m3" if self.kv_dtype else ""
+        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}"
 
     def render(self) -> str:
         return compiler.render(
             "mla_decode.cu.j2", name=self.name, ctype=CTYPES[self.dtype], block_n=self.block_n,
             num_kv_stages=self.num_kv_stages, k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes,
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
-            args_bytes=PARAMS.itemsize, producer_regs=PRODUCER_REGS, consumer_regs=CONSUMER_REGS)
+            args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
+            producer_regs=FP8_PRODUCER_REGS if self.kv_dtype else PRODUCER_REGS,
+            consumer_regs=FP8_CONSUMER_REGS if self.kv_dtype else CONSUMER_REGS)
 
     @cached_property
     def compiled(self) -> compiler.CompiledModule:
@@ -112,4 +127,4 @@ class MLADecodeConfig:
 
 def shipped() -> list[MLADecodeConfig]:
     """The MLA decode specializations compiled ahead of time."""
-    return [MLADecodeConfig(dt) for dt in ("bfloat16", "float16")]
+    return [MLADecodeConfig(dt) for dt in ("bfloat16", "float16")] + [MLADecodeConfig(kv_dtype="fp8_e4m3")]

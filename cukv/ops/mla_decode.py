@@ -94,7 +94,10 @@ class BatchMLADecode:
     num_heads : int
         Query heads, 1..128 (heads and the ``s_q`` new tokens fold into 64-row blocks).
     dtype : {'bfloat16', 'float16'}
-        Query, output and cache element type.
+        Query, output and (16-bit) cache element type.
+    kv_dtype : {None, 'fp8_e4m3'}
+        None for a 16-bit cache of ``dtype``; 'fp8_e4m3' for 656-byte FP8 rows (``dtype`` must be bfloat16), which
+        the producer dequantizes into bf16 tiles in shared memory (docs/mla.md, "FP8"). Not yet run on a GPU.
     block_n, num_kv_stages : int
         Tile length (32 or 64 tokens) and ring depth (see :class:`~cukv.configs.mla_decode.MLADecodeConfig`).
 
@@ -108,11 +111,17 @@ class BatchMLADecode:
     >>> out, lse = dec.run(q.astype(cp.uint16), cache, table, return_lse=True)       # [2, 1, 16, 512], [2, 1, 16]
     """
 
-    def __init__(self, num_heads: int, dtype="bfloat16", *, block_n: int = 64, num_kv_stages: int = 2):
-        from ..arrays import canonical_dtype
+    def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int = 64, num_kv_stages: int = 2):
+        from ..arrays import canonical_dtype, canonical_kv_dtype
 
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
-        self.config = MLADecodeConfig(canonical_dtype(dtype), block_n, num_kv_stages)
+        dt = canonical_dtype(dtype)
+        kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
+        if kvd not in (None, "fp8_e4m3"):
+            if kvd != dt:
+                raise TypeError(f"kv_dtype={kv_dtype!r} with dtype={dtype!r}: a 16-bit cache must match the query dtype")
+            kvd = None
+        self.config = MLADecodeConfig(dt, block_n, num_kv_stages, kvd)
         self.dtype = self.config.dtype
         self._planned = False
         self._cap = 0
@@ -221,10 +230,10 @@ class BatchMLADecode:
             raise RuntimeError("call plan(seq_lens, s_q) before run()")
         if not isinstance(cache, MLAKVCache):
             raise TypeError(f"cache must be an MLAKVCache; got {type(cache).__name__}")
-        if cache.quantized:
-            raise ValueError("cache is FP8 (656-byte rows); BatchMLADecode reads 16-bit caches "
-                             "(use cache.dequantize() into a 16-bit MLAKVCache)")
-        if cache.dtype != self.dtype:
+        if cache.quantized != (self.config.kv_dtype is not None):
+            raise TypeError(f"cache holds {cache.dtype} rows; this BatchMLADecode was built for "
+                            f"{self.config.kv_dtype or self.dtype} (pass kv_dtype='fp8_e4m3' for FP8 rows)")
+        if not cache.quantized and cache.dtype != self.dtype:
             raise TypeError(f"cache holds {cache.dtype}; this BatchMLADecode was built for {self.dtype}")
         qs, like = self._queries(q, q_nope, q_pe)
         b, s_q, h = self.batch_size, self.s_q, self.num_heads
@@ -285,5 +294,5 @@ def mla_decode(q, cache: MLAKVCache, block_table, seq_lens, **kwargs):
     if qa.ndim != 4:
         raise ValueError(f"q has shape {tuple(qa.shape)}; expected [B, s_q, H, 576]")
     dt = qd or ("bfloat16" if str(qa.dtype) == "uint16" else str(qa.dtype))
-    dec = BatchMLADecode(qa.shape[2], dt).plan(seq_lens, qa.shape[1])
+    dec = BatchMLADecode(qa.shape[2], dt, kv_dtype="fp8_e4m3" if cache.quantized else None).plan(seq_lens, qa.shape[1])
     return dec.run(q, cache, block_table, **kwargs)
