@@ -102,7 +102,8 @@ def _bench(args) -> int:
         from .bench.mla_decode import run as run_mla
 
         cfgs = tuple(tuple(int(v) for v in c.split("x")) for c in args.mla_configs.split(","))
-        run_mla(out_dir=args.out, quick=args.quick, configs=cfgs, **({"reps": args.reps} if args.reps else {}))
+        run_mla(out_dir=args.out, quick=args.quick, configs=cfgs, fp8=args.kv_dtype == "fp8_e4m3",
+                **({"reps": args.reps} if args.reps else {}))
         return 0
     if args.what == "prefill":
         from .bench.prefill import check_kv_dtype

@@ -67,8 +67,21 @@ def _problem(batch, heads, s_q, lens, seed=0):
     return cache, cp.asarray(table), q
 
 
+def _fp8_copy(cache):
+    """The same rows as an FP8 cache (656-byte rows, FlashMLA-style power-of-two scales), same page ids."""
+    import cupy as cp
+
+    from ..mla_cache import MLAKVCache, append_mla
+
+    fp8 = MLAKVCache(cache.num_pages, PAGE, "fp8_e4m3")
+    rows = cache.data.reshape(-1, 576)
+    append_mla(fp8, rows[:, :512], rows[:, 512:], cp.arange(rows.shape[0], dtype=cp.int64), pow2_scales=True,
+               dtype="bfloat16")
+    return fp8
+
+
 def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: bool = True,
-        configs=((64, 2),)) -> dict:
+        configs=((64, 2),), fp8: bool = False) -> dict:
     """Time every shape; ``configs`` lists (block_n, num_kv_stages) pairs of cukv to time (the first is the
     default one the ratios use; the others are reported as ``cukv_n{BN}s{S}``)."""
     import cupy as cp
@@ -91,6 +104,10 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
         fns = {"cukv": lambda: dec.run(q, cache, table, out=out, lse=lse)}
         for (bn, st), d in zip(configs[1:], decs[1:]):
             fns[f"cukv_n{bn}s{st}"] = lambda d=d: d.run(q, cache, table, out=out, lse=lse)
+        if fp8:  # opt-in: the FP8 path's timing beside bf16 (reported as cukv_fp8, and its ratio to cukv bf16)
+            fcache = _fp8_copy(cache)
+            fdec = BatchMLADecode(heads, kv_dtype="fp8_e4m3").plan(lens, s_q)
+            fns["cukv_fp8"] = lambda: fdec.run(q, fcache, table, out=out, lse=lse)
         err = None
         if fm is not None:
             kc = torch.from_dlpack(cache.data).view(torch.bfloat16).view(cache.num_pages, PAGE, 1, 576)
@@ -118,9 +135,12 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
             r[f"{k}_pct_ceiling"] = 100.0 * r[f"{k}_tbs"] / ceiling
         if "flashmla_ms" in r:
             r["flashmla_over_cukv"] = r["flashmla_ms"] / r["cukv_ms"]
+        if "cukv_fp8_ms" in r:
+            r["cukv_bf16_over_fp8"] = r["cukv_ms"] / r["cukv_fp8_ms"]
         rows.append(r)
         print(_fmt(r), flush=True)
         del cache, table, q, out, lse, dec, decs
+        fcache = fdec = None
         cp.get_default_memory_pool().free_all_blocks()
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
               "flashmla": why or "imported", "rows": rows}
@@ -142,8 +162,10 @@ def _fmt(r) -> str:
         s += f" | FlashMLA {r['flashmla_ms']:8.3f} ms {r['flashmla_tflops']:6.1f} TF/s {r['flashmla_tbs']:5.2f} TB/s" \
              f" | FlashMLA/cukv {r['flashmla_over_cukv']:.3f}"
     for k in r:
-        if k.startswith("cukv_n") and k.endswith("_ms"):
+        if (k.startswith("cukv_n") or k == "cukv_fp8_ms") and k.endswith("_ms"):
             s += f" | {k[:-3]} {r[k]:8.3f} ms"
+    if "cukv_bf16_over_fp8" in r:
+        s += f" (bf16/fp8 {r['cukv_bf16_over_fp8']:.2f})"
     if r.get("max_abs_diff_vs_flashmla") is not None:
         s += f" | diff {r['max_abs_diff_vs_flashmla']:.1e}"
     return s
