@@ -104,11 +104,12 @@ class BatchMLADecode:
     Examples
     --------
     >>> import cupy as cp, numpy as np, cukv                                        # doctest: +SKIP
+    >>> from cukv.dtypes import bf16_bits
     >>> cache = cukv.MLAKVCache(num_pages=64, page_size=64, dtype="bfloat16", fill="zeros")
     >>> table = cp.arange(64, dtype=cp.int32).reshape(2, 32)
     >>> dec = cukv.BatchMLADecode(num_heads=16).plan([1000, 37], s_q=1)
-    >>> q = cp.random.randn(2, 1, 16, 576).astype(cp.float32).view(cp.uint32) >> 16   # bf16 bits ...
-    >>> out, lse = dec.run(q.astype(cp.uint16), cache, table, return_lse=True)       # [2, 1, 16, 512], [2, 1, 16]
+    >>> q = cp.asarray(bf16_bits(np.random.randn(2, 1, 16, 576)))              # bf16 bits (CuPy has no bf16)
+    >>> out, lse = dec.run(q, cache, table, return_lse=True)                    # [2, 1, 16, 512], [2, 1, 16]
     """
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int = 64, num_kv_stages: int = 2):
