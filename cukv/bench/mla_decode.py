@@ -4,7 +4,6 @@ events, medians. FLOPs = ``2 B H s_q ctx (576 + 512)``; bytes = cache rows read 
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
@@ -139,8 +138,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
             r["cukv_bf16_over_fp8"] = r["cukv_ms"] / r["cukv_fp8_ms"]
         rows.append(r)
         print(_fmt(r), flush=True)
-        del cache, table, q, out, lse, dec, decs
-        fcache = fdec = None
+        fns = cache = table = q = out = lse = dec = decs = fcache = fdec = None  # free this shape's buffers
         cp.get_default_memory_pool().free_all_blocks()
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
               "flashmla": why or "imported", "rows": rows}
