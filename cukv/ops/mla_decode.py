@@ -24,9 +24,10 @@ from ..mla_cache import MLAKVCache, check_device_array, check_int
 
 MAX_S_Q = 8
 MAX_HEADS = 128
-# A block's fixed cost (query load, ring fill, epilogue) in K tiles, for plan's schedule model: an estimate;
-# the H200 timings in docs/mla.md ("Performance") suggest several tiles, which this model does not yet use
-ITEM_OVERHEAD_TILES = 1.5
+# A block's fixed cost (query load, ring fill, epilogue, its share of the combine) in K tiles, for plan's
+# schedule model: fitted to two H200 timings (docs/mla.md "Plan model"): 8-tile chunks of b1 h128 ctx 32768
+# took 50 us and the skewed batch cut into 18-tile chunks 148 us, against 2.66 us per tile in steady state.
+ITEM_OVERHEAD_TILES = 8.0
 MAX_CHUNKS = 512  # chunks per (sequence, row block): the combine kernel's shared arrays (kMlaMaxChunks)
 
 
