@@ -27,8 +27,12 @@ from .ops.decode import BatchDecode, decode
 from .ops.dequant import dequantize_kv
 from .ops.merge import merge_states, merge_states_n
 from .ops.prefill import BatchPrefill, prefill
+from .mla_cache import MLAKVCache, append_mla
+from .configs.mla_decode import MLADecodeConfig
+from .ops.mla_decode import BatchMLADecode, mla_decode
 
 __all__ = [
     "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",
     "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "DequantConfig", "dequantize_kv", "MergeConfig", "merge_states", "merge_states_n", "CompileError", "CompileForbidden", "CukvError", "NoGPUError", "NotPlannedError",
+    "MLAKVCache", "append_mla", "MLADecodeConfig", "BatchMLADecode", "mla_decode",
 ]

@@ -105,6 +105,14 @@ def _granularity(text: str):
 def _bench(args) -> int:
     from .device import require_gpu
 
+    if args.what == "mla-decode":
+        require_gpu("cukv bench")
+        from .bench.mla_decode import run as run_mla
+
+        cfgs = tuple(tuple(int(v) for v in c.split("x")) for c in args.mla_configs.split(","))
+        run_mla(out_dir=args.out, quick=args.quick, configs=cfgs, fp8=args.kv_dtype == "fp8_e4m3",
+                **({"reps": args.reps} if args.reps else {}))
+        return 0
     if args.what == "prefill":
         from .bench.prefill import check_kv_dtype
 
@@ -232,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--filter", default=None, help="only names containing this")
     c.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
     b = sub.add_parser("bench", help="side-by-side timings against PyTorch SDPA")
-    b.add_argument("what", choices=["decode", "prefill"])
+    b.add_argument("what", choices=["decode", "prefill", "mla-decode"])
     b.add_argument("--out", default=os.environ.get("OUT"), help="directory for JSON and PNG")
     b.add_argument("--quick", action="store_true",
                    help="decode: four cells instead of the full grid; prefill: two shapes, fewer repetitions")
@@ -241,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv-dtype", default="bfloat16",
                    help="fp8_e4m3: also time an FP8 cache beside bf16 on every shape")
     b.add_argument("--scale-granularity", default="token", help="FP8 scales: token, tensor, 32, 64 or 128")
+    b.add_argument("--mla-configs", default="64x2", help="mla-decode: block_n x num_kv_stages pairs to time, "
+                   "comma-separated; the first is the one compared with FlashMLA")
     a = sub.add_parser("autotune", help="time prefill tile shapes on this GPU and keep the fastest (opt-in)",
                        description="prefill: time candidate (BM, BN, BK, stages) around the default on a causal "
                        "prefill, check each against the default's output, store the fastest next to the compile "

@@ -242,3 +242,113 @@ def prefill(q, q_offsets, k, v, *kv_layout, **kw):
         return prefill_paged(q, q_offsets, k, v, *kv_layout, **kw)
     raise TypeError("prefill takes (q, q_offsets, k, v, kv_offsets) or "
                     "(q, q_offsets, k_pages, v_pages, block_table, kv_lengths)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MLA (absorbed form): one shared 576-wide KV row per token, 512 latent ("nope") + 64 rope; V = the first 512.
+
+MLA_NOPE, MLA_ROPE, MLA_DIM = 512, 64, 576
+MLA_FP8_ROW_BYTES = 656  # 512 e4m3 codes, 4 float32 scales (one per 128 latent values), 64 bf16 rope values
+
+
+def mla_decode(q, pages, block_table, seq_lens, *, softmax_scale=None, sink=None):
+    """Absorbed MLA decode. ``q[B, s_q, H, 576]``, ``pages[num_pages, page_size, 576]`` (float values: a
+    16-bit cache, or an FP8 cache after :func:`mla_dequantize_fp8`), ``block_table[B, max_pages]``,
+    ``seq_lens[B]`` (tokens in the cache, the new ones included). Query ``i`` of ``s_q`` sees keys
+    ``< len - (s_q - 1 - i)`` (bottom-right causal). Returns ``out[B, s_q, H, 512]`` and ``lse[B, s_q, H]``
+    (natural log, without the sink); a query with no visible key gives 0 and -inf."""
+    q = np.asarray(q, np.float64)
+    pages = np.asarray(pages, np.float64)
+    b, s_q, h, d = q.shape
+    scale = 1.0 / np.sqrt(MLA_DIM) if softmax_scale is None else float(softmax_scale)
+    out = np.zeros((b, s_q, h, MLA_NOPE))
+    lse = np.full((b, s_q, h), -np.inf)
+    ps = pages.shape[1]
+    for i in range(b):
+        n = int(seq_lens[i])
+        if n <= 0:
+            continue
+        pos = np.arange(n)
+        rows = pages[np.asarray(block_table[i])[pos // ps], pos % ps]  # [n, 576]
+        s = np.einsum("thd,nd->thn", q[i], rows) * scale
+        vis = pos[None, :] < (n - (s_q - 1 - np.arange(s_q)))[:, None]  # [s_q, n]
+        s = np.where(vis[:, None, :], s, -np.inf)
+        m = s.max(-1, keepdims=True)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.where(vis[:, None, :], np.exp(s - m_safe), 0.0)
+        den = p.sum(-1, keepdims=True)
+        lse[i] = np.where(den[..., 0] > 0, np.log(np.where(den[..., 0] > 0, den[..., 0], 1.0)) + m_safe[..., 0],
+                          -np.inf)
+        if sink is not None:
+            den = den + np.exp(np.asarray(sink, np.float64)[None, :, None] - m_safe)
+        out[i] = np.einsum("thn,nd->thd", p / np.where(den > 0, den, 1.0), rows[:, :MLA_NOPE])
+    return out, lse
+
+
+def _e4m3_round(x):
+    """float32 -> nearest e4m3 value (ties to even, saturating to +-448) as float64."""
+    x = np.asarray(x, np.float32).astype(np.float64)
+    a = np.abs(x)
+    _, e = np.frexp(np.where(a > 0, a, 1.0))
+    spacing = np.exp2(np.maximum(e - 1, -6) - 3.0)
+    return np.copysign(np.minimum(np.round(a / spacing) * spacing, 448.0), x)
+
+
+def _e4m3_values():
+    c = np.arange(256)
+    exp, man = (c >> 3) & 0xF, c & 7
+    v = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
+    v = np.where(c & 0x80, -v, v)
+    v[(c & 0x7F) == 0x7F] = np.nan
+    return v
+
+
+def _e4m3_encode(v):
+    table = _e4m3_values()
+    pos = table[:0x7F]
+    code = np.searchsorted(pos, np.abs(v)).astype(np.uint8)
+    return (code | np.where(np.signbit(v), np.uint8(0x80), np.uint8(0))).astype(np.uint8)
+
+
+def _bf16_bits(x):
+    """float32 -> bf16 bit patterns, round to nearest even (NaN kept quiet)."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(np.asarray(x, np.float32)), np.uint16(0x7FC0), r)
+
+
+def mla_quantize_fp8(kv_c, k_pe, *, pow2_scales=False, scale_floor=2.0 ** -32):
+    """The FP8 MLA row quantizer the append kernel implements bit for bit: ``kv_c[T, 512]``, ``k_pe[T, 64]``
+    (read as float32) -> ``uint8[T, 656]``. Per 128 latent values ``scale = max(amax, 448 * floor) / 448``
+    (float32); with ``pow2_scales`` the scale is rounded up to a power of two (FlashMLA's quantizer:
+    ``2^ceil(log2(amax / 448))``). Codes are ``e4m3_rn_satfinite(x / scale)`` (float32 division); the rope
+    part is stored as bf16 (round to nearest even)."""
+    x = np.asarray(kv_c, np.float32)
+    t = x.shape[0]
+    g = x.reshape(t, 4, 128)
+    amax = np.abs(g).max(-1)
+    scale = (np.maximum(amax, np.float32(448.0 * scale_floor)) / np.float32(448.0)).astype(np.float32)
+    if pow2_scales:
+        m, e = np.frexp(scale.astype(np.float64))  # scale = m * 2^e, m in [0.5, 1)
+        scale = np.where(m == 0.5, scale, np.ldexp(1.0, e)).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = (g / scale[..., None]).astype(np.float32)
+    codes = _e4m3_encode(_e4m3_round(ratio)).reshape(t, 512)
+    out = np.zeros((t, MLA_FP8_ROW_BYTES), np.uint8)
+    out[:, :512] = codes
+    out[:, 512:528] = scale.astype("<f4").view(np.uint8).reshape(t, 16)
+    out[:, 528:] = _bf16_bits(np.asarray(k_pe, np.float32)).astype("<u2").view(np.uint8).reshape(t, 128)
+    return out
+
+
+def mla_dequantize_fp8(rows):
+    """``uint8[..., 656]`` FP8 MLA rows -> float64 ``[..., 576]``: ``e4m3(code) * scale`` then the bf16 rope."""
+    r = np.asarray(rows, np.uint8)
+    lead = r.shape[:-1]
+    r = r.reshape(-1, MLA_FP8_ROW_BYTES)
+    vals = _e4m3_values()[r[:, :512]].reshape(-1, 4, 128)
+    scale = np.ascontiguousarray(r[:, 512:528]).view("<f4").astype(np.float64)
+    rope_bits = np.ascontiguousarray(r[:, 528:]).view("<u2").astype(np.uint32) << 16
+    rope = rope_bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    out = np.concatenate([(vals * scale[..., None]).reshape(-1, 512), rope], axis=1)
+    return out.reshape(lead + (MLA_DIM,))

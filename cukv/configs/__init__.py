@@ -5,7 +5,8 @@ from .base import KernelConfig
 from .decode import DecodeConfig
 from .dequant import DequantConfig
 from .merge import MergeConfig
+from .mla_decode import MLADecodeConfig
 from .prefill import KVBufferConfig, PrefillConfig
 
-__all__ = ["AppendConfig", "DecodeConfig", "DequantConfig", "KVBufferConfig", "KernelConfig", "MergeConfig",
+__all__ = ["AppendConfig", "DecodeConfig", "DequantConfig", "KVBufferConfig", "KernelConfig", "MergeConfig", "MLADecodeConfig",
            "PrefillConfig"]

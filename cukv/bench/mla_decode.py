@@ -1,0 +1,177 @@
+"""``python -m cukv bench mla-decode``: absorbed MLA decode (bf16, page 64) beside FlashMLA's dense decode
+(SM90 legacy kernels, when ``flash_mla`` imports) in the same process, L2 flushed before every call, CUDA
+events, medians. FLOPs = ``2 B H s_q ctx (576 + 512)``; bytes = cache rows read + Q + O."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .timing import Timer, read_ceiling_tbs
+
+PAGE = 64
+# (name, batch, heads, s_q, lengths or ctx)
+SHAPES = [("b128 h128 ctx4096", 128, 128, 1, 4096), ("b128 h128 ctx8192", 128, 128, 1, 8192),
+          ("b128 h128 ctx16384", 128, 128, 1, 16384), ("b128 h128 ctx32768", 128, 128, 1, 32768),
+          ("b128 h128 s_q2 ctx8192", 128, 128, 2, 8192), ("b128 h64 ctx8192", 128, 64, 1, 8192),
+          ("b128 h16 ctx8192", 128, 16, 1, 8192), ("b16 h16 ctx32768", 16, 16, 1, 32768),
+          ("b1 h128 ctx32768", 1, 128, 1, 32768), ("skewed b32 h128 (64K + 1-4K)", 32, 128, 1, "skewed")]
+QUICK = ["b128 h128 ctx8192", "b128 h16 ctx8192", "b1 h128 ctx32768", "skewed b32 h128 (64K + 1-4K)"]
+
+
+def _lengths(batch, ctx):
+    if ctx == "skewed":
+        rng = np.random.default_rng(7)
+        return np.array([65536] + list(rng.integers(1024, 4097, batch - 1)), np.int32)
+    return np.full(batch, ctx, np.int32)
+
+
+def _flash_mla():
+    try:
+        import flash_mla
+        import torch
+
+        if not flash_mla.has_legacy():
+            return None, None, "flash_mla has no legacy SM90 kernels"
+        return flash_mla, torch, None
+    except Exception as e:  # noqa: BLE001 - the peer is optional
+        return None, None, f"flash_mla not importable ({type(e).__name__}: {str(e)[:80]})"
+
+
+def _problem(batch, heads, s_q, lens, seed=0):
+    """A page-64 bf16 cache holding the batch in shuffled pages, a table, and the query (CuPy, bf16 bits)."""
+    import cupy as cp
+
+    from ..mla_cache import MLAKVCache
+
+    pages_per = [-(-int(n) // PAGE) for n in lens]
+    width = max(pages_per)
+    num_pages = sum(pages_per)
+    rng = cp.random.default_rng(seed)
+    cache = MLAKVCache(num_pages, PAGE, "bfloat16")
+    block = min(num_pages, 256)
+    vals = rng.standard_normal((block, PAGE, 576), dtype=cp.float32)
+    bits = (vals.view(cp.uint32) >> 16).astype(cp.uint16)  # truncation is fine for timing data
+    for p0 in range(0, num_pages, block):
+        n = min(block, num_pages - p0)
+        cache.data[p0:p0 + n] = bits[:n]
+    perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
+    table = np.zeros((batch, width), np.int32)
+    k = 0
+    for i, n in enumerate(pages_per):
+        table[i, :n] = perm[k:k + n]
+        k += n
+    q = (rng.standard_normal((batch, s_q, heads, 576), dtype=cp.float32).view(cp.uint32) >> 16).astype(cp.uint16)
+    return cache, cp.asarray(table), q
+
+
+def _fp8_copy(cache):
+    """The same rows as an FP8 cache (656-byte rows, FlashMLA-style power-of-two scales), same page ids."""
+    import cupy as cp
+
+    from ..mla_cache import MLAKVCache, append_mla
+
+    fp8 = MLAKVCache(cache.num_pages, PAGE, "fp8_e4m3")
+    rows = cache.data.reshape(-1, 576)
+    append_mla(fp8, rows[:, :512], rows[:, 512:], cp.arange(rows.shape[0], dtype=cp.int64), pow2_scales=True,
+               dtype="bfloat16")
+    return fp8
+
+
+def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: bool = True,
+        configs=((64, 2),), fp8: bool = False) -> dict:
+    """Time every shape; ``configs`` lists (block_n, num_kv_stages) pairs of cukv to time (the first is the
+    default one the ratios use; the others are reported as ``cukv_n{BN}s{S}``)."""
+    import cupy as cp
+
+    from ..ops.mla_decode import BatchMLADecode
+
+    timer = Timer()
+    ceiling = read_ceiling_tbs(timer)
+    fm, torch, why = _flash_mla()
+    rows = []
+    for name, batch, heads, s_q, ctx in SHAPES:
+        if quick and name not in QUICK:
+            continue
+        lens = _lengths(batch, ctx)
+        cache, table, q = _problem(batch, heads, s_q, lens)
+        decs = [BatchMLADecode(heads, block_n=bn, num_kv_stages=st).plan(lens, s_q) for bn, st in configs]
+        dec = decs[0]
+        out = cp.empty((batch, s_q, heads, 512), cp.uint16)
+        lse = cp.empty((batch, s_q, heads), cp.float32)
+        fns = {"cukv": lambda: dec.run(q, cache, table, out=out, lse=lse)}
+        for (bn, st), d in zip(configs[1:], decs[1:]):
+            fns[f"cukv_n{bn}s{st}"] = lambda d=d: d.run(q, cache, table, out=out, lse=lse)
+        if fp8:  # opt-in: the FP8 path's timing beside bf16 (reported as cukv_fp8, and its ratio to cukv bf16)
+            fcache = _fp8_copy(cache)
+            fdec = BatchMLADecode(heads, kv_dtype="fp8_e4m3").plan(lens, s_q)
+            fns["cukv_fp8"] = lambda: fdec.run(q, fcache, table, out=out, lse=lse)
+        err = None
+        if fm is not None:
+            kc = torch.from_dlpack(cache.data).view(torch.bfloat16).view(cache.num_pages, PAGE, 1, 576)
+            tq = torch.from_dlpack(q).view(torch.bfloat16)
+            tt = torch.from_dlpack(table)
+            tl = torch.from_dlpack(cp.asarray(lens))
+            meta, _ = fm.get_mla_metadata()
+            call = lambda: fm.flash_mla_with_kvcache(tq, kc, tt, tl, 512, meta, None, 576 ** -0.5,  # noqa: E731
+                                                      causal=s_q > 1, use_legacy=True)
+            fo, flse = call()  # plans its schedule once, outside the timing
+            fns["flashmla"] = call
+            if check:
+                dec.run(q, cache, table, out=out, lse=lse)
+                mine = torch.from_dlpack(out).view(torch.bfloat16).float()
+                err = float((mine - fo.float()).abs().max())
+        ms = {k: timer.median_ms(f, reps=reps) for k, f in fns.items()}
+        flops = 2.0 * heads * s_q * float(lens.sum()) * (576 + 512)
+        nbytes = float(lens.sum()) * 576 * 2 + batch * s_q * heads * (576 + 512) * 2
+        r = {"shape": name, "batch": batch, "heads": heads, "s_q": s_q, "tokens": int(lens.sum()),
+             "items": dec.num_items, "chunk_tiles": dec.chunk_tiles, "max_abs_diff_vs_flashmla": err}
+        for k, t in ms.items():
+            r[f"{k}_ms"] = t
+            r[f"{k}_tflops"] = flops / (t * 1e-3) / 1e12
+            r[f"{k}_tbs"] = nbytes / (t * 1e-3) / 1e12
+            r[f"{k}_pct_ceiling"] = 100.0 * r[f"{k}_tbs"] / ceiling
+        if "flashmla_ms" in r:
+            r["flashmla_over_cukv"] = r["flashmla_ms"] / r["cukv_ms"]
+        if "cukv_fp8_ms" in r:
+            r["cukv_bf16_over_fp8"] = r["cukv_ms"] / r["cukv_fp8_ms"]
+        rows.append(r)
+        print(_fmt(r), flush=True)
+        fns = cache = table = q = out = lse = dec = decs = fcache = fdec = None  # free this shape's buffers
+        cp.get_default_memory_pool().free_all_blocks()
+    result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
+              "flashmla": why or "imported", "rows": rows}
+    h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]
+    if h128:
+        result["geomean_flashmla_over_cukv_h128"] = float(np.exp(np.mean(np.log(h128))))
+    print(format_table(result))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "bench_mla_decode.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _fmt(r) -> str:
+    s = f"{r['shape']:<30} cukv {r['cukv_ms']:8.3f} ms {r['cukv_tflops']:6.1f} TF/s {r['cukv_tbs']:5.2f} TB/s " \
+        f"({r['cukv_pct_ceiling']:4.0f}%)"
+    if "flashmla_ms" in r:
+        s += f" | FlashMLA {r['flashmla_ms']:8.3f} ms {r['flashmla_tflops']:6.1f} TF/s {r['flashmla_tbs']:5.2f} TB/s" \
+             f" | FlashMLA/cukv {r['flashmla_over_cukv']:.3f}"
+    for k in r:
+        if (k.startswith("cukv_n") or k == "cukv_fp8_ms") and k.endswith("_ms"):
+            s += f" | {k[:-3]} {r[k]:8.3f} ms"
+    if "cukv_bf16_over_fp8" in r:
+        s += f" (bf16/fp8 {r['cukv_bf16_over_fp8']:.2f})"
+    if r.get("max_abs_diff_vs_flashmla") is not None:
+        s += f" | diff {r['max_abs_diff_vs_flashmla']:.1e}"
+    return s
+
+
+def format_table(result) -> str:
+    lines = [f"{result['device']}; read ceiling {result['read_ceiling_tbs']:.2f} TB/s; FlashMLA: {result['flashmla']}"]
+    lines += [_fmt(r) for r in result["rows"]]
+    if "geomean_flashmla_over_cukv_h128" in result:
+        lines.append(f"geomean FlashMLA/cukv over h128 shapes: {result['geomean_flashmla_over_cukv_h128']:.3f}")
+    return "\n".join(lines)

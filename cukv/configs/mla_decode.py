@@ -1,0 +1,130 @@
+"""MLADecodeConfig: the template parameters of the absorbed MLA decode kernel (templates/mla_decode.cu.j2).
+
+The derived sizes follow the seed's ``MLAKVProducerPipeline`` vocabulary (``k_nope_bytes``, ``k_rope_bytes``,
+``k_bytes``, ``v_bytes``, ``num_kv_stages``) and are re-checked by ``static_assert`` in the rendered source.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+
+import numpy as np
+
+from .. import compiler
+from .checks import CTYPES, SHORT, check_in, check_range, check_rule
+
+NOPE, ROPE, DIM = 512, 64, 576
+BLOCK_M = 64              # query rows per block (one wgmma M); heads x s_q fold into them
+SMEM_LIMIT = 227 * 1024   # Hopper's opt-in dynamic shared memory per block
+BLOCK_NS = (32, 64)
+# register split: the producer only forms addresses (56 like prefill's); the consumers get the rest of
+# 3 x 168 (the 384-thread launch allocation) for O's 128 accumulators beside S and P. An FP8 producer holds
+# 8 rows of codes and scales (96); the consumers then get 200 (they use 168 in the 16-bit kernel).
+PRODUCER_REGS, CONSUMER_REGS = 56, 224
+FP8_PRODUCER_REGS, FP8_CONSUMER_REGS = 96, 200
+
+# the kernel's by-value argument: templates/mla_decode.cuh MLADecodeParams
+PARAMS = np.dtype([
+    ("q_nope", "<u8"), ("q_pe", "<u8"), ("out", "<u8"), ("lse", "<u8"), ("part_o", "<u8"), ("part_lse", "<u8"),
+    ("sink", "<u8"), ("cache", "<u8"), ("block_table", "<u8"), ("seq_lens", "<u8"), ("items", "<u8"),
+    ("num_items", "<u8"), ("rb_indptr", "<u8"), ("rb_slots", "<u8"),
+    ("q_nope_stride", "<i8", (3,)), ("q_pe_stride", "<i8", (3,)),
+    ("page_stride", "<i8"), ("row_stride", "<i8"), ("table_stride", "<i8"),
+    ("num_pages", "<i4"), ("page_size", "<i4"), ("table_width", "<i4"), ("batch", "<i4"),
+    ("s_q", "<i4"), ("heads", "<i4"), ("rows", "<i4"), ("row_blocks", "<i4"),
+    ("scale_log2", "<f4"), ("pad", "<f4")])
+
+
+@dataclasses.dataclass(frozen=True)
+class MLADecodeConfig:
+    """One compiled specialization of absorbed MLA decode (576/512, 64 query rows per block)."""
+
+    #: query, output and 16-bit cache element type
+    dtype: str = "bfloat16"
+    #: tokens per K tile (each consumer warpgroup scores half of them); 64 with 2 stages is the default (H200:
+    #: block_n 32 with 4 stages was 11-40% slower on every bench shape, docs/mla.md "Performance")
+    block_n: int = 64
+    #: K tiles in flight in the shared-memory ring (2 is all that fits beside the query block at block_n 64)
+    num_kv_stages: int = 2
+    #: cache rows: None (16-bit, ``dtype``) or 'fp8_e4m3' (656-byte rows dequantized into bf16 tiles)
+    kv_dtype: str | None = None
+
+    def __post_init__(self):
+        c = "MLADecodeConfig"
+        check_in(c, "dtype", self.dtype, tuple(CTYPES))
+        check_in(c, "block_n", self.block_n, BLOCK_NS)
+        check_range(c, "num_kv_stages", self.num_kv_stages, 2, 8)
+        check_in(c, "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
+        check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
+                   "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
+        check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
+                   f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
+                   f"at most {SMEM_LIMIT} (227 KB) fit")
+
+    # --- derived sizes (MLAKVProducerPipeline's comptime members) -----------------------------------
+    @property
+    def itemsize(self) -> int:
+        return 2
+
+    @property
+    def k_nope_bytes(self) -> int:
+        return self.block_n * NOPE * self.itemsize
+
+    @property
+    def k_rope_bytes(self) -> int:
+        return self.block_n * ROPE * self.itemsize
+
+    @property
+    def k_bytes(self) -> int:
+        return self.k_nope_bytes + self.k_rope_bytes
+
+    @property
+    def v_bytes(self) -> int:
+        """V is the first 512 columns of the K rows already staged: no bytes of its own."""
+        return self.k_nope_bytes
+
+    @property
+    def q_bytes(self) -> int:
+        return BLOCK_M * DIM * self.itemsize
+
+    @property
+    def p_bytes(self) -> int:
+        """Each consumer thread's P words (block_n / 8 per thread), both warpgroups."""
+        return 2 * 128 * (self.block_n // 8) * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        barriers = (8 * (1 + 2 * self.num_kv_stages) + 63) // 64 * 64
+        return self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
+
+    @property
+    def row_bytes(self) -> int:
+        """One cache row in global memory."""
+        return 656 if self.kv_dtype else DIM * self.itemsize
+
+    @property
+    def num_threads(self) -> int:
+        return 384
+
+    @property
+    def name(self) -> str:
+        kv = "_e4m3" if self.kv_dtype else ""
+        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}"
+
+    def render(self) -> str:
+        return compiler.render(
+            "mla_decode.cu.j2", name=self.name, ctype=CTYPES[self.dtype], block_n=self.block_n,
+            num_kv_stages=self.num_kv_stages, k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes,
+            k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
+            args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
+            producer_regs=FP8_PRODUCER_REGS if self.kv_dtype else PRODUCER_REGS,
+            consumer_regs=FP8_CONSUMER_REGS if self.kv_dtype else CONSUMER_REGS)
+
+    @cached_property
+    def compiled(self) -> compiler.CompiledModule:
+        return compiler.compile_source(self.name, self.render())
+
+
+def shipped() -> list[MLADecodeConfig]:
+    """The MLA decode specializations compiled ahead of time."""
+    return [MLADecodeConfig(dt) for dt in ("bfloat16", "float16")] + [MLADecodeConfig(kv_dtype="fp8_e4m3")]

@@ -1,0 +1,58 @@
+// Absorbed MLA decode on Hopper: the parameters, the work item and the shared-memory plan.
+//
+// A block owns one work item: 64 query rows (heads and the s_q new tokens folded together, row R = i * H + h)
+// of one sequence, against one chunk of its cached tokens. Warpgroup 0 produces: it stages the query block
+// once and streams K tiles of BN tokens x 576 values through a ring of shared-memory stages (cp.async,
+// completion on mbarriers). Warpgroups 1 and 2 consume: each computes S = Q K^T for half of the tile's tokens
+// (wgmma from shared-memory descriptors), the two exchange row maxima and their P through shared memory, and
+// each accumulates O[:, its 256 columns] += P V, V being the first 512 columns of the same K rows. A chunk
+// that covers its whole sequence writes the output; the others write float32 partials that the combine
+// kernel (mla_decode_combine.cuh) merges by LSE.
+#pragma once
+#include "hopper.cuh"
+
+namespace cukv {
+
+constexpr int kMlaDim = 576, kMlaNope = 512, kMlaRope = 64;
+constexpr int kMlaBlockM = 64;  // query rows per block (one wgmma M)
+
+struct MLADecodeParams {
+  const void* q_nope;    // [B, s_q, H, 512] of T, strides q_nope_stride (elements)
+  const void* q_pe;      // [B, s_q, H, 64] of T
+  void* out;             // [B, s_q, H, 512] of T, contiguous
+  float* lse;            // [B, s_q, H] or null
+  float* part_o;         // [items, 64, 512] partial outputs (normalized), for split items
+  float* part_lse;       // [items, 64]
+  const float* sink;     // [H] or null
+  const char* cache;     // page 0, token 0 of the MLA cache
+  const int* block_table;
+  const int* seq_lens;   // [B]
+  const int* items;      // [capacity, 8]: batch, row block, first token, end token, partial slot (-1: direct)
+  const int* num_items;  // device scalar: blocks past it return at once
+  const int* rb_indptr;  // [B * row_blocks + 1]: the items of each (sequence, row block) ...
+  const int* rb_slots;   // ... as partial slots, for the combine kernel
+  long long q_nope_stride[3], q_pe_stride[3];
+  long long page_stride, row_stride, table_stride;  // bytes, bytes, elements
+  int num_pages, page_size, table_width, batch;
+  int s_q, heads, rows, row_blocks;
+  float scale_log2, pad;
+};
+
+struct MLAWorkItem {
+  int batch, row_block, begin, end, part;
+};
+
+__device__ __forceinline__ MLAWorkItem mla_load_item(const MLADecodeParams& a, int idx) {
+  const int* p = a.items + 8 * idx;
+  return MLAWorkItem{p[0], p[1], p[2], p[3], p[4]};
+}
+
+// Query row R (0 .. rows) of sequence b: its new-token index, its head, and the keys it may see in [begin, end).
+__device__ __forceinline__ int mla_row_limit(const MLADecodeParams& a, const MLAWorkItem& w, int len, int R) {
+  if (R >= a.rows) return w.begin;  // padding row: sees nothing
+  const int i = R / a.heads;
+  const int lim = len - (a.s_q - 1 - i);
+  return lim < w.end ? lim : w.end;
+}
+
+}  // namespace cukv

@@ -1,0 +1,81 @@
+// Combine kernel of absorbed MLA decode: merges the float32 partials of the chunks of one (sequence, row block)
+// by their LSE (natural log), applies the sink, writes the output row and its LSE. Rows whose row block was
+// one chunk were written by the main kernel and are skipped. A partial with LSE -inf (no visible key) is
+// never read. One block of 128 threads per query row, 4 columns per thread: the chunks' slots and weights
+// are gathered once into shared memory (a thread per chunk), so the accumulation loop has one independent
+// 16-byte load per chunk.
+#pragma once
+#include "mla_decode.cuh"
+
+namespace cukv {
+
+constexpr int kMlaMaxChunks = 512;  // chunks per (sequence, row block); plan() never makes more
+
+__device__ __forceinline__ float mla_block_reduce(float v, float* red, bool is_max) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float x = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, x) : v + x;
+  }
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = is_max ? fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3])) : (red[0] + red[1]) + (red[2] + red[3]);
+  __syncthreads();
+  return v;
+}
+
+template <typename T>
+__device__ void mla_decode_combine(const MLADecodeParams& a) {
+  __shared__ float s_w[kMlaMaxChunks];
+  __shared__ int s_slot[kMlaMaxChunks];
+  __shared__ float s_red[4];
+  const int R = blockIdx.x, b = blockIdx.y;
+  if (R >= a.rows || b >= a.batch) return;
+  const int rb = R / kMlaBlockM, row = R - rb * kMlaBlockM;
+  const int k = b * a.row_blocks + rb;
+  const int first = a.rb_indptr[k], n = a.rb_indptr[k + 1] - first;
+  if (n <= 1) return;
+  float mx = -CUKV_INF;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const int slot = a.rb_slots[first + j];
+    const float s = a.part_lse[slot * kMlaBlockM + row];
+    s_slot[j] = slot;
+    s_w[j] = s;
+    mx = fmaxf(mx, s);
+  }
+  mx = mla_block_reduce(mx, s_red, true);
+  const int i = R / a.heads, h = R - i * a.heads;
+  const long long orow = ((long long)b * a.s_q + i) * a.heads + h;
+  T* out = reinterpret_cast<T*>(a.out) + orow * kMlaNope + 4 * threadIdx.x;
+  if (mx == -CUKV_INF) {
+    *reinterpret_cast<uint2*>(out) = make_uint2(0u, 0u);
+    if (a.lse != nullptr && threadIdx.x == 0) a.lse[orow] = -CUKV_INF;
+    return;
+  }
+  float sum = 0.f;
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const float s = s_w[j];
+    const float wgt = s == -CUKV_INF ? 0.f : __expf(s - mx);
+    s_w[j] = wgt;
+    sum += wgt;
+  }
+  sum = mla_block_reduce(sum, s_red, false);  // its __syncthreads also publishes s_w
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int j = 0; j < n; ++j) {
+    const float wgt = s_w[j];
+    if (wgt == 0.f) continue;  // an empty partial: never read
+    const float4 v = *reinterpret_cast<const float4*>(a.part_o + ((long long)s_slot[j] * kMlaBlockM + row) * kMlaNope + 4 * threadIdx.x);
+    acc.x += wgt * v.x;
+    acc.y += wgt * v.y;
+    acc.z += wgt * v.z;
+    acc.w += wgt * v.w;
+  }
+  const float lse = mx + __logf(sum);
+  float f = 1.f / sum;
+  if (a.sink != nullptr) f /= 1.f + __expf(a.sink[h] - lse);
+  *reinterpret_cast<uint2*>(out) = make_uint2(ElemTraits<T>::pack(acc.x * f, acc.y * f), ElemTraits<T>::pack(acc.z * f, acc.w * f));
+  if (a.lse != nullptr && threadIdx.x == 0) a.lse[orow] = lse;
+}
+
+}  // namespace cukv

@@ -1,0 +1,199 @@
+// The consumer warpgroups of absorbed MLA decode (see mla_decode.cuh for the block's plan).
+//
+// Consumer warpgroup g (0 or 1) scores tokens [g * BN/2, (g + 1) * BN/2) of each tile against all 64 query
+// rows and owns output columns [256 g, 256 g + 256). Per tile: S_g = Q K_g^T (wgmma, A and B from shared
+// memory); the two exchange row maxima (named barrier 1) so both rescale by the same running max; each
+// publishes its P fragments (named barrier 2); then O_g += [P_0 P_1] V[:, columns of g] (wgmma, P from
+// registers, V transposed from the same shared tile). Scores are tracked in log2 units (s * scale * log2 e).
+#pragma once
+#include "mla_decode_producer.cuh"
+
+namespace cukv {
+
+template <typename T, int BN, int STAGES, bool FP8 = false>
+struct MLADecodeConsumer {
+  typedef MLAKVProducerPipeline<T, BN, STAGES, FP8> Pipe;
+  static constexpr int kHalf = Pipe::half;
+  static constexpr int kSRegs = kHalf / 2, kPWords = kHalf / 4, kORegs = 128;
+  static constexpr int kQSteps = kMlaDim / 16;  // k16 steps of S = Q K^T
+  typedef Wgmma<T, kHalf> MmaS;
+  typedef Wgmma<T, 256> MmaO;
+
+  const Pipe& pipe;
+  const int g, t, lane;  // warpgroup, thread in warpgroup, lane
+  float m[2], l[2];
+  float o[kORegs];
+
+  __device__ __forceinline__ MLADecodeConsumer(const Pipe& p, int g_, int t_) : pipe(p), g(g_), t(t_), lane(t_ & 31) {
+    m[0] = m[1] = -CUKV_INF;
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+  }
+
+  __device__ __forceinline__ float2* stats() const {
+    extern __shared__ __align__(1024) char smem[];
+    return reinterpret_cast<float2*>(smem + Pipe::stats_offset);
+  }
+  __device__ __forceinline__ u32* pwords() const {
+    extern __shared__ __align__(1024) char smem[];
+    return reinterpret_cast<u32*>(smem + Pipe::p_offset);
+  }
+
+  // S for this warpgroup's tokens of stage s, scaled to log2 units and masked: token columns at or past a row's
+  // limit become -inf (selected, never multiplied).
+  __device__ __forceinline__ void scores(float (&s)[kSRegs], int stage, int tok0, int lim0, int lim1, float sl2) {
+    const u64 qd = sw128_desc(pipe.q(), 1, 1024);
+    const u64 kd = sw128_desc(pipe.stage(stage) + (u32)(g * kHalf * kAtomRowBytes), 1, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kQSteps; ++k)
+      MmaS::ss(s, desc_add(qd, (u32)((k / 4) * Pipe::q_atom_col_bytes + (k % 4) * 32)),
+               desc_add(kd, (u32)((k / 4) * Pipe::atom_col_bytes + (k % 4) * 32)), k > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    const int c0 = tok0 + g * kHalf + 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < kHalf / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = c0 + 8 * j + e;
+        s[4 * j + e] = col < lim0 ? s[4 * j + e] * sl2 : -CUKV_INF;
+        s[4 * j + 2 + e] = col < lim1 ? s[4 * j + 2 + e] * sl2 : -CUKV_INF;
+      }
+    }
+  }
+
+  // The new running max of both rows (this warpgroup's tile half and the other's), the rescale of O and l,
+  // and P = exp2(s - max) packed in T as mma A fragments.
+  __device__ __forceinline__ void softmax(float (&s)[kSRegs], u32 (&p)[kPWords]) {
+    float mx[2] = {-CUKV_INF, -CUKV_INF};
+#pragma unroll
+    for (int j = 0; j < kHalf / 8; ++j) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    stats()[g * 128 + t] = make_float2(mx[0], mx[1]);
+    named_barrier_sync<256>(1);
+    const float2 other = stats()[(1 - g) * 128 + t];
+    float base[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float mn = fmaxf(m[r], fmaxf(mx[r], r ? other.y : other.x));
+      base[r] = mn == -CUKV_INF ? 0.f : mn;  // a row with nothing visible yet keeps exp2(-inf) = 0
+      alpha[r] = exp2f(m[r] - base[r]);
+      m[r] = mn;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int j = 0; j < kHalf / 8; ++j) {
+      const float e0 = exp2f(s[4 * j] - base[0]), e1 = exp2f(s[4 * j + 1] - base[0]);
+      const float e2 = exp2f(s[4 * j + 2] - base[1]), e3 = exp2f(s[4 * j + 3] - base[1]);
+      l[0] += e0 + e1;
+      l[1] += e2 + e3;
+      p[2 * j] = ElemTraits<T>::pack(e0, e1);
+      p[2 * j + 1] = ElemTraits<T>::pack(e2, e3);
+    }
+#pragma unroll
+    for (int j = 0; j < kORegs / 4; ++j) {
+      o[4 * j] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
+  }
+
+  // O[:, this warpgroup's 256 columns] += P V over the tile's BN tokens; P of the other half comes from the
+  // other warpgroup through shared memory (word q of thread t at [g][q][t]: conflict-free).
+  __device__ __forceinline__ void accumulate(const u32 (&p)[kPWords], int stage) {
+    u32* pw = pwords();
+#pragma unroll
+    for (int q = 0; q < kPWords; ++q) pw[(g * kPWords + q) * 128 + t] = p[q];
+    named_barrier_sync<256>(2);
+    u32 po[kPWords];
+#pragma unroll
+    for (int q = 0; q < kPWords; ++q) po[q] = pw[((1 - g) * kPWords + q) * 128 + t];
+    const u64 vd = sw128_desc(pipe.stage(stage) + (u32)(g * 4 * Pipe::atom_col_bytes), Pipe::atom_col_bytes, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const int q = (kk % (kHalf / 16)) * 4;  // this k16 step's words within its half
+      const bool own = (kk < kHalf / 16) == (g == 0);
+      const u32 frag[4] = {own ? p[q] : po[q], own ? p[q + 1] : po[q + 1], own ? p[q + 2] : po[q + 2],
+                           own ? p[q + 3] : po[q + 3]};
+      MmaO::rs(o, frag, desc_add(vd, (u32)(kk * 16 * kAtomRowBytes)), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+  }
+
+  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles) {
+    const int warp = t >> 5;
+    const int r0 = warp * 16 + (lane >> 2);
+    const int len = a.seq_lens[w.batch];
+    const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
+    const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
+    mbar_wait(pipe.q_full(), 0);
+    fence_proxy_async();
+#pragma unroll 1
+    for (int it = 0; it < n_tiles; ++it) {
+      const int stage = it % STAGES;
+      mbar_wait(pipe.full(stage), (it / STAGES) & 1);
+      fence_proxy_async();
+      float s[kSRegs];
+      scores(s, stage, w.begin + it * BN, lim0, lim1, a.scale_log2);
+      u32 p[kPWords];
+      softmax(s, p);
+      accumulate(p, stage);
+      if (lane == 0) mbar_arrive(pipe.empty(stage));
+    }
+    finish(a, w, r0);
+  }
+
+  // Both warpgroups' l -> the row's total; then the output (direct) or the float32 partial and its LSE.
+  __device__ void finish(const MLADecodeParams& a, const MLAWorkItem& w, int r0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // a row's sum is spread over the 4 lanes of its quad
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    stats()[g * 128 + t] = make_float2(l[0], l[1]);
+    named_barrier_sync<256>(1);
+    const float2 other = stats()[(1 - g) * 128 + t];
+    const float lt[2] = {l[0] + other.x, l[1] + other.y};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r0 + 8 * r, R = w.row_block * kMlaBlockM + row;
+      if (R >= a.rows) continue;
+      const bool any = lt[r] > 0.f;
+      const float lse = any ? (m[r] + __log2f(lt[r])) * kLn2 : -CUKV_INF;
+      float f = any ? 1.f / lt[r] : 0.f;
+      const int col0 = g * 256 + 2 * (lane & 3);
+      if (w.part < 0) {
+        const int i = R / a.heads, h = R - i * a.heads;
+        if (a.sink != nullptr && any) f /= 1.f + __expf(a.sink[h] - lse);
+        const long long orow = ((long long)w.batch * a.s_q + i) * a.heads + h;
+        T* out = reinterpret_cast<T*>(a.out) + orow * kMlaNope;
+#pragma unroll
+        for (int j = 0; j < kORegs / 4; ++j)
+          *reinterpret_cast<u32*>(out + col0 + 8 * j) = ElemTraits<T>::pack(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
+        if (a.lse != nullptr && g == 0 && (lane & 3) == 0) a.lse[orow] = lse;
+      } else {
+        float* po = a.part_o + ((long long)w.part * kMlaBlockM + row) * kMlaNope;
+#pragma unroll
+        for (int j = 0; j < kORegs / 4; ++j)
+          *reinterpret_cast<float2*>(po + col0 + 8 * j) = make_float2(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
+        if (g == 0 && (lane & 3) == 0) a.part_lse[w.part * kMlaBlockM + row] = lse;
+      }
+    }
+  }
+};
+
+}  // namespace cukv

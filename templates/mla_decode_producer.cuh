@@ -1,0 +1,190 @@
+// MLAKVProducerPipeline for absorbed MLA decode: the shared-memory plan and the producer warpgroup.
+//
+// Every tile is BN cache rows x 576 values in T, stored as 9 columns of 128-byte swizzle atoms (64 values
+// wide, BN rows tall): K for S = Q K^T is all 576 columns (k_nope_bytes + k_rope_bytes), V for O += P V is the
+// first 512 columns of the same rows (v_bytes aliases k_nope_bytes). The query block sits in the same layout
+// (64 rows). Rows past the item's end, and rows whose page id lies outside the cache or the table, are
+// zero-filled and never read, so nothing the cache holds there (NaN included) reaches the mma.
+//
+// FP8 caches (FP8 = true; 656-byte rows: 512 e4m3 codes, 4 float32 scales, 64 bf16 rope values) fill the same
+// bf16 tiles: each lane loads 16 codes and their scale of 8 rows at a time into registers, dequantizes them
+// (e4m3 -> f16 is exact; the product with the scale is rounded once to bf16, exactly when the scale is a power of
+// two) and stores them; the rope values are copied as they are with cp.async.
+#pragma once
+#include "mla_decode.cuh"
+#include "fp8.cuh"
+
+namespace cukv {
+
+__device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+template <typename T, int BN_, int STAGES_, bool FP8_ = false>
+struct MLAKVProducerPipeline {
+  static constexpr bool fp8 = FP8_;
+  static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
+  static constexpr int BN = BN_, num_kv_stages = STAGES_;
+  static constexpr int k_nope_elements = BN * kMlaNope, k_rope_elements = BN * kMlaRope;
+  static constexpr int k_nope_bytes = k_nope_elements * (int)sizeof(T);
+  static constexpr int k_rope_bytes = k_rope_elements * (int)sizeof(T);
+  static constexpr int k_bytes = k_nope_bytes + k_rope_bytes;
+  static constexpr int k_elements = k_nope_elements + k_rope_elements;
+  static constexpr int v_elements = k_nope_elements, v_bytes = k_nope_bytes;  // V = K's first 512 columns
+  static constexpr int atom_col_bytes = BN * kAtomRowBytes;                    // one 64-value column of atoms
+  static constexpr int q_bytes = kMlaBlockM * kMlaDim * (int)sizeof(T);
+  static constexpr int q_atom_col_bytes = kMlaBlockM * kAtomRowBytes;
+  static constexpr int half = BN / 2;                                          // tokens per consumer warpgroup
+  static constexpr int p_bytes = 2 * 128 * (half / 4) * 4;                     // each thread's P words, both WGs
+  static constexpr int stats_bytes = 2 * 128 * 8;                              // (m or l) x 2 rows per thread
+  static constexpr int barrier_bytes = (8 * (1 + 2 * num_kv_stages) + 63) / 64 * 64;
+  // offsets: the query block, the ring, then the exchange buffers and barriers (swizzled parts 1 KB aligned)
+  static constexpr int q_offset = 0;
+  static constexpr int ring_offset = q_offset + q_bytes;
+  static constexpr int p_offset = ring_offset + num_kv_stages * k_bytes;
+  static constexpr int stats_offset = p_offset + p_bytes;
+  static constexpr int barrier_offset = stats_offset + stats_bytes;
+  static constexpr int smem_bytes = barrier_offset + barrier_bytes;
+  static_assert(sizeof(T) == 2, "16-bit tiles");
+  static_assert(!FP8_ || sizeof(T) == 2, "FP8 rows dequantize into 16-bit tiles");
+  static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
+  static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
+  static_assert(8 * (1 + 2 * num_kv_stages) <= barrier_bytes, "barriers fit");
+  static_assert(smem_bytes <= 227 * 1024, "shared memory");
+
+  u32 base;  // shared address of the dynamic shared memory (1 KB aligned)
+
+  __device__ __forceinline__ u32 q() const { return base + q_offset; }
+  __device__ __forceinline__ u32 stage(int s) const { return base + ring_offset + s * k_bytes; }
+  __device__ __forceinline__ u32 q_full() const { return base + barrier_offset; }
+  __device__ __forceinline__ u32 full(int s) const { return base + barrier_offset + 8 + 8 * s; }
+  __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 8 + 8 * (num_kv_stages + s); }
+
+  __device__ __forceinline__ void init_barriers() const {
+    mbar_init(q_full(), 128);  // every producer thread arrives when its copies land
+    for (int s = 0; s < num_kv_stages; ++s) {
+      mbar_init(full(s), FP8_ ? 256 : 128);  // FP8: each producer thread arrives for its stores and its copies
+      mbar_init(empty(s), 8);  // lane 0 of each consumer warp, once its wgmmas on the stage are done
+    }
+  }
+
+  // Byte offset of 16-byte chunk c (0 .. 71) of row r inside a tile whose atom columns are col_bytes apart.
+  static __device__ __forceinline__ u32 chunk_offset(int r, int c, int col_bytes) {
+    return (u32)((c >> 3) * col_bytes) + swizzle128(r, c & 7);
+  }
+
+  // The query block: row R = rb * 64 + r is token i = R / H, head h = R % H; rows past `rows` are zeros.
+  __device__ void load_q(const MLADecodeParams& a, const MLAWorkItem& w, int warp, int lane) const {
+    const T* qn = reinterpret_cast<const T*>(a.q_nope);
+    const T* qp = reinterpret_cast<const T*>(a.q_pe);
+#pragma unroll 1
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r = warp * 16 + rr, R = w.row_block * kMlaBlockM + r;
+      const bool ok = R < a.rows;
+      const int i = ok ? R / a.heads : 0, h = ok ? R - i * a.heads : 0;
+      const T* nrow = qn + w.batch * a.q_nope_stride[0] + i * a.q_nope_stride[1] + h * a.q_nope_stride[2];
+      const T* prow = qp + w.batch * a.q_pe_stride[0] + i * a.q_pe_stride[1] + h * a.q_pe_stride[2];
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        const int c = lane + 32 * j;
+        if (c < 72) {
+          const T* src = c < 64 ? nrow + 8 * c : prow + 8 * (c - 64);
+          cp_async16(q() + chunk_offset(r, c, q_atom_col_bytes), ok ? (const void*)src : a.q_nope, ok ? 16 : 0);
+        }
+      }
+    }
+    mbar_arrive_cp_async(q_full());
+  }
+
+  // Address of token t's row, or null where it must read as zeros.
+  static __device__ __forceinline__ const char* row_ptr(const MLADecodeParams& a, const MLAWorkItem& w, int t) {
+    if (t >= w.end) return nullptr;
+    const int pi = t / a.page_size, off = t - pi * a.page_size;
+    if (pi >= a.table_width) return nullptr;
+    const int page = a.block_table[w.batch * a.table_stride + pi];
+    if (page < 0 || page >= a.num_pages) return nullptr;
+    return a.cache + page * a.page_stride + off * a.row_stride;
+  }
+
+  // Lane j < BN/4 of warp w looks up the page of row w * BN/4 + j of tile `it` (null: read as zeros).
+  __device__ __forceinline__ const char* lookup(const MLADecodeParams& a, const MLAWorkItem& w, int it, int warp,
+                                                int lane) const {
+    constexpr int kRowsPerWarp = BN / 4;
+    if (lane >= kRowsPerWarp) return nullptr;
+    return row_ptr(a, w, w.begin + it * BN + warp * kRowsPerWarp + lane);
+  }
+
+  // A tile into stage s: warp w copies rows w * BN/4 .. (w + 1) * BN/4 - 1, their addresses broadcast from `mine`.
+  __device__ __forceinline__ void load_tile(const MLADecodeParams& a, const char* mine, int s, int warp, int lane) const {
+    constexpr int kRowsPerWarp = BN / 4;
+    const u32 dst = stage(s);
+#pragma unroll 4
+    for (int rr = 0; rr < kRowsPerWarp; ++rr) {
+      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, rr);
+      const int r = warp * kRowsPerWarp + rr;
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        const int c = lane + 32 * j;
+        if (c < 72) cp_async16(dst + chunk_offset(r, c, atom_col_bytes), src ? src + 16 * c : a.cache, src ? 16 : 0);
+      }
+    }
+    mbar_arrive_cp_async(full(s));
+  }
+
+  // An FP8 tile into stage s: lane l of warp w dequantizes codes 16l .. 16l + 15 (scale l / 8) of its warp's rows,
+  // 8 rows in flight; lanes 0-7 copy the rope chunk l of each row. Rows read as zeros store zeros.
+  __device__ __forceinline__ void load_tile_fp8(const MLADecodeParams& a, const char* mine, int s, int warp,
+                                                int lane) const {
+    constexpr int kRowsPerWarp = BN / 4, kBatch = 8;
+    static_assert(kRowsPerWarp % kBatch == 0, "rows per warp in batches of 8");
+    const u32 dst = stage(s);
+#pragma unroll 1
+    for (int r0 = 0; r0 < kRowsPerWarp; r0 += kBatch) {
+      uint4 codes[kBatch];
+      float scale[kBatch];
+      bool ok[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
+        ok[i] = src != nullptr;
+        const int r = warp * kRowsPerWarp + r0 + i;
+        codes[i] = ok[i] ? ldg_stream16(src + 16 * lane) : make_uint4(0u, 0u, 0u, 0u);
+        scale[i] = ok[i] ? __ldg(reinterpret_cast<const float*>(src + kMlaNope) + lane / 8) : 0.f;
+        if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), ok[i] ? src + 528 + 16 * lane : a.cache,
+                                 ok[i] ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int r = warp * kRowsPerWarp + r0 + i;
+        const uint4 lo = ok[i] ? dequant8<T>(make_uint2(codes[i].x, codes[i].y), scale[i]) : make_uint4(0u, 0u, 0u, 0u);
+        const uint4 hi = ok[i] ? dequant8<T>(make_uint2(codes[i].z, codes[i].w), scale[i]) : make_uint4(0u, 0u, 0u, 0u);
+        st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes), lo);
+        st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes), hi);
+      }
+    }
+    fence_proxy_async();  // the generic-proxy stores -> the consumers' wgmma reads
+    mbar_arrive(full(s));
+    mbar_arrive_cp_async(full(s));
+  }
+
+  // The query block, then the tiles through the ring. Each tile's page lookups (a dependent load of the block
+  // table) are issued one tile ahead, so their latency hides behind the wait for a free stage.
+  __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
+    const char* next = n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;
+    load_q(a, w, warp, lane);
+#pragma unroll 1
+    for (int it = 0; it < n_tiles; ++it) {
+      const int s = it % num_kv_stages;
+      const char* cur = next;
+      if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
+      if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
+      if constexpr (FP8_)
+        load_tile_fp8(a, cur, s, warp, lane);
+      else
+        load_tile(a, cur, s, warp, lane);
+    }
+    cp_async_wait<0>();
+  }
+};
+
+}  // namespace cukv

@@ -1,0 +1,135 @@
+"""MLA decode and cache without a GPU: every shipped specialization compiles for sm_90a without spills, the
+config domain, the plan's work list, the references, and named errors."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cukv import compiler, reference
+from cukv.configs.mla_decode import MLADecodeConfig, shipped
+from cukv.mla_cache import MLAAppendConfig, check_int
+from cukv.ops.mla_decode import BatchMLADecode, plan_items
+
+ARCH = "sm_90a"
+SHIPPED = shipped() + [MLAAppendConfig(dt, f8, p2) for dt in ("bfloat16", "float16")
+                       for f8, p2 in ((False, False), (True, False), (True, True))]
+
+
+@pytest.mark.parametrize("cfg", SHIPPED, ids=lambda c: c.name)
+def test_shipped_mla_compiles_without_spills(cfg):
+    mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH)
+    for name, r in mod.functions.items():
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, r
+    assert cfg.name in mod.functions
+
+
+@given(dtype=st.sampled_from(["bfloat16", "float16", "float32"]), block_n=st.sampled_from([16, 32, 64, 128]),
+       stages=st.integers(0, 10))
+def test_config_domain(dtype, block_n, stages):
+    valid = dtype != "float32" and block_n in (32, 64) and 2 <= stages <= 8
+    if valid:
+        smem = 64 * 576 * 2 + stages * block_n * 576 * 2 + block_n * 128 + 2048 + (8 * (1 + 2 * stages) + 63) // 64 * 64
+        valid = smem <= 227 * 1024
+    if not valid:
+        with pytest.raises(ValueError, match="MLADecodeConfig.(dtype|block_n|num_kv_stages)"):
+            MLADecodeConfig(dtype, block_n, stages)
+        return
+    cfg = MLADecodeConfig(dtype, block_n, stages)
+    assert cfg.k_bytes == cfg.k_nope_bytes + cfg.k_rope_bytes == block_n * 576 * 2
+    assert cfg.v_bytes == block_n * 512 * 2
+    assert f"static_assert(Pipe::smem_bytes == {cfg.smem_bytes}" in cfg.render()
+
+
+def test_fp8_config_rules():
+    with pytest.raises(ValueError, match="MLADecodeConfig.kv_dtype"):
+        MLADecodeConfig("float16", kv_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="MLADecodeConfig.kv_dtype"):
+        MLADecodeConfig(kv_dtype="int8")
+    cfg = MLADecodeConfig(kv_dtype="fp8_e4m3")
+    assert cfg.row_bytes == 656 and "static_assert(Pipe::row_bytes == 656" in cfg.render()
+
+
+def test_config_static_asserts_compile_for_other_shapes():
+    cfg = MLADecodeConfig("bfloat16", 32, 4)
+    r = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH).functions[cfg.name]
+    assert r.spills == 0
+
+
+@given(lens=st.lists(st.integers(0, 70000), min_size=1, max_size=40), nrb=st.integers(1, 2),
+       sms=st.sampled_from([8, 132]), block_n=st.sampled_from([32, 64]))
+def test_plan_items_cover_every_token_once(lens, nrb, sms, block_n):
+    items, c = plan_items(lens, nrb, block_n, sms)
+    assert len(items) <= 2 * sms + len(lens) * nrb
+    got = {}
+    for b, rb, begin, end, n in items:
+        got.setdefault((b, rb), []).append((begin, end, n))
+    for b, n_tok in enumerate(lens):
+        for rb in range(nrb):
+            spans = sorted(got[(b, rb)])
+            assert spans[0][0] == 0 and spans[-1][1] == n_tok
+            assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+            assert all(s[2] == len(spans) for s in spans)
+            assert all(s[0] % block_n == 0 for s in spans)
+    sizes = [e - s for _, _, s, e, _ in items]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_plan_splits_long_single_sequence():
+    items, c = plan_items([32768], 2, 64, 132)
+    assert 100 <= len(items) <= 264 and c < 512
+
+
+def test_reference_matches_generic_attention(rng):
+    q = rng.standard_normal((2, 3, 4, 576))
+    pages = rng.standard_normal((6, 5, 576))
+    table = np.array([[4, 1, 2], [0, 3, 5]])
+    lens = [13, 6]
+    sink = rng.standard_normal(4)
+    out, lse = reference.mla_decode(q, pages, table, lens, softmax_scale=0.07, sink=sink)
+    for b in range(2):
+        rows = reference.gather(pages[:, :, None], table[b], lens[b])  # [n, 1, 576]
+        pos = lens[b] - 3 + np.arange(3)
+        o, l = reference.attention(q[b].reshape(3, 4, 576), rows, rows[..., :512], pos, sm_scale=0.07, sink=sink)
+        np.testing.assert_allclose(out[b], o, atol=1e-12)
+        np.testing.assert_allclose(lse[b], l, atol=1e-12)
+
+
+def test_reference_zero_length_and_causal_edge(rng):
+    q = rng.standard_normal((1, 4, 2, 576))
+    pages = rng.standard_normal((1, 8, 576))
+    out, lse = reference.mla_decode(q, pages, np.zeros((1, 1), int), [2])
+    assert np.isinf(lse[0, :2]).all() and (out[0, :2] == 0).all()  # queries 0, 1 see nothing
+    assert np.isfinite(lse[0, 2:]).all()
+
+
+def test_fp8_quantizer_reference(rng):
+    from cukv import fp8
+
+    x = (rng.standard_normal((9, 512)) * rng.uniform(1e-3, 1e3, (9, 1))).astype(np.float32)
+    x[2] = 0
+    pe = rng.standard_normal((9, 64)).astype(np.float32)
+    rows = reference.mla_quantize_fp8(x, pe)
+    codes, scales = fp8.quantize(x, 128)
+    assert np.array_equal(rows[:, :512], codes)
+    assert np.array_equal(rows[:, 512:528].copy().view("<f4"), scales)
+    p2 = reference.mla_quantize_fp8(x, pe, pow2_scales=True)
+    s2 = p2[:, 512:528].copy().view("<f4").astype(np.float64)
+    assert np.all(np.log2(s2) == np.round(np.log2(s2))) and np.all(s2 >= scales) and np.all(s2 < 2 * scales)
+    deq = reference.mla_dequantize_fp8(p2)
+    assert np.all(np.abs(deq[:, :512] - x) <= np.repeat(s2, 128, axis=1) * 16 + 1e-30)
+    np.testing.assert_allclose(deq[:, 512:], pe, rtol=2 ** -8)
+
+
+def test_named_errors_without_gpu():
+    with pytest.raises(ValueError, match="num_heads"):
+        BatchMLADecode(0)
+    with pytest.raises(ValueError, match="num_heads"):
+        BatchMLADecode(129)
+    with pytest.raises(TypeError, match="dtype"):
+        BatchMLADecode(16, "float32")
+    with pytest.raises(ValueError, match="block_n"):
+        BatchMLADecode(16, block_n=48)
+    with pytest.raises(TypeError, match="s_q"):
+        check_int("s_q", 1.5, 1, 8)
+    with pytest.raises(ValueError, match="pow2_scales"):
+        MLAAppendConfig("bfloat16", False, True)
