@@ -28,7 +28,7 @@ import numpy as np
 from .arrays import as_device, canonical_kv_dtype, element_dtype, elem_strides
 from .dtypes import bf16_bits, nan_bits, storage_dtype
 from .fp8 import scale_block as _scale_block
-from .validate import check_float, check_int, check_page_table, check_table, host_ints, is_int  # noqa: F401 (check_table: re-exported)
+from .validate import check_float, check_int, check_page_table, check_table, host_ints, is_int
 
 LAYOUTS = ("separate", "combined", "layers")
 #: PagedKVCache.dequantize converts this many bytes of float32 values at a time (an inspection helper: the size only
@@ -391,7 +391,7 @@ class PageTable:
         >>> cukv.PageTable.from_vllm(np.array([[3, 1, 0], [2, 0, 0]]), np.array([40, 49]), page_size=16)
         Traceback (most recent call last):
         ...
-        ValueError: seq_lens[1]=49 needs 4 pages; block_table has 3 columns
+        ValueError: seq_lens[1]=49 needs 4 pages; block_table has 3 columns (a row holds at most 48 tokens)
         """
         page_size = check_int("page_size", page_size, 1)
         bt, sl = host_ints("block_table", block_table), host_ints("seq_lens", seq_lens)
@@ -399,13 +399,7 @@ class PageTable:
             raise ValueError(f"block_table must be 2-D; got shape {bt.shape}")
         if sl.shape != (bt.shape[0],):
             raise ValueError(f"seq_lens has shape {sl.shape}; expected ({bt.shape[0]},)")
-        if np.any(sl < 0):
-            i = int(np.argmax(sl < 0))
-            raise ValueError(f"seq_lens[{i}]={sl[i]} is negative")
-        need = -(-sl // page_size)
-        if np.any(need > bt.shape[1]):
-            i = int(np.argmax(need > bt.shape[1]))
-            raise ValueError(f"seq_lens[{i}]={sl[i]} needs {need[i]} pages; block_table has {bt.shape[1]} columns")
+        check_table(bt, sl, page_size, None, names=("block_table", "seq_lens"))  # the cache is not known here
         return cls._upload(bt.astype(np.int32), sl, page_size)
 
     @classmethod

@@ -278,10 +278,11 @@ def checked(check: bool | None) -> bool:
     return check_bool("check", check)
 
 
-def check_table(block_table: np.ndarray, lengths: np.ndarray, page_size: int, num_pages: int,
+def check_table(block_table: np.ndarray, lengths: np.ndarray, page_size: int, num_pages: int | None,
                 names: tuple = ("block_table", "lengths")) -> None:
     """Host arrays of a page table: every length >= 0 and within its row's ``columns * page_size``, and every
-    page a length reaches a page of the cache (``0 .. num_pages - 1``). Unused columns are not looked at."""
+    page a length reaches a page of the cache (``0 .. num_pages - 1``; not checked where ``num_pages`` is None).
+    Unused columns are not looked at."""
     bt_name, len_name = names
     block_table, lengths = np.asarray(block_table), np.asarray(lengths, np.int64)
     if np.any(lengths < 0):
@@ -291,7 +292,9 @@ def check_table(block_table: np.ndarray, lengths: np.ndarray, page_size: int, nu
     if np.any(need > block_table.shape[1]):
         i = int(np.argmax(need > block_table.shape[1]))
         raise ValueError(f"{len_name}[{i}]={lengths[i]} needs {need[i]} pages; {bt_name} has {block_table.shape[1]} "
-                         f"(a row holds at most {block_table.shape[1] * page_size} tokens)")
+                         f"columns (a row holds at most {block_table.shape[1] * page_size} tokens)")
+    if num_pages is None:
+        return
     cols = np.arange(block_table.shape[1])[None, :]
     used = cols < need[:, None]
     bad = used & ((block_table < 0) | (block_table >= num_pages))

@@ -265,7 +265,7 @@ def test_checked_follows_the_argument_then_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("bt,lens,match", [
-    ([[0, 1]], [33], r"^table\.lengths\[0\]=33 needs 3 pages; table\.block_table has 2 \(a row holds at most 32"),
+    ([[0, 1]], [33], r"^table\.lengths\[0\]=33 needs 3 pages; table\.block_table has 2 columns \(a row holds at most 32"),
     ([[0, 9]], [17], r"^table\.block_table\[0, 1\]=9 is not a page of the cache \(0\.\.7\)"),
     ([[0, -1]], [17], r"^table\.block_table\[0, 1\]=-1"),
     ([[0, 1]], [-1], r"^table\.lengths\[0\]=-1 is negative"),
