@@ -82,17 +82,21 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--diff", nargs=2, metavar=("A", "B"))
+    ap.add_argument("--filter", action="append", default=[], metavar="SUBSTR",
+                    help="only kernels whose name contains SUBSTR (repeatable); --diff then compares common names")
     a = ap.parse_args(argv)
     if a.diff:
         x, y = (json.load(open(p)) for p in a.diff)
-        names = sorted(set(x) | set(y))
+        names = sorted(set(x) & set(y)) if a.filter or set(x) ^ set(y) and min(len(x), len(y)) < max(len(x), len(y)) // 2 \
+            else sorted(set(x) | set(y))
+        names = [n for n in names if not a.filter or any(f in n for f in a.filter)]
         src = sum(x.get(n, {}).get("source") != y.get(n, {}).get("source") for n in names)
         txt = [n for n in names if x.get(n, {}).get("text") != y.get(n, {}).get("text")]
         print(f"{len(names)} kernels; {src} rendered sources differ; {len(txt)} .text digests differ")
         for n in txt:
             print("  text differs:", n)
         return 1 if txt else 0
-    cfgs = configs()
+    cfgs = [c for c in configs() if not a.filter or any(f in c.name for f in a.filter)]
     with ProcessPoolExecutor(a.jobs) as ex:
         rows = dict(ex.map(_one, [(c, not a.no_compile) for c in cfgs]))
     print(f"{len(rows)} kernels fingerprinted", file=sys.stderr)
