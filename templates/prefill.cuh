@@ -67,7 +67,7 @@ __device__ void PrefillKernel<Traits>::run(const PrefillArgs& a, const PrefillMa
         convert_persistent(a, *once, sm, buf, cache, raw_quarter(sm, warp), lane);
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
-      int count = 0;
+      Ring ring{0};
       for (int i = 0;; ++i) {
         const u64 tq0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
         mbar_wait(sm.q_full, i & 1);
@@ -83,14 +83,14 @@ __device__ void PrefillKernel<Traits>::run(const PrefillArgs& a, const PrefillMa
           return;
         }
         consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, 0,
-                warp - 4, lane, count, i & 1, once);
+                warp - 4, lane, ring, i & 1, once);
       }
     }
     return;
   }
   // work items along x (launched first), heads along y: the blocks in flight are the query tiles of one or two
   // heads, which read the same K/V rows while they are in L2 (heads along x had each KV head's rows read by
-  // blocks far apart in time: 2-40% slower on H100, most at MHA, benchmarks/NOTES.md session 19)
+  // blocks far apart in time: slower on H100, most at MHA; docs/tuning.md)
   const Item t = make_item(a, once, cache, blockIdx.x, blockIdx.y);
   const int vslice = blockIdx.z;
   if (warp < 4) {
@@ -99,15 +99,15 @@ __device__ void PrefillKernel<Traits>::run(const PrefillArgs& a, const PrefillMa
       produce_once(a, maps, *once, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len,
                    t.n_first, t.n_tiles, warp, lane);
     else {
-      int count = 0;
+      Ring ring{0};
       produce(a, maps, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.n_first,
-              t.n_tiles, vslice, warp, lane, count);
+              t.n_tiles, vslice, warp, lane, ring);
     }
   } else {
     if constexpr (kProducerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
-    int count = 0;
+    Ring ring{0};
     consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, vslice,
-            warp - 4, lane, count, 0, once);
+            warp - 4, lane, ring, 0, once);
   }
 }
 

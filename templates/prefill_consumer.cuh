@@ -74,7 +74,7 @@ template <class Traits>
 __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs& a, const Smem& sm, const Buf& buf,
                                                                const Cache& cache, int head, int q_begin, int q0,
                                                                int rows, int kv_len, int shift, int n_first,
-                                                               int n_tiles, int vslice, int warp, int lane, int& count,
+                                                               int n_tiles, int vslice, int warp, int lane, Ring& ring,
                                                                int q_phase, const OnceArgs* once) {
   typedef Wgmma<T, BN> MmaS;
   typedef Wgmma8<BN> MmaS8;
@@ -147,8 +147,8 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
     const bool ring_pass = PINGPONG && !(wg == kConsumerWGs - 1 && it == n_tiles - 1);
     // ---- S = Q K^T over the K elements of this tile
     if constexpr (FP8_SCORES) {
-      const int stage = count % STAGES;
-      mbar_wait(sm.full + 8 * stage, (count / STAGES) & 1);
+      const int stage = ring.stage();
+      mbar_wait(sm.full + 8 * stage, ring.phase());
       trace_mark(it, 1);
       if constexpr (kKsMma) {
         // P V(t - 1) completes first: its P registers hold kb while S is in flight (both beside P and the
@@ -176,9 +176,9 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
       if (CUKV_WAIT_STATS) ws_bar += (u32)globaltimer_ns() - tb0;
 #pragma unroll
       for (int e = 0; e < kKElems; ++e) {
-        const int stage = (count + e) % STAGES;
+        const int stage = ring.ahead(e).stage();
         const u32 tk0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
-        mbar_wait(sm.full + 8 * stage, ((count + e) / STAGES) & 1);
+        mbar_wait(sm.full + 8 * stage, ring.ahead(e).phase());
         if (CUKV_WAIT_STATS) {
           const u32 dk = (u32)globaltimer_ns() - tk0;
           ws_k += dk;
@@ -219,7 +219,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
       }
     } else if constexpr (FP8_SCORES && SCALE_BLOCK > 0) {
       // token K scales multiply the score columns (before the mask: a masked column's scale may be zero)
-      const u32 ks = sm.kscale + (u32)(((count % STAGES) * BN + 2 * c) * 4);
+      const u32 ks = sm.kscale + (u32)((ring.stage() * BN + 2 * c) * 4);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
         float k0, k1;
@@ -233,10 +233,10 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
     }
     // every wgmma so far is complete: release this tile's K elements and the previous tile's V
     if (lane == 0) {
-      for (int e = 0; e < kKElems; ++e) mbar_arrive(sm.empty + 8 * ((count + e) % STAGES));
+      for (int e = 0; e < kKElems; ++e) mbar_arrive(sm.empty + 8 * ring.ahead(e).stage());
       if (pending_v >= 0) mbar_arrive(sm.empty + 8 * pending_v);
     }
-    count += kKElems;
+    ring.advance(kKElems);
 
     // ---- scores, mask, online softmax (rows r0 and r1; 4 lanes share a row). Scores stay unscaled
     // until the exponent (one FMA); soft-cap and masks are uniform branches, not per-element selects.
@@ -295,10 +295,10 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
     }
 
     // ---- O += P V (P from registers: k16 step kk uses score columns 16kk .. 16kk + 15)
-    const int vstage = count % STAGES;
+    const int vstage = ring.stage();
     trace_mark(it, 3);
     const u32 tv0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
-    mbar_wait(sm.full + 8 * vstage, (count / STAGES) & 1);
+    mbar_wait(sm.full + 8 * vstage, ring.phase());
     if (CUKV_WAIT_STATS) ws_v += (u32)globaltimer_ns() - tv0;
     trace_mark(it, 4);
     fence_proxy_async();
@@ -318,7 +318,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
       fence_regs(o);
       pending_v = vstage;
     }
-    count += 1;
+    ring.advance();
   }
   wgmma_wait<0>();
   fence_regs(o);

@@ -18,6 +18,7 @@ struct PrefillKernel {
                         PERSISTENT = Traits::persistent, PV_WAIT = Traits::pv_wait;
 
   typedef KVBuffer<T, BN, BK, DEPTH, STAGES> Buf;
+  typedef RingState<STAGES> Ring;  // a role's position in the K/V ring (Buf)
   typedef typename Select<QUANTIZED, unsigned char, T>::type KVT;
   typedef KVCacheOperand<KVT, PAGE_SIZE, QUANTIZED> Cache;
   static_assert(!QUANTIZED || PAGE_SIZE > 0, "FP8 prefill reads a paged cache");
@@ -194,7 +195,7 @@ struct PrefillKernel {
   static __device__ __forceinline__ void produce(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
                                                  const Buf& buf, const Cache& cache, int b, int kv_head, int head,
                                                  int q_begin, int q0, int rows, int kv_len, int n_first, int n_tiles,
-                                                 int vslice, int pw, int lane, int& count);
+                                                 int vslice, int pw, int lane, Ring& ring);
   static __device__ __forceinline__ void feed_persistent_16(const PrefillArgs& a, const PrefillMaps* maps,
                                                             const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm,
                                                             const Buf& buf, const Cache& cache, int pw, int lane);
@@ -202,7 +203,7 @@ struct PrefillKernel {
   // ---- convert-once producer (prefill_once.cuh): the ring fed from a workspace the converter warps fill
   static __device__ __forceinline__ void feed_once(const PrefillMaps* maps, const OnceArgs& o, const Smem& sm,
                                                    const Buf& buf, int ws0, int kv_head, int n_first, int n_tiles,
-                                                   int& count, int lane);
+                                                   Ring& ring, int lane);
   static __device__ __forceinline__ float tensor_scale(const Fp8Cache& f, bool is_k);
   static __device__ __forceinline__ int* once_flag(const OnceArgs& o, int ws0, int n, int k, int q);
   static __device__ __forceinline__ void convert_quarter(const PrefillArgs& a, const OnceArgs& o, const Smem& sm,
@@ -227,7 +228,7 @@ struct PrefillKernel {
   static __device__ __forceinline__ void consume(const PrefillArgs& a, const Smem& sm, const Buf& buf,
                                                  const Cache& cache, int head, int q_begin, int q0, int rows,
                                                  int kv_len, int shift, int n_first, int n_tiles, int vslice, int warp,
-                                                 int lane, int& count, int q_phase, const OnceArgs* once = nullptr);
+                                                 int lane, Ring& ring, int q_phase, const OnceArgs* once = nullptr);
 };
 
 }  // namespace cukv

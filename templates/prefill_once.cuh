@@ -16,7 +16,7 @@
 
 namespace cukv {
 
-// kOnce's producer (benchmarks/NOTES.md sessions 26-28). Warp 0 only feeds the ring: per visited tile it waits
+// kOnce's producer. Warp 0 only feeds the ring: per visited tile it waits
 // until the tile's four quarters are ready in the workspace and loads them by TMA, so nothing it does waits on a
 // conversion's copies or stores (a producer that converted between its ring loads passed each step's latency on to
 // the consumers). Warps 1-3 convert, one quarter at a time through their own quarter of the raw tile. A claimed
@@ -28,10 +28,10 @@ namespace cukv {
 template <class Traits>
 __device__ __forceinline__ void PrefillKernel<Traits>::feed_once(const PrefillMaps* maps, const OnceArgs& o,
                                                                  const Smem& sm, const Buf& buf, int ws0, int kv_head,
-                                                                 int n_first, int n_tiles, int& count, int lane) {
+                                                                 int n_first, int n_tiles, Ring& ring, int lane) {
   const int n_last = n_first + n_tiles - 1;
   int ready_to = 0;  // tiles [it, ready_to) of the walk are known ready
-  const bool first_item = CUKV_ONCE_STATS && count == 0;
+  const bool first_item = CUKV_ONCE_STATS && ring.count == 0;
   u64 first_wait = 0;
   for (int it = 0; it < n_tiles; ++it) {
     const int n = n_last - it;
@@ -63,8 +63,8 @@ __device__ __forceinline__ void PrefillKernel<Traits>::feed_once(const PrefillMa
     }
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int stage = count % STAGES;
-      mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+      const int stage = ring.stage();
+      mbar_wait(sm.empty + 8 * stage, ring.empty_phase());
       if (lane == 0) {
         const u32 bar = sm.full + 8 * stage;
         mbar_expect_tx(bar, kQAtoms * BN * kAtomRowBytes);
@@ -76,7 +76,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::feed_once(const PrefillMa
                       atom * kAtomRowBytes, kv_head, ws0 + n * BN, 0, bar);
       }
       mbar_arrive_n(sm.full + 8 * stage, Buf::kProducerWarps);  // the full barrier counts 128 producer arrivals
-      ++count;
+      ring.advance();
     }
     // tiles issued so far, for the converters' stop rule (the first word of warp 0's raw quarter, which it never
     // uses; the persistent converters have no stop rule)
@@ -175,8 +175,8 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce_once(const Prefil
   asm volatile("bar.sync 15, 128;" ::: "memory");  // the producer warpgroup (15: no other user): the count is 0 before converters look
   load_query(a, sm, head, q_begin, q0, rows, pw, lane);
   if (pw == 0) {
-    int count = 0;
-    feed_once(maps, o, sm, buf, ws0, kv_head, n_first, n_tiles, count, lane);
+    Ring ring{0};
+    feed_once(maps, o, sm, buf, ws0, kv_head, n_first, n_tiles, ring, lane);
     asm volatile("cp.async.wait_all;" ::: "memory");  // the query's copies have landed
     return;
   }
@@ -228,7 +228,7 @@ template <class Traits>
 __device__ __forceinline__ void PrefillKernel<Traits>::feed_persistent(const PrefillArgs& a, const PrefillMaps* maps,
     const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm, const Buf& buf, const Cache& ws, int lane) {
   const int total = o.num_work * a.num_qo_heads;
-  int count = 0;
+  Ring ring{0};
   Item t;
   t.b = -1;
   if ((int)blockIdx.x < total) t = make_item(a, &o, ws, blockIdx.x);
@@ -237,11 +237,11 @@ __device__ __forceinline__ void PrefillKernel<Traits>::feed_persistent(const Pre
     if (lane == 0) stage_item(sm, qmap, t);
     if (t.b < 0) return;
     if (t.n_tiles > 0)
-      feed_once(maps, o, sm, buf, (int)ws.row_key(t.b, 0), t.kv_head, t.n_first, t.n_tiles, count, lane);
+      feed_once(maps, o, sm, buf, (int)ws.row_key(t.b, 0), t.kv_head, t.n_first, t.n_tiles, ring, lane);
     // The next item, taken only now that this one's tiles are issued (its consumers are a ring behind): a block
     // takes work when it is about to be free, as the hardware hands out blocks, so the heaviest-first order holds.
     // Taken at the item's start, a block that had just begun a long item held the next one back for its whole length
-    // (d256: 12% slower, benchmarks/NOTES.md session 28).
+    // (slower, docs/tuning.md).
     int next = 0;
     if (lane == 0) next = gridDim.x + atomicAdd(o.flags - 2, 1);
     next = __shfl_sync(0xffffffffu, next, 0);
@@ -269,7 +269,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::convert_persistent(const 
     i = __shfl_sync(0xffffffffu, i, 0);
     if (i >= total) return;
     const int k = i / per_head, q = i % 4;
-    const int tile = (i % per_head) / 4;  // sequence by sequence, bottom up (benchmarks/NOTES.md session 33)
+    const int tile = (i % per_head) / 4;  // sequence by sequence, bottom up (docs/tuning.md)
     const int b = __ldg(o.tile_seq + tile);
     const int ws0 = (int)ws.row_key(b, 0);
     const int kv_len = min(f.cache_length(b), ws.cache_length(b));

@@ -28,7 +28,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
                                                                const Smem& sm, const Buf& buf, const Cache& cache,
                                                                int b, int kv_head, int head, int q_begin, int q0,
                                                                int rows, int kv_len, int n_first, int n_tiles,
-                                                               int vslice, int pw, int lane, int& count) {
+                                                               int vslice, int pw, int lane, Ring& ring) {
   if constexpr (!FP8_SCORES && !PERSISTENT) load_query(a, sm, head, q_begin, q0, rows, pw, lane);
 
   const KVT* kbase = static_cast<const KVT*>(a.kv.k);
@@ -130,7 +130,8 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
     auto issue_tile = [&](int n, i64 key_lane, int t) {
       const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes);
       const u32 vdst = slot + (u32)((FP8_SCORES ? 0 : kKElems) * kRawElemBytes);
-      const int idx = t * (kKElems + 1), stage = idx % STAGES;  // FP8_SCORES: the K element's ring index
+      const Ring at{t * (kKElems + 1)};  // FP8_SCORES: the K element's ring position
+      const int stage = at.stage();
       if constexpr (kTma) {
         const int r0 = pw * kWarpRows + lane;
         const i64 row = lane_row(n, key_lane);
@@ -138,7 +139,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
         __syncwarp();  // the warp's lanes have read their rows of this slot (tile t - 2) before it is refilled
         // the scales first: their offsets die before the boxes' coordinates are formed
         if constexpr (FP8_SCORES) {
-          mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
+          mbar_wait(sm.empty + 8 * stage, at.empty_phase());
           if constexpr (kKsMma) {
             // held in a register until split_k_scales, after the next raw wait has hidden the load
             ks_held = row >= 0 ? __ldg(cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0)) : 0.f;
@@ -180,7 +181,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
         i64 k_lane, v_lane, ks_lane, vs_lane;
         row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
         if constexpr (FP8_SCORES) {
-          mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
+          mbar_wait(sm.empty + 8 * stage, at.empty_phase());
           buf.load_codes_from_dram(stage, kbase, [&](int i) { return row_of(k_lane, i); }, pw, lane);
           if constexpr (SCALE_BLOCK > 0) copy_k_scale(stage, k_lane >= 0, a.kv.k_scales + ks_lane);
           mbar_arrive_cp_async(sm.full + 8 * stage);
@@ -225,11 +226,12 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
       const int valid = kv_len - n * BN;  // rows of this tile inside the sequence (TMA: the rest must be zeroed)
 #pragma unroll
       for (int e = FP8_SCORES ? kKElems : 0; e <= kKElems; ++e) {
-        const int idx = it * (kKElems + 1) + e, stage = idx % STAGES;
+        const Ring at{it * (kKElems + 1) + e};
+        const int stage = at.stage();
         const u32 src = slot + (u32)((FP8_SCORES ? 0 : e) * kRawElemBytes);
         const float ts = e < kKElems ? k_tensor_scale : v_tensor_scale;
         auto wait_slot = [&] {
-          mbar_wait(sm.empty + 8 * stage, ((idx / STAGES) & 1) ^ 1);
+          mbar_wait(sm.empty + 8 * stage, at.empty_phase());
           trace_mark(it, 3);
         };
         // V with a per-tensor scale goes in as its codes (kVCodes); the TMA producer's last tile zeroes the rows
@@ -265,9 +267,9 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
           const bool lead = lane < kWarpRows && lane % TMA_ROWS == 0;
 #pragma unroll
           for (int e = 0; e <= kKElems; ++e) {
-            const int stage = count % STAGES;
+            const int stage = ring.stage();
             trace_mark(it, 2 * min(e, 1));
-            mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+            mbar_wait(sm.empty + 8 * stage, ring.empty_phase());
             trace_mark(it, 2 * min(e, 1) + 1);
             if (lead) {
               // dims of this element: a K element's BK, or V's slice; boxes past the head read as zeros
@@ -276,7 +278,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
               ring_boxes(stage, e < kKElems ? &maps->k : &maps->v, col0 * (int)sizeof(T), (ncols + 63) / 64, box);
             }
             mbar_arrive(sm.full + 8 * stage);
-            ++count;
+            ring.advance();
           }
           trace_mark(it, 4);
           continue;
@@ -288,16 +290,16 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
       auto voff = [&](int i) -> i64 { return row_of(v_lane, i); };
 #pragma unroll
       for (int e = 0; e <= kKElems; ++e) {
-        const int stage = count % STAGES;
+        const int stage = ring.stage();
         trace_mark(it, 2 * min(e, 1));  // events 0-1: the (last) K element's slot; 2-3: V's
-        mbar_wait(sm.empty + 8 * stage, ((count / STAGES) & 1) ^ 1);
+        mbar_wait(sm.empty + 8 * stage, ring.empty_phase());
         trace_mark(it, 2 * min(e, 1) + 1);
         if (e < kKElems)
           buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
         else
           buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
         mbar_arrive_cp_async(sm.full + 8 * stage);
-        ++count;
+        ring.advance();
       }
       trace_mark(it, 4);
     }
@@ -316,7 +318,8 @@ template <class Traits>
 __device__ __forceinline__ void PrefillKernel<Traits>::feed_persistent_16(const PrefillArgs& a, const PrefillMaps* maps,
     const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm, const Buf& buf, const Cache& cache, int pw, int lane) {
   const int total = o.num_work * a.num_qo_heads;
-  int count = 0, idx = blockIdx.x;
+  Ring ring{0};
+  int idx = blockIdx.x;
   for (int i = 0;; ++i) {
     Item t;
     t.b = -1;
@@ -327,7 +330,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::feed_persistent_16(const 
     }
     if (t.b < 0) break;
     produce(a, maps, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.n_first,
-            t.n_tiles, 0, pw, lane, count);
+            t.n_tiles, 0, pw, lane, ring);
     const u32 slot = sm.next + (u32)(4 * (i & 1));
     if (pw == 0 && lane == 0)
       asm volatile("st.shared.u32 [%0], %1;" :: "r"(slot), "r"((int)gridDim.x + atomicAdd(o.flags - 2, 1)) : "memory");
