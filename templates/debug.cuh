@@ -2,7 +2,7 @@
 // switches one on with a compile define (compile_source(defines=...) or CUKV_DEFINES; benchmarks/ab_macros.sh still
 // rewrites the #define lines here). Nothing below changes what a shipped kernel computes.
 #pragma once
-#include "common.cuh"
+#include "hopper.cuh"  // globaltimer_ns
 
 // CUKV_TRACE 1: lane 0 of each warp of the first kTraceBlocks blocks (blockIdx.x == 0 and z == 0) writes clock64()
 // for (warp, iteration, event) into cukv_trace (trace_mark), which benchmarks/trace_prefill.py reads with
@@ -53,6 +53,41 @@ extern "C" {
 __device__ unsigned long long cukv_wait_stats[8];  // a definition: the block form of extern "C"
 }
 #endif
+
+// CUKV_WAIT_STATS: one consumer warp's waits over a work item (ns, 32 bits: an item's waits stay far below 4 s),
+// added to cukv_wait_stats by flush(). As shipped every member is dead code.
+struct WaitStats {
+  u32 k = 0, v = 0, bar = 0, k_early = 0, t0 = 0;
+  bool early = false;  // an item begun while convert-once's converters run (see PrefillKernel::consume)
+  static __device__ __forceinline__ u32 now() { return CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0u; }
+  // sum += the time since `since` (a now())
+  static __device__ __forceinline__ void add(u32& sum, u32 since) {
+    if (CUKV_WAIT_STATS) sum += (u32)globaltimer_ns() - since;
+  }
+  // a K wait that began at `since`
+  __device__ __forceinline__ void add_k(u32 since) {
+    if (CUKV_WAIT_STATS) {
+      const u32 dk = (u32)globaltimer_ns() - since;
+      k += dk;
+      if (early) k_early += dk;
+    }
+  }
+  // one warp of each four (first_of_four) adds the item's sums
+  __device__ __forceinline__ void flush(bool first_of_four, int n_tiles) const {
+#if CUKV_WAIT_STATS
+    if (first_of_four) {
+      atomicAdd(&cukv_wait_stats[0], (unsigned long long)k);
+      atomicAdd(&cukv_wait_stats[1], (unsigned long long)v);
+      atomicAdd(&cukv_wait_stats[2], (unsigned long long)bar);
+      atomicAdd(&cukv_wait_stats[3], (unsigned long long)((u32)globaltimer_ns() - t0));
+      atomicAdd(&cukv_wait_stats[4], (unsigned long long)n_tiles);
+      atomicAdd(&cukv_wait_stats[5], 1ull);
+      atomicAdd(&cukv_wait_stats[6], (unsigned long long)k_early);
+      if (early) atomicAdd(&cukv_wait_stats[7], (unsigned long long)n_tiles);
+    }
+#endif
+  }
+};
 
 __device__ __forceinline__ void trace_mark(int it, int ev) {
 #if CUKV_TRACE

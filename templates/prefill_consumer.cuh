@@ -76,11 +76,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
                                                                int rows, int kv_len, int shift, int n_first,
                                                                int n_tiles, int vslice, int warp, int lane, Ring& ring,
                                                                int q_phase, const OnceArgs* once) {
-  typedef Wgmma<T, BN> MmaS;
-  typedef Wgmma8<BN> MmaS8;
-  typedef Wgmma<__nv_bfloat16, kKsMma ? BN / 2 : 16> MmaKs;
   float kb[MmaKs::kRegs];  // kKsMma: the score columns' K scales
-  typedef Wgmma<PT, kVCols> MmaO;
   // the warpgroup, broadcast from lane 0 so that ptxas knows it is warp-uniform: the query descriptor built
   // from it then stays in uniform registers, one add per wgmma (desc_add) instead of moves from vector ones
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0), wq = warp % 4;
@@ -128,12 +124,12 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
   const u64 q_desc = sw128_desc(sm.q + (u32)(wg * 64 * kAtomRowBytes), 1, 1024);
 
   int pending_v = -1;
-  u32 ws_k = 0, ws_v = 0, ws_bar = 0, ws_k_early = 0;  // ns, 32 bits: an item's waits stay far below 4 s
-  const u32 ws_t0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
+  WaitStats ws;
+  ws.t0 = WaitStats::now();
   // convert-once's persistent grid: an item begun in the kernel's first 400 us (while the converters run), from the
   // blocks' start (an item that reads the word before any block's start is visible counts as later; the form that
   // handles it spilled 20 bytes at d256). The 16-bit grid has no converters.
-  const bool early = CUKV_WAIT_STATS && PERSISTENT && kOnce &&
+  ws.early = CUKV_WAIT_STATS && PERSISTENT && kOnce &&
                      globaltimer_ns() - ~*reinterpret_cast<const volatile unsigned long long*>(once->flags - 32 + 10) <
                          400000ull;
   // PINGPONG: wait for the previous warpgroup's S issue, then let the next one go. Warpgroup 0 goes first
@@ -145,60 +141,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
     trace_mark(it, 0);
     const bool ring_wait = PINGPONG && !(wg == 0 && it == 0);
     const bool ring_pass = PINGPONG && !(wg == kConsumerWGs - 1 && it == n_tiles - 1);
-    // ---- S = Q K^T over the K elements of this tile
-    if constexpr (FP8_SCORES) {
-      const int stage = ring.stage();
-      mbar_wait(sm.full + 8 * stage, ring.phase());
-      trace_mark(it, 1);
-      if constexpr (kKsMma) {
-        // P V(t - 1) completes first: its P registers hold kb while S is in flight (both beside P and the
-        // output made ptxas serialize the wgmmas, C7512)
-        wgmma_wait<0>();
-        fence_regs(o);
-      }
-      if (ring_wait) named_barrier_sync<256>(4 + wg);
-      fence_proxy_async();
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kQ8Steps; ++k) {
-        const u32 qa = (u32)((k / 4) * BM * kAtomRowBytes + (k % 4) * 32);
-        const u64 kd = buf.k_desc(stage, k / 4, k % 4);
-        MmaS8::ss(s, desc_add(q_desc, qa), kd, k > 0);
-        MmaS8::ss(s, desc_add(q_desc, qa + (u32)kQ8Half), kd, 1);
-      }
-      if constexpr (kKsMma)
-        MmaKs::ss(kb, plain_desc(sm.kscale, 0, 128),
-                  plain_desc(sm.kscale + (u32)(kKsOnesBytes + stage * (BN / 2) * kKsRowBytes), 0, 128), 0);
-      wgmma_commit();
-    } else {
-      const u32 tb0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
-      if (ring_wait) named_barrier_sync<256>(4 + wg);
-      if (CUKV_WAIT_STATS) ws_bar += (u32)globaltimer_ns() - tb0;
-#pragma unroll
-      for (int e = 0; e < kKElems; ++e) {
-        const int stage = ring.ahead(e).stage();
-        const u32 tk0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
-        mbar_wait(sm.full + 8 * stage, ring.ahead(e).phase());
-        if (CUKV_WAIT_STATS) {
-          const u32 dk = (u32)globaltimer_ns() - tk0;
-          ws_k += dk;
-          if (early) ws_k_early += dk;
-        }
-        trace_mark(it, 1);
-        fence_proxy_async();
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < Buf::num_k_mmas2; ++k) {
-          const int dim = e * BK + k * 16;
-          if (dim < DEPTH) {
-            const int qa = dim / 64;
-            const u64 qd = desc_add(q_desc, (u32)(qa * BM * kAtomRowBytes + (dim % 64) * 2));
-            MmaS::ss(s, qd, buf.k_desc(stage, k / 4, k % 4), e > 0 || k > 0);
-          }
-        }
-        wgmma_commit();
-      }
-    }
+    issue_scores(sm, buf, ring, q_desc, s, kb, o, wg, it, ring_wait, ws);
     if (ring_pass) named_barrier_arrive<256>(ring_next);
     wgmma_wait<0>();
     trace_mark(it, 2);
@@ -206,31 +149,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
     if (PERSISTENT && it == n_tiles - 1 && lane == 0) mbar_arrive(sm.q_empty);
     fence_regs(s);
     fence_regs(o);
-    if constexpr (kKsMma) {
-      fence_regs(kb);
-      // key columns 8j + 2c (+1): the first half's scales on row g's registers, the second's on row g + 8's
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int i = j < BN / 16 ? 4 * j : 4 * (j - BN / 16) + 2;
-        s[4 * j] *= kb[i];
-        s[4 * j + 1] *= kb[i + 1];
-        s[4 * j + 2] *= kb[i];
-        s[4 * j + 3] *= kb[i + 1];
-      }
-    } else if constexpr (FP8_SCORES && SCALE_BLOCK > 0) {
-      // token K scales multiply the score columns (before the mask: a masked column's scale may be zero)
-      const u32 ks = sm.kscale + (u32)((ring.stage() * BN + 2 * c) * 4);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        float k0, k1;
-        asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(k0), "=f"(k1) : "r"(ks + (u32)(32 * j)) : "memory");
-        s[4 * j] *= k0;
-        s[4 * j + 1] *= k1;
-        s[4 * j + 2] *= k0;
-        s[4 * j + 3] *= k1;
-      }
-      __syncwarp();  // every lane has read the scales before lane 0 releases the element
-    }
+    scale_scores(sm, ring, s, kb, c);
     // every wgmma so far is complete: release this tile's K elements and the previous tile's V
     if (lane == 0) {
       for (int e = 0; e < kKElems; ++e) mbar_arrive(sm.empty + 8 * ring.ahead(e).stage());
@@ -297,9 +216,9 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
     // ---- O += P V (P from registers: k16 step kk uses score columns 16kk .. 16kk + 15)
     const int vstage = ring.stage();
     trace_mark(it, 3);
-    const u32 tv0 = CUKV_WAIT_STATS ? (u32)globaltimer_ns() : 0;
+    const u32 tv0 = WaitStats::now();
     mbar_wait(sm.full + 8 * vstage, ring.phase());
-    if (CUKV_WAIT_STATS) ws_v += (u32)globaltimer_ns() - tv0;
+    WaitStats::add(ws.v, tv0);
     trace_mark(it, 4);
     fence_proxy_async();
     wgmma_fence();
@@ -324,20 +243,107 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
   fence_regs(o);
   if (lane == 0 && pending_v >= 0) mbar_arrive(sm.empty + 8 * pending_v);
   if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(sm.q_empty);
-#if CUKV_WAIT_STATS
-  if (wq == 0 && lane == 0) {
-    atomicAdd(&cukv_wait_stats[0], (unsigned long long)ws_k);
-    atomicAdd(&cukv_wait_stats[1], (unsigned long long)ws_v);
-    atomicAdd(&cukv_wait_stats[2], (unsigned long long)ws_bar);
-    atomicAdd(&cukv_wait_stats[3], (unsigned long long)((u32)globaltimer_ns() - ws_t0));
-    atomicAdd(&cukv_wait_stats[4], (unsigned long long)n_tiles);
-    atomicAdd(&cukv_wait_stats[5], 1ull);
-    atomicAdd(&cukv_wait_stats[6], (unsigned long long)ws_k_early);
-    if (early) atomicAdd(&cukv_wait_stats[7], (unsigned long long)n_tiles);
-  }
-#endif
+ws.flush(wq == 0 && lane == 0, n_tiles);
 
-  // ---- epilogue: normalize, sink, write O and LSE
+  store_output(a, cache, once, o, l0, l1, m0, m1, sl0, sl1, r0, r1, head, q_begin, q0, rows, vslice, c);
+}
+
+// ---- S = Q K^T over the K elements of this tile (the next ring position on): issued and committed, not waited for
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::issue_scores(const Smem& sm, const Buf& buf, const Ring& ring,
+                                                                    u64 q_desc, float (&s)[kSRegs],
+                                                                    float (&kb)[MmaKs::kRegs], float (&o)[kORegs],
+                                                                    int wg, int it, bool ring_wait, WaitStats& ws) {
+  if constexpr (FP8_SCORES) {
+    const int stage = ring.stage();
+    mbar_wait(sm.full + 8 * stage, ring.phase());
+    trace_mark(it, 1);
+    if constexpr (kKsMma) {
+      // P V(t - 1) completes first: its P registers hold kb while S is in flight (both beside P and the
+      // output made ptxas serialize the wgmmas, C7512)
+      wgmma_wait<0>();
+      fence_regs(o);
+    }
+    if (ring_wait) named_barrier_sync<256>(4 + wg);
+    fence_proxy_async();
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kQ8Steps; ++k) {
+      const u32 qa = (u32)((k / 4) * BM * kAtomRowBytes + (k % 4) * 32);
+      const u64 kd = buf.k_desc(stage, k / 4, k % 4);
+      MmaS8::ss(s, desc_add(q_desc, qa), kd, k > 0);
+      MmaS8::ss(s, desc_add(q_desc, qa + (u32)kQ8Half), kd, 1);
+    }
+    if constexpr (kKsMma)
+      MmaKs::ss(kb, plain_desc(sm.kscale, 0, 128),
+                plain_desc(sm.kscale + (u32)(kKsOnesBytes + stage * (BN / 2) * kKsRowBytes), 0, 128), 0);
+    wgmma_commit();
+  } else {
+    const u32 tb0 = WaitStats::now();
+    if (ring_wait) named_barrier_sync<256>(4 + wg);
+    WaitStats::add(ws.bar, tb0);
+#pragma unroll
+    for (int e = 0; e < kKElems; ++e) {
+      const int stage = ring.ahead(e).stage();
+      const u32 tk0 = WaitStats::now();
+      mbar_wait(sm.full + 8 * stage, ring.ahead(e).phase());
+      ws.add_k(tk0);
+      trace_mark(it, 1);
+      fence_proxy_async();
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < Buf::num_k_mmas2; ++k) {
+        const int dim = e * BK + k * 16;
+        if (dim < DEPTH) {
+          const int qa = dim / 64;
+          const u64 qd = desc_add(q_desc, (u32)(qa * BM * kAtomRowBytes + (dim % 64) * 2));
+          MmaS::ss(s, qd, buf.k_desc(stage, k / 4, k % 4), e > 0 || k > 0);
+        }
+      }
+      wgmma_commit();
+    }
+  }
+}
+
+// FP8 scores with token scales: the K scales multiply the score columns (before the mask: a masked column's scale may
+// be zero). kKsMma: from the K-scale wgmma's registers kb; otherwise from the ring element's scales in shared memory.
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::scale_scores(const Smem& sm, const Ring& ring,
+                                                                    float (&s)[kSRegs], float (&kb)[MmaKs::kRegs],
+                                                                    int c) {
+  if constexpr (kKsMma) {
+    fence_regs(kb);
+    // key columns 8j + 2c (+1): the first half's scales on row g's registers, the second's on row g + 8's
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int i = j < BN / 16 ? 4 * j : 4 * (j - BN / 16) + 2;
+      s[4 * j] *= kb[i];
+      s[4 * j + 1] *= kb[i + 1];
+      s[4 * j + 2] *= kb[i];
+      s[4 * j + 3] *= kb[i + 1];
+    }
+  } else if constexpr (FP8_SCORES && SCALE_BLOCK > 0) {
+    const u32 ks = sm.kscale + (u32)((ring.stage() * BN + 2 * c) * 4);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      float k0, k1;
+      asm volatile("ld.shared.v2.f32 {%0,%1}, [%2];" : "=f"(k0), "=f"(k1) : "r"(ks + (u32)(32 * j)) : "memory");
+      s[4 * j] *= k0;
+      s[4 * j + 1] *= k1;
+      s[4 * j + 2] *= k0;
+      s[4 * j + 3] *= k1;
+    }
+    __syncwarp();  // every lane has read the scales before lane 0 releases the element
+  }
+}
+
+// ---- epilogue: normalize, sink, write O and LSE of rows r0 and r1 if below `rows` (token q_begin + q0 + r)
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::store_output(const PrefillArgs& a, const Cache& cache,
+                                                                    const OnceArgs* once, const float (&o)[kORegs],
+                                                                    float l0, float l1, float m0, float m1, float sl0,
+                                                                    float sl1, int r0, int r1, int head, int q_begin, int q0,
+                                                                    int rows, int vslice, int c) {
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
   const float base0 = exp_base(m0, sl0), base1 = exp_base(m1, sl1);

@@ -222,6 +222,10 @@ struct PrefillKernel {
                                                             const Buf& buf, const Cache& ws, u32 quarter, int lane);
 
   // ---- consumer (prefill_consumer.cuh): S = Q K^T, mask, online softmax, O += P V, epilogue
+  typedef Wgmma<T, BN> MmaS;                                     // S = Q K^T, 16-bit
+  typedef Wgmma8<BN> MmaS8;                                      // S = Q K^T, e4m3 (FP8 scores)
+  typedef Wgmma<__nv_bfloat16, kKsMma ? BN / 2 : 16> MmaKs;     // kKsMma: the K scales
+  typedef Wgmma<PT, kVCols> MmaO;                                // O += P V
   static __device__ __forceinline__ void split_query(const PrefillArgs& a, const Smem& sm, int head, int q_begin,
                                                      int q0, int rows, int r0, int r1, int c, float& f0, float& f1);
   static __device__ __forceinline__ float exp_base(float m, float sl);
@@ -229,6 +233,16 @@ struct PrefillKernel {
                                                  const Cache& cache, int head, int q_begin, int q0, int rows,
                                                  int kv_len, int shift, int n_first, int n_tiles, int vslice, int warp,
                                                  int lane, Ring& ring, int q_phase, const OnceArgs* once = nullptr);
+  static __device__ __forceinline__ void issue_scores(const Smem& sm, const Buf& buf, const Ring& ring, u64 q_desc,
+                                                      float (&s)[kSRegs], float (&kb)[MmaKs::kRegs],
+                                                      float (&o)[kORegs], int wg, int it, bool ring_wait,
+                                                      WaitStats& ws);
+  static __device__ __forceinline__ void scale_scores(const Smem& sm, const Ring& ring, float (&s)[kSRegs],
+                                                      float (&kb)[MmaKs::kRegs], int c);
+  static __device__ __forceinline__ void store_output(const PrefillArgs& a, const Cache& cache, const OnceArgs* once,
+                                                      const float (&o)[kORegs], float l0, float l1, float m0, float m1,
+                                                      float sl0, float sl1, int r0, int r1, int head, int q_begin, int q0,
+                                                      int rows, int vslice, int c);
 };
 
 }  // namespace cukv
