@@ -164,25 +164,9 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
       for (int i = 0; i < kSRegs; ++i) s[i] = a.softcap * tanhf(s[i] * (i % 4 < 2 ? cap0 : cap1));
     }
     const int key0 = n * BN;
-    if (key0 + BN > wg_hi_min || key0 < wg_lo_max) {
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 4; ++h) {
-          const int key = key0 + 8 * j + 2 * c + (h & 1);
-          const bool vis = h < 2 ? (key >= lo0 && key < hi0) : (key >= lo1 && key < hi1);
-          s[4 * j + h] = vis ? s[4 * j + h] : -CUKV_INF;  // select, never multiply: NaN cannot leak
-        }
-      }
-    }
+    if (key0 + BN > wg_hi_min || key0 < wg_lo_max) mask_scores(s, key0, c, lo0, hi0, lo1, hi1);
     float mx0 = m0, mx1 = m1;
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    mx0 = quad_max(mx0);
-    mx1 = quad_max(mx1);
+    row_max(s, mx0, mx1);
     // The running max moves (and O is rescaled) only when some row of the warp grew past kRescaleLog2; a row
     // seeing its first keys (m = -inf) always counts as grown, one with none still visible never does.
     const bool grow = !kLazyRescale || (mx0 - m0) * sl0 > (float)kRescaleLog2 ||
@@ -376,6 +360,33 @@ __device__ __forceinline__ void PrefillKernel<Traits>::store_output(const Prefil
     if (r1 < rows)
       a.lse[(i64)(q_begin + q0 + r1) * a.num_qo_heads + head] = l1 > 0.f ? (base1 + __log2f(l1)) * kLn2 : -CUKV_INF;
   }
+}
+
+// The keys of the tile from key0 that a row does not see ([lo0, hi0) for row r0, [lo1, hi1) for r1) read -inf
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::mask_scores(float (&s)[kSRegs], int key0, int c, int lo0,
+                                                                   int hi0, int lo1, int hi1) {
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      const int key = key0 + 8 * j + 2 * c + (h & 1);
+      const bool vis = h < 2 ? (key >= lo0 && key < hi0) : (key >= lo1 && key < hi1);
+      s[4 * j + h] = vis ? s[4 * j + h] : -CUKV_INF;  // select, never multiply: NaN cannot leak
+    }
+  }
+}
+
+// mx0, mx1: at least rows r0's and r1's largest score of the tile (over the row's quad of lanes)
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::row_max(const float (&s)[kSRegs], float& mx0, float& mx1) {
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+    mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  mx0 = quad_max(mx0);
+  mx1 = quad_max(mx1);
 }
 
 }  // namespace cukv
