@@ -95,24 +95,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
   // Scores leave the mma as s * f_row (FP8 scores: the query's 2^-k and a per-tensor K scale; token K scales
   // are applied per column below); f0, f1 fold into the exponent's one FMA (sl0, sl1) or the soft-cap.
   float f0 = 1.f, f1 = 1.f;
-  if constexpr (FP8_SCORES) {
-    split_query(a, sm, head, q_begin, q0, rows, r0, r1, c, f0, f1);
-    if constexpr (SCALE_BLOCK == 0) {
-      const float ks = cache.template load_scale<0>(true, 0, 0, 0);
-      f0 *= ks;
-      f1 *= ks;
-    }
-    fence_proxy_async();  // the generic-proxy stores -> wgmma; then every warp of the warpgroup has stored
-    named_barrier_sync<128>(1 + wg);
-  } else {
-    mbar_wait(sm.q_full, q_phase);
-    fence_proxy_async();
-  }
-  if constexpr (kOnceCodes) {  // the workspace's K holds codes: its tensor scale scales the scores
-    const float ks = Fp8Cache(once->fp8).template load_scale<0>(true, 0, 0, 0);
-    f0 *= ks;
-    f1 *= ks;
-  }
+  stage_query(a, sm, cache, once, head, q_begin, q0, rows, r0, r1, c, wg, q_phase, f0, f1);
   const float sl0 = capped ? kLog2e : scale_log2 * f0, sl1 = capped ? kLog2e : scale_log2 * f1;
   const float cap0 = a.sm_scale * f0 / a.softcap, cap1 = a.sm_scale * f1 / a.softcap;
   float o[kORegs];
@@ -387,6 +370,33 @@ __device__ __forceinline__ void PrefillKernel<Traits>::row_max(const float (&s)[
   }
   mx0 = quad_max(mx0);
   mx1 = quad_max(mx1);
+}
+
+// The warpgroup's query in shared memory (FP8 scores: split into e4m3 terms here; otherwise staged by the producer on
+// q_full), and the factors f0, f1 its rows' scores leave the mma with
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::stage_query(const PrefillArgs& a, const Smem& sm,
+                                                                   const Cache& cache, const OnceArgs* once, int head,
+                                                                   int q_begin, int q0, int rows, int r0, int r1,
+                                                                   int c, int wg, int q_phase, float& f0, float& f1) {
+  if constexpr (FP8_SCORES) {
+    split_query(a, sm, head, q_begin, q0, rows, r0, r1, c, f0, f1);
+    if constexpr (SCALE_BLOCK == 0) {
+      const float ks = cache.template load_scale<0>(true, 0, 0, 0);
+      f0 *= ks;
+      f1 *= ks;
+    }
+    fence_proxy_async();  // the generic-proxy stores -> wgmma; then every warp of the warpgroup has stored
+    named_barrier_sync<128>(1 + wg);
+  } else {
+    mbar_wait(sm.q_full, q_phase);
+    fence_proxy_async();
+  }
+  if constexpr (kOnceCodes) {  // the workspace's K holds codes: its tensor scale scales the scores
+    const float ks = Fp8Cache(once->fp8).template load_scale<0>(true, 0, 0, 0);
+    f0 *= ks;
+    f1 *= ks;
+  }
 }
 
 }  // namespace cukv

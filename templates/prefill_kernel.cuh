@@ -242,6 +242,9 @@ struct PrefillKernel {
   static __device__ __forceinline__ void mask_scores(float (&s)[kSRegs], int key0, int c, int lo0, int hi0, int lo1,
                                                      int hi1);
   static __device__ __forceinline__ void row_max(const float (&s)[kSRegs], float& mx0, float& mx1);
+  static __device__ __forceinline__ void stage_query(const PrefillArgs& a, const Smem& sm, const Cache& cache,
+                                                     const OnceArgs* once, int head, int q_begin, int q0, int rows,
+                                                     int r0, int r1, int c, int wg, int q_phase, float& f0, float& f1);
   static __device__ __forceinline__ void store_output(const PrefillArgs& a, const Cache& cache, const OnceArgs* once,
                                                       const float (&o)[kORegs], float l0, float l1, float m0, float m1,
                                                       float sl0, float sl1, int r0, int r1, int head, int q_begin, int q0,
