@@ -196,6 +196,11 @@ struct PrefillKernel {
                                                  const Buf& buf, const Cache& cache, int b, int kv_head, int head,
                                                  int q_begin, int q0, int rows, int kv_len, int n_first, int n_tiles,
                                                  int vslice, int pw, int lane, Ring& ring);
+  struct ProducerLane;  // prefill_producer.cuh
+  static __device__ __forceinline__ void produce_16(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
+                                                    const Buf& buf, const Cache& cache, int b, int kv_head, int kv_len,
+                                                    int n_first, int n_tiles, int vslice, int pw, int lane,
+                                                    i64 key_next, const KVT* kbase, const KVT* vbase, Ring& ring);
   static __device__ __forceinline__ void feed_persistent_16(const PrefillArgs& a, const PrefillMaps* maps,
                                                             const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm,
                                                             const Buf& buf, const Cache& cache, int pw, int lane);

@@ -253,59 +253,119 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
       trace_mark(it, 4);
     }
   } else {
-    for (int it = 0; it < n_tiles; ++it) {
-      const int n = n_first + n_tiles - 1 - it;
-      const i64 key_lane = key_next;
-      if (it + 1 < n_tiles) key_next = lookup(n - 1);
-      // kTma: a tile wholly inside the sequence comes as tensor copies straight into the ring (every TMA_ROWS-th
-      // lane issues one box of its rows per 64-dim atom). The tile holding the sequence's end keeps the
-      // cp.async path below: its zero fill past the sequence is what keeps unused (possibly NaN) slots out of
-      // P V, where a masked score's zero weight would still multiply them.
-      if constexpr (kTma) {
-        if ((n + 1) * BN <= kv_len) {
-          const int2 box = box_coords(n, key_lane, PAGE_SIZE > 0 ? lane_row(n, key_lane) : (i64)-1);
-          const bool lead = lane < kWarpRows && lane % TMA_ROWS == 0;
-#pragma unroll
-          for (int e = 0; e <= kKElems; ++e) {
-            const int stage = ring.stage();
-            trace_mark(it, 2 * min(e, 1));
-            mbar_wait(sm.empty + 8 * stage, ring.empty_phase());
-            trace_mark(it, 2 * min(e, 1) + 1);
-            if (lead) {
-              // dims of this element: a K element's BK, or V's slice; boxes past the head read as zeros
-              const int col0 = e < kKElems ? e * BK : vslice * kVCols;
-              const int ncols = e < kKElems ? min(BK, DEPTH - e * BK) : kVCols;
-              ring_boxes(stage, e < kKElems ? &maps->k : &maps->v, col0 * (int)sizeof(T), (ncols + 63) / 64, box);
-            }
-            mbar_arrive(sm.full + 8 * stage);
-            ring.advance();
-          }
-          trace_mark(it, 4);
-          continue;
-        }
-      }
-      i64 k_lane, v_lane, ks_lane, vs_lane;
-      row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
-      auto koff = [&](int i) -> i64 { return row_of(k_lane, i); };
-      auto voff = [&](int i) -> i64 { return row_of(v_lane, i); };
-#pragma unroll
-      for (int e = 0; e <= kKElems; ++e) {
-        const int stage = ring.stage();
-        trace_mark(it, 2 * min(e, 1));  // events 0-1: the (last) K element's slot; 2-3: V's
-        mbar_wait(sm.empty + 8 * stage, ring.empty_phase());
-        trace_mark(it, 2 * min(e, 1) + 1);
-        if (e < kKElems)
-          buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
-        else
-          buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
-        mbar_arrive_cp_async(sm.full + 8 * stage);
-        ring.advance();
-      }
-      trace_mark(it, 4);
-    }
+    produce_16(a, maps, sm, buf, cache, b, kv_head, kv_len, n_first, n_tiles, vslice, pw, lane, key_next, kbase, vbase, ring);
   }
   // leave only after every copy has landed (PERSISTENT: the ring's position carries into the next item)
   if constexpr (!PERSISTENT) asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// 16-bit cache: each tile's K elements and V element straight into the ring
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::produce_16(const PrefillArgs& a, const PrefillMaps* maps,
+                                                                  const Smem& sm, const Buf& buf, const Cache& cache,
+                                                                  int b, int kv_head, int kv_len, int n_first,
+                                                                  int n_tiles, int vslice, int pw, int lane,
+                                                                  i64 key_next, const KVT* kbase, const KVT* vbase,
+                                                                  Ring& ring) {
+  constexpr int kWarpRows = BN / Buf::kProducerWarps;
+  // Lane j of a producer warp loads the table entry of the warp's j-th row one tile ahead (row_key: the
+  // load's latency hides behind this tile's copies) and forms that row's 64-bit K and V offsets (and FP8
+  // scale offsets) from it once (row_from_key checks the entry there); every lane that copies a chunk of
+  // that row takes them by shuffle, so the address math is not repeated.
+  auto lane_tok = [&](int n) -> int { return n * BN + pw * kWarpRows + lane; };  // this lane's token of tile n
+  auto lookup = [&](int n) -> i64 {
+    const int tok = lane_tok(n);
+    return (lane < kWarpRows && tok < kv_len) ? cache.row_key(b, tok) : (i64)-1;
+  };
+  static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
+  // this lane's row of tile n (a cache row), or -1 when it reads as zeros
+  auto lane_row = [&](int n, i64 key_lane) -> i64 {
+    const int tok_lane = lane_tok(n);
+    return (lane < kWarpRows && tok_lane < kv_len) ? cache.row_from_key(key_lane, tok_lane) : (i64)-1;
+  };
+  // TMA: (page, token in the page) of the box that starts at this lane's row of tile n. Paged: from the checked
+  // row `row` (a box stays in one page, so its rows share the entry's check; page -1 is outside the tensor and
+  // reads as zeros). Contiguous (k/v seen as one page): the unchecked row, whose rows outside k/v read as zeros,
+  // as cp.async's holes do.
+  auto box_coords = [&](int n, i64 key_lane, i64 row) -> int2 {
+    if constexpr (PAGE_SIZE > 0)
+      return row >= 0 ? make_int2((int)(row / PAGE_SIZE), (int)(row % PAGE_SIZE)) : make_int2(-1, 0);
+    else
+      return make_int2(0, (int)(key_lane + lane_tok(n)));
+  };
+  // TMA straight into ring element `stage` (the leading lane of a box): one box of this lane's TMA_ROWS rows per
+  // 128-byte swizzle atom, from byte column `col_bytes` of the map's rows, counted on the element's full barrier
+  auto ring_boxes = [&](int stage, const CUtensorMap* map, int col_bytes, int atoms, int2 box) {
+    const u32 bar = sm.full + 8 * stage;
+    mbar_expect_tx(bar, atoms * TMA_ROWS * kAtomRowBytes);
+#pragma unroll
+    for (int atom = 0; atom < atoms; ++atom)
+      tma_load_4d(buf.element(stage) + (u32)((atom * BN + pw * kWarpRows + lane) * kAtomRowBytes), map,
+                  col_bytes + atom * kAtomRowBytes, kv_head, box.y, box.x, bar);
+  };
+  auto row_offsets = [&](int n, i64 key_lane, i64& k_lane, i64& v_lane, i64& ks_lane, i64& vs_lane) {
+    k_lane = -1, v_lane = -1, ks_lane = 0, vs_lane = 0;
+    const i64 row = lane_row(n, key_lane);
+    if (row >= 0) {
+      k_lane = Cache::offset(a.kv.k_stride, row, kv_head, 0);
+      v_lane = Cache::offset(a.kv.v_stride, row, kv_head, 0);
+      if constexpr (QUANTIZED && SCALE_BLOCK > 0) {
+        ks_lane = cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales;
+        vs_lane = cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales;
+      }
+    }
+  };
+  auto row_of = [&](i64 x, int i) -> i64 { return __shfl_sync(0xffffffffu, x, (lane / 8 + 4 * i) % 32); };
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n = n_first + n_tiles - 1 - it;
+    const i64 key_lane = key_next;
+    if (it + 1 < n_tiles) key_next = lookup(n - 1);
+    // kTma: a tile wholly inside the sequence comes as tensor copies straight into the ring (every TMA_ROWS-th
+    // lane issues one box of its rows per 64-dim atom). The tile holding the sequence's end keeps the
+    // cp.async path below: its zero fill past the sequence is what keeps unused (possibly NaN) slots out of
+    // P V, where a masked score's zero weight would still multiply them.
+    if constexpr (kTma) {
+      if ((n + 1) * BN <= kv_len) {
+        const int2 box = box_coords(n, key_lane, PAGE_SIZE > 0 ? lane_row(n, key_lane) : (i64)-1);
+        const bool lead = lane < kWarpRows && lane % TMA_ROWS == 0;
+#pragma unroll
+        for (int e = 0; e <= kKElems; ++e) {
+          const int stage = ring.stage();
+          trace_mark(it, 2 * min(e, 1));
+          mbar_wait(sm.empty + 8 * stage, ring.empty_phase());
+          trace_mark(it, 2 * min(e, 1) + 1);
+          if (lead) {
+            // dims of this element: a K element's BK, or V's slice; boxes past the head read as zeros
+            const int col0 = e < kKElems ? e * BK : vslice * kVCols;
+            const int ncols = e < kKElems ? min(BK, DEPTH - e * BK) : kVCols;
+            ring_boxes(stage, e < kKElems ? &maps->k : &maps->v, col0 * (int)sizeof(T), (ncols + 63) / 64, box);
+          }
+          mbar_arrive(sm.full + 8 * stage);
+          ring.advance();
+        }
+        trace_mark(it, 4);
+        continue;
+      }
+    }
+    i64 k_lane, v_lane, ks_lane, vs_lane;
+    row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
+    auto koff = [&](int i) -> i64 { return row_of(k_lane, i); };
+    auto voff = [&](int i) -> i64 { return row_of(v_lane, i); };
+#pragma unroll
+    for (int e = 0; e <= kKElems; ++e) {
+      const int stage = ring.stage();
+      trace_mark(it, 2 * min(e, 1));  // events 0-1: the (last) K element's slot; 2-3: V's
+      mbar_wait(sm.empty + 8 * stage, ring.empty_phase());
+      trace_mark(it, 2 * min(e, 1) + 1);
+      if (e < kKElems)
+        buf.load_from_dram(stage, kbase, koff, e * BK, min(BK, DEPTH - e * BK), pw, lane);
+      else
+        buf.load_from_dram(stage, vbase, voff, vslice * kVCols, kVCols, pw, lane);
+      mbar_arrive_cp_async(sm.full + 8 * stage);
+      ring.advance();
+    }
+    trace_mark(it, 4);
+  }
 }
 
 // PERSISTENT, 16-bit cache: the producer warpgroup walks the work items as convert-once's warp 0 does
