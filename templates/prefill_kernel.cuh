@@ -102,7 +102,10 @@ struct PrefillKernel {
   // carry the two halves of the keys; both descriptors read their one 16-byte column twice, LBO = 0, hence the 0.5).
   // It replaces BN/8 LDS.64 per thread and tile, whose shared-memory wavefronts queued behind the wgmma operand reads
   // (docs/tuning.md). Otherwise the consumers load the scales from a float per row.
-  static constexpr bool kKsMma = FP8_SCORES && SCALE_BLOCK > 0 && kTma && BN % 32 == 0 && DEPTH <= 128;
+  // Decided by PrefillConfig.ks_mma (cukv/prefill_config.py); here only its prerequisites are checked.
+  static constexpr bool kKsMma = Traits::ks_mma;
+  static_assert(!kKsMma || (FP8_SCORES && SCALE_BLOCK > 0 && kTma && BN % 32 == 0),
+                "K scales by wgmma: token scales of e4m3 scores from tensor copies, m64n(BN/2)k16 in multiples of 16");
   static constexpr int kKsOnesBytes = 64 * 16, kKsRowBytes = 16;
   static constexpr int kKScaleBytes = Traits::kscale_bytes;
   static_assert(kKScaleBytes >= (kKsMma                           ? kKsOnesBytes + STAGES * (BN / 2) * kKsRowBytes
