@@ -104,10 +104,7 @@ __device__ __forceinline__ void cp_async16_l2(u32 dst, const void* src, int src_
     asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-// 8- and 4-byte copies (through L1: .ca is the only form for sizes under 16); same zero fill.
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
+// 4-byte copies (through L1: .ca is the only form for sizes under 16); same zero fill.
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }

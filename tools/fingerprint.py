@@ -14,6 +14,9 @@ import struct
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
+# the tree this file sits in, not an installed cukv (python3 tools/fingerprint.py puts tools/ first on the path)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def configs():
     """Shipped specializations, plus the FP8 decode/prefill defaults and the convert-once kernels."""
