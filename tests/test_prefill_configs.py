@@ -135,16 +135,20 @@ def test_every_point_raises_naming_a_field_or_renders(a):
     kb = cfg.kv_buffer
     want = {"num_repeats": kb.num_repeats, "smem_stage_size": kb.smem_stage_size, "num_k_tiles": kb.num_k_tiles,
             "num_k_mmas2": kb.num_k_mmas2, "full_kv": "true" if kb.full_kv else "false",
-            "num_threads": cfg.num_threads, "num_v_slices": cfg.num_v_slices, "dynamic shared memory": cfg.smem_bytes,
-            "PrefillArgs": PREFILL_ARGS.itemsize}
+            "num_threads": cfg.num_threads, "num_v_slices": cfg.num_v_slices, "PrefillArgs": PREFILL_ARGS.itemsize}
     asserts = [ln for ln in src.splitlines() if ln.startswith("static_assert(")]
     for what, value in want.items():
         line = next((ln for ln in asserts if f'"{what}' in ln), None)
         assert line is not None, f"no static_assert checks {what}"
         assert f"== {value}," in line, (what, value, line)
     assert ("__nv_bfloat16" if cfg.dtype == "bfloat16" else "__half") in src
-    assert (f"{cfg.head_dim}, {cfg.BM}, {cfg.BN}, {cfg.BK}, {cfg.stages}, {cfg.page_size}, false, 0, false, {cfg.tma_rows}, "
-            f"{str(cfg.pingpong).lower()}, 0, false, {str(cfg.pv_wait).lower()}>") in src
+    # the traits struct the kernel reads, one named member per field and decision
+    members = {"head_dim": cfg.head_dim, "BM": cfg.BM, "BN": cfg.BN, "BK": cfg.BK, "stages": cfg.stages,
+               "page_size": cfg.page_size, "tma_rows": cfg.tma_rows, "pingpong": str(cfg.pingpong).lower(),
+               "pv_wait": str(cfg.pv_wait).lower(), "smem_bytes": cfg.smem_bytes,
+               "producer_regs": cfg.producer_registers, "consumer_regs": cfg.consumer_registers}
+    for member, value in members.items():
+        assert re.search(rf"\b{member} = {value}[,;]", src), (member, value)
     assert cfg.render() == src  # deterministic: the cache key depends on it
 
 
