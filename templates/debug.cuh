@@ -31,13 +31,6 @@
 #ifndef CUKV_ONCE_UB
 #define CUKV_ONCE_UB 0
 #endif
-// CUKV_ONCE_DIAG (convert once, timing only): 1 skips the conversion's arithmetic and stores, 2 its __threadfence,
-// 3 stores the raw codes without converting them, 4 skips its cp.async copies (and waits), 5 all of 1, 2 and 4,
-// 6 stores every quarter into the workspace's first 1024 rows (L2-resident), 7 drops each quarter's workspace lines
-// from L2 right after storing them (discard.global.L2): 6 and 7 time the workspace's write-back
-#ifndef CUKV_ONCE_DIAG
-#define CUKV_ONCE_DIAG 0
-#endif
 
 namespace cukv {
 

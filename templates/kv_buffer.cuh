@@ -13,7 +13,6 @@
 #include "hopper.cuh"
 #include "kv_operand.cuh"
 #include "fp8.cuh"
-#include "debug.cuh"  // CUKV_ONCE_DIAG (timing only), off as shipped
 
 namespace cukv {
 
@@ -253,7 +252,6 @@ struct KVBuffer {
                        : "r"(src + (u32)(CODE_BYTES + ((pw * kWarpRows + r) * scales_per_row<SB>() + col / SB) * 4))
                        : "memory");
         uint4 v = dequant8<T>(raw, sc);
-        if (CUKV_ONCE_DIAG == 3) v = make_uint4(raw.x, raw.y, raw.x, raw.y);
         *reinterpret_cast<uint4*>(dst + r * row_stride + col) = v;
       }
     }

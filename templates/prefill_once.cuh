@@ -124,34 +124,20 @@ __device__ __forceinline__ void PrefillKernel<Traits>::convert_quarter(const Pre
         IS_K ? o.fp8.k_scales : o.fp8.v_scales, [&](int r) { return __shfl_sync(0xffffffffu, lane_off, r); },
         lane_off, lane_scale, 0, DEPTH, 0, lane);
   };
-  if (CUKV_ONCE_DIAG != 4 && CUKV_ONCE_DIAG != 5) {
-    copy(Bool<true>());
-    copy(Bool<false>());
-  }
+  copy(Bool<true>());
+  copy(Bool<false>());
   cp_async_commit();
   cp_async_wait<0>();
   __syncwarp();  // and the scales the rows' lanes copied
-  const i64 row0 = CUKV_ONCE_DIAG == 6 ? (ws0 + n * BN + q * kWarpRows) % 1024 : ws0 + n * BN + q * kWarpRows;
-  if (CUKV_ONCE_DIAG != 1 && CUKV_ONCE_DIAG != 5) {
-    buf.template convert_raw_fp8_to_global<SCALE_BLOCK, kOnceCodeBytes>(
-        quarter, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, k, 0),
-        a.kv.k_stride[1], k_scale, DEPTH, 0, lane);
-    buf.template convert_raw_fp8_to_global<SCALE_BLOCK, kOnceCodeBytes>(
-        quarter + (u32)kOnceElemBytes,
-        static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, k, 0), a.kv.v_stride[1],
-        v_scale, DEPTH, 0, lane);
-  }
-  if (CUKV_ONCE_DIAG == 7) {  // timing only: the rows just written dropped from L2 unwritten (no write-back)
-    constexpr int kLines = DEPTH * (int)sizeof(T) / 128;
-    __syncwarp();
-    for (int i = lane; i < 2 * kWarpRows * kLines; i += 32) {
-      const int kv = i / (kWarpRows * kLines), r = (i / kLines) % kWarpRows, c = i % kLines;
-      const T* base = static_cast<const T*>(kv ? a.kv.v : a.kv.k) +
-                      Cache::offset(kv ? a.kv.v_stride : a.kv.k_stride, row0 + r, k, c * (128 / (int)sizeof(T)));
-      asm volatile("discard.global.L2 [%0], 128;" :: "l"(base) : "memory");
-    }
-  }
-  if (CUKV_ONCE_DIAG != 2 && CUKV_ONCE_DIAG != 5) __threadfence();  // this lane's workspace rows are visible
+  const i64 row0 = ws0 + n * BN + q * kWarpRows;
+  buf.template convert_raw_fp8_to_global<SCALE_BLOCK, kOnceCodeBytes>(
+      quarter, static_cast<T*>(const_cast<void*>(a.kv.k)) + Cache::offset(a.kv.k_stride, row0, k, 0),
+      a.kv.k_stride[1], k_scale, DEPTH, 0, lane);
+  buf.template convert_raw_fp8_to_global<SCALE_BLOCK, kOnceCodeBytes>(
+      quarter + (u32)kOnceElemBytes,
+      static_cast<T*>(const_cast<void*>(a.kv.v)) + Cache::offset(a.kv.v_stride, row0, k, 0), a.kv.v_stride[1],
+      v_scale, DEPTH, 0, lane);
+  __threadfence();  // this lane's workspace rows are visible
   __syncwarp();     // every lane's, and every lane has read its raw chunks before the next copy
   if (lane == 0) st_release_gpu(once_flag(o, ws0, n, k, q), 2);
   if (CUKV_ONCE_STATS && lane == 0) {
