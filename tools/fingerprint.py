@@ -3,6 +3,8 @@ the cubin's code (.text.* sections). Two trees whose fingerprints match generate
 
     python3 tools/fingerprint.py --out before.json [--no-compile]
     python3 tools/fingerprint.py --out after.json && python3 tools/fingerprint.py --diff before.json after.json
+    python3 tools/fingerprint.py --filter _prefill_ --out sub.json --jobs 1   # a subset while iterating
+    python3 tools/fingerprint.py --filter _prefill_ --diff before.json sub.json
 """
 from __future__ import annotations
 
@@ -90,8 +92,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.diff:
         x, y = (json.load(open(p)) for p in a.diff)
-        names = sorted(set(x) & set(y)) if a.filter or set(x) ^ set(y) and min(len(x), len(y)) < max(len(x), len(y)) // 2 \
-            else sorted(set(x) | set(y))
+        # --filter: the kernels of that name in both (a filtered run beside a full one)
+        names = sorted(set(x) & set(y) if a.filter else set(x) | set(y))
         names = [n for n in names if not a.filter or any(f in n for f in a.filter)]
         src = sum(x.get(n, {}).get("source") != y.get(n, {}).get("source") for n in names)
         txt = [n for n in names if x.get(n, {}).get("text") != y.get(n, {}).get("text")]
