@@ -23,6 +23,25 @@ __device__ __forceinline__ void PrefillKernel<Traits>::load_query(const PrefillA
   mbar_arrive_cp_async(sm.q_full);
 }
 
+// Producer warp pw of one work item: its rows of the query (unless the consumers or the persistent feeder stage it),
+// then of every visited tile, the last tile first (16-bit caches: produce_16; `ring` carries the ring's position
+// across the persistent grid's items).
+// FP8: tile it + 1's codes and scales land in raw slot (it + 1) % 2 while tile it is converted from slot
+// it % 2 into the ring (tile t's elements are ring positions t * (kKElems + 1) + e, V last). FP8_SCORES: the
+// raw slot holds V only; the K element's codes go straight into the ring, with its rows' scales beside it,
+// when the tile is issued (a tile ahead of V's conversion: the ring fills out of order, which the
+// per-element barriers allow). The codes come one of two ways:
+// - kTma: lane j looks up row j (lookup below), and every TMA_ROWS-th lane issues a tensor copy of the box starting
+//   at its row (a box stays within a page and within the warp's rows). The lanes still copy their rows'
+//   scales with cp.async, so raw_full[t % 2] (and a K element's full barrier) completes when the boxes'
+//   bytes and every lane's scale copies have landed. Rows past the sequence arrive as the cache holds them
+//   (unused slots may be NaN): the last tile's conversion zeroes them and the consumers' mask drops their K
+//   columns (a select). Holes, and boxes wholly past the sequence, take page -1: outside the tensor, which
+//   TMA reads as zeros. A __syncwarp orders the refill of a warp's rows after its lanes' reads of them.
+// - cp.async: each lane copies 16-code chunks and converts exactly the codes it copied (its own
+//   cp.async.wait_group orders those); a row's scales come from the row's lane, so a __syncwarp follows the
+//   wait. Refilling a slot is ordered after every lane's reads of it by the full-warp shuffles at the start
+//   of copy_raw_fp8 (before its scale copies), which no lane passes before all have finished converting.
 template <class Traits>
 __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs& a, const PrefillMaps* maps,
                                                                const Smem& sm, const Buf& buf, const Cache& cache,
@@ -89,22 +108,6 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
   auto row_of = [&](i64 x, int i) -> i64 { return __shfl_sync(0xffffffffu, x, (lane / 8 + 4 * i) % 32); };
   i64 key_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : (i64)-1;
   if constexpr (QUANTIZED) {
-    // FP8: tile it + 1's codes and scales land in raw slot (it + 1) % 2 while tile it is converted from slot
-    // it % 2 into the ring (tile t's elements are ring indices t * (kKElems + 1) + e, V last). FP8_SCORES: the
-    // raw slot holds V only; the K element's codes go straight into the ring, with its rows' scales beside it,
-    // when the tile is issued (a tile ahead of V's conversion: the ring fills out of order, which the
-    // per-element barriers allow). The codes come one of two ways:
-    // - kTma: lane j looks up row j as above, and every TMA_ROWS-th lane issues a tensor copy of the box starting
-    //   at its row (a box stays within a page and within the warp's rows). The lanes still copy their rows'
-    //   scales with cp.async, so raw_full[t % 2] (and a K element's full barrier) completes when the boxes'
-    //   bytes and every lane's scale copies have landed. Rows past the sequence arrive as the cache holds them
-    //   (unused slots may be NaN): the last tile's conversion zeroes them and the consumers' mask drops their K
-    //   columns (a select). Holes, and boxes wholly past the sequence, take page -1: outside the tensor, which
-    //   TMA reads as zeros. A __syncwarp orders the refill of a warp's rows after its lanes' reads of them.
-    // - cp.async: each lane copies 16-code chunks and converts exactly the codes it copied (its own
-    //   cp.async.wait_group orders those); a row's scales come from the row's lane, so a __syncwarp follows the
-    //   wait. Refilling a slot is ordered after every lane's reads of it by the full-warp shuffles at the start
-    //   of copy_raw_fp8 (before its scale copies), which no lane passes before all have finished converting.
     // FP8_SCORES with token scales: the lane's row's K scale beside the K element in ring slot `stage` (zero for
     // a row that reads as zeros)
     auto copy_k_scale = [&](int stage, bool ok, const float* src) {
