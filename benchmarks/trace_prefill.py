@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/trace_prefill.py --shape 4x4096x32x8x128 --out $OUT
 
-Copies templates/ with CUKV_TRACE 1 (templates/trace.cuh) into a temporary folder and compiles from there, so
+Copies templates/ with CUKV_TRACE 1 (templates/debug.cuh) into a temporary folder and compiles from there, so
 the timestamps never reach the shipped kernels. For the heaviest blocks of head 0 it prints, per role, the
 median cycles of each phase over the steady-state iterations (the first and last four dropped):
 producer warp 0 (FP8: issue the next tile, its K ring slot wait included / wait for this tile's raw codes /
@@ -29,7 +29,7 @@ def copy_traced_templates(dest: Path) -> Path:
 
     dst = Path(dest) / "templates"
     shutil.copytree(comp.template_dir(), dst)
-    t = dst / "trace.cuh"
+    t = dst / "debug.cuh"
     text = t.read_text()
     if "#define CUKV_TRACE 0" not in text:
         raise RuntimeError(f"{t}: no '#define CUKV_TRACE 0' line to switch on")
@@ -47,7 +47,7 @@ def traced_templates() -> Path:
     return dst
 
 
-# cukv_trace's shape: kTraceBlocks, kTraceWarps, kTraceIters, kTraceEvents in templates/trace.cuh
+# cukv_trace's shape: kTraceBlocks, kTraceWarps, kTraceIters, kTraceEvents in templates/debug.cuh
 TRACE_SHAPE = (8, 16, 128, 8)
 
 # (phase, from event, to event) per role; the events are the trace_mark calls in templates/prefill.cuh

@@ -52,7 +52,6 @@ struct DecodeStreamingKVBuffer {
   static constexpr int SB = SCALE_BLOCK == 0 ? DEPTH : SCALE_BLOCK;
   static constexpr int num_k_scales = quantized ? DEPTH / SB : 1;   // K blocks
   static constexpr int num_v_scales = quantized ? (DEPTH + SB - 1) / SB : 1;
-  static constexpr int k_strips_per_block = SB / BK;
   static_assert(!quantized || SCALE_BLOCK == 0 || (DEPTH % SCALE_BLOCK == 0 && (SCALE_BLOCK % 32 == 0 || SCALE_BLOCK == DEPTH)),
                 "scale block divides the head");
   static_assert(!quantized || SB % BK == 0, "a K strip lies in one scale block");

@@ -30,6 +30,21 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
       :: "r"(bar), "r"(parity) : "memory");
 }
 
+// A position in a ring of STAGES elements handed over by full/empty mbarrier pairs (FlashAttention's PipelineState):
+// `count` elements have passed, the next sits in slot stage(), and its full barrier completes phase() on this round
+// (the producer's wait on its empty barrier, for the consumers' release of the previous round, is empty_phase()).
+// It keeps the running count rather than a wrapped (stage, phase) pair: the same arithmetic the kernels were tuned
+// with, and ahead(e) is the element e further on.
+template <int STAGES>
+struct RingState {
+  int count;
+  __device__ __forceinline__ int stage() const { return count % STAGES; }
+  __device__ __forceinline__ int phase() const { return (count / STAGES) & 1; }
+  __device__ __forceinline__ int empty_phase() const { return ((count / STAGES) & 1) ^ 1; }
+  __device__ __forceinline__ RingState ahead(int e) const { return RingState{count + e}; }
+  __device__ __forceinline__ void advance(int n = 1) { count += n; }
+};
+
 // Adds tx bytes the current phase must also see land (TMA completions count them down) without arriving.
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, int bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
@@ -89,10 +104,7 @@ __device__ __forceinline__ void cp_async16_l2(u32 dst, const void* src, int src_
     asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-// 8- and 4-byte copies (through L1: .ca is the only form for sizes under 16); same zero fill.
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
+// 4-byte copies (through L1: .ca is the only form for sizes under 16); same zero fill.
 __device__ __forceinline__ void cp_async4(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
@@ -165,7 +177,7 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr, u32 lbo, u32 sbo) {
 // A descriptor moved `bytes` along its operand (a k16 step, an atom): only the start address field, addr >> 4 in
 // the low 14 bits, changes. Shared-memory operands end below 256 KB, so the add stays inside that field; adding to
 // the low word alone lets a loop of wgmmas form each descriptor with one add from a base computed once, instead of
-// masking and shifting every address again (about ten integer instructions per wgmma at d256, NOTES.md session 41).
+// masking and shifting every address again (about ten integer instructions per wgmma at d256).
 __device__ __forceinline__ u64 desc_add(u64 d, u32 bytes) {
   return (d & 0xFFFFFFFF00000000ull) | (u32)((u32)d + (bytes >> 4));
 }

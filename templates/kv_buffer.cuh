@@ -153,12 +153,9 @@ struct KVBuffer {
   // (BK 128 or 256), an 8-lane phase of a pass takes 4 chunks of one row and 4 of the next row: the raw loads stay
   // on 8 distinct 16-byte bank groups, and the two rows' chunk pairs land on opposite parities of the ring's 128-byte
   // swizzle. Row-major order (8 chunks of one row a phase) put the phase's two atoms on the same bank groups, a
-  // 2-way conflict on every store (Nsight Compute, session 19). c < kWarpChunks maps onto the same set of chunks.
-#ifndef CUKV_CONV_PAIRS
-#define CUKV_CONV_PAIRS 1
-#endif
+  // 2-way conflict on every store (Nsight Compute). c < kWarpChunks maps onto the same set of chunks.
   template <bool PAIRS>
-  static constexpr bool pair_rows() { return PAIRS && CUKV_CONV_PAIRS && (kChunksPerRow == 8 || kChunksPerRow == 16); }
+  static constexpr bool pair_rows() { return PAIRS && (kChunksPerRow == 8 || kChunksPerRow == 16); }
   static_assert(kWarpRows % 2 == 0, "row pairs");
   template <bool PAIRS>
   static __device__ __forceinline__ int2 conv_chunk(int c) {
@@ -237,27 +234,11 @@ struct KVBuffer {
   // convert_raw_fp8's values to global memory instead of the ring: row r of the warp's rows of the raw element at
   // src goes to dst + r * row_stride (elements), dims below ncols (the prefill's convert-once workspace). Each lane
   // converts 8 codes and writes one 16-byte piece, so a warp store covers whole rows (full 32-byte sectors).
-// timing only (benchmarks/NOTES.md session 26): 1 skips the conversion's arithmetic and stores, 2 its __threadfence,
-// 3 stores the raw codes without converting them, 4 skips its cp.async copies (and waits), 5 all of 1, 2 and 4,
-// 6 stores every quarter into the workspace's first 1024 rows (L2-resident), 7 drops each quarter's workspace lines
-// from L2 right after storing them (discard.global.L2): 6 and 7 time the workspace's write-back (session 36)
-#ifndef CUKV_ONCE_DIAG
-#define CUKV_ONCE_DIAG 0
-#endif
-// passes in flight per converter warp (2: 72 registers; 4 at 88 measured no faster)
-#ifndef CUKV_ONCE_UNROLL
-#define CUKV_ONCE_UNROLL 2
-#endif
-// converting ahead stops when the block's ring feeder has fewer tiles left than this (0 and 1 measured slower: a
-// quarter in flight then outlives the block's consumers)
-#ifndef CUKV_ONCE_MINLEFT
-#define CUKV_ONCE_MINLEFT 2
-#endif
   template <int SB, int CODE_BYTES = raw_code_bytes>
   __device__ __forceinline__ void convert_raw_fp8_to_global(u32 src, T* dst, i64 row_stride, float tensor_scale,
                                                             int ncols, int pw, int lane) const {
     constexpr int kHalves = 2 * kWarpChunks, kPasses = (kHalves + 31) / 32;
-#pragma unroll CUKV_ONCE_UNROLL
+#pragma unroll 2  // passes in flight per converter warp (72 registers; 4 at 88 measured no faster)
     for (int t = 0; t < kPasses; ++t) {
       const int h = lane + 32 * t, r = h / (2 * kChunksPerRow), col = (h % (2 * kChunksPerRow)) * 8;
       if ((kHalves % 32 == 0 || h < kHalves) && col < ncols) {
@@ -271,7 +252,6 @@ struct KVBuffer {
                        : "r"(src + (u32)(CODE_BYTES + ((pw * kWarpRows + r) * scales_per_row<SB>() + col / SB) * 4))
                        : "memory");
         uint4 v = dequant8<T>(raw, sc);
-        if (CUKV_ONCE_DIAG == 3) v = make_uint4(raw.x, raw.y, raw.x, raw.y);
         *reinterpret_cast<uint4*>(dst + r * row_stride + col) = v;
       }
     }

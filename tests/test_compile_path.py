@@ -464,7 +464,7 @@ def test_trace_build_is_opt_in(cache, monkeypatch):
     import sys
     from pathlib import Path
 
-    shipped = (compiler.template_dir() / "trace.cuh").read_text()
+    shipped = (compiler.template_dir() / "debug.cuh").read_text()
     assert "#define CUKV_TRACE 0" in shipped
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     try:
@@ -499,11 +499,10 @@ def test_timing_macros_are_off_and_the_wait_stats_build_compiles(cache, monkeypa
     benchmarks/ab_macros.sh, which rewrites the #define) exports its counters and compiles without spills."""
     import shutil
 
-    shipped = (compiler.template_dir() / "prefill.cuh").read_text()
-    headers = shipped + (compiler.template_dir() / "kv_buffer.cuh").read_text()
-    for macro in ("CUKV_WAIT_STATS", "CUKV_ONCE_STATS", "CUKV_ONCE_UB", "CUKV_ONCE_DIAG"):
-        assert re.search(rf"^#define {macro} 0$", headers, re.M), macro
+    shipped = (compiler.template_dir() / "debug.cuh").read_text()
+    for macro in ("CUKV_WAIT_STATS", "CUKV_ONCE_STATS", "CUKV_ONCE_UB", "CUKV_TRACE"):
+        assert re.search(rf"^#define {macro} 0$", shipped, re.M), macro
     dst = cache / "wait_stats_templates"
     shutil.copytree(compiler.template_dir(), dst)
-    (dst / "prefill.cuh").write_text(shipped.replace("#define CUKV_WAIT_STATS 0", "#define CUKV_WAIT_STATS 1"))
+    (dst / "debug.cuh").write_text(shipped.replace("#define CUKV_WAIT_STATS 0", "#define CUKV_WAIT_STATS 1"))
     _assert_timing_build(dst, b"cukv_wait_stats", monkeypatch)

@@ -136,8 +136,8 @@ def test_tma_page_tensor_checks():
 def test_pingpong_domain():
     ok = PrefillConfig("bfloat16", 128, 16, 192, 64, 128, 4, pingpong=True)
     assert ok.name.endswith("_pp") and ok.smem_bytes == dataclasses.replace(ok, pingpong=False).smem_bytes
-    assert ", true, 0, false, false> K;" in ok.render()
-    assert ", false, 0, false, false> K;" in dataclasses.replace(ok, pingpong=False).render()
+    assert "static constexpr bool pingpong = true;" in ok.render()
+    assert "static constexpr bool pingpong = false;" in dataclasses.replace(ok, pingpong=False).render()
     with pytest.raises(ValueError, match=r"pingpong.*BM >= 128, not 64"):
         PrefillConfig("bfloat16", 128, 16, 64, 64, 128, 4, pingpong=True)
     with pytest.raises(ValueError, match="pingpong=1 is not valid"):

@@ -110,7 +110,7 @@ def test_prefill_causal(rng, q_lens, cache_lens, hq, hkv, d, page):
 @pytest.mark.parametrize("d,page", [(256, 16), (256, 0), (512, 16)])
 def test_prefill_lazy_rescale_growing_scores(rng, d, page):
     """At d256 and d512 a warp rescales O only when a row's max grows by more than 2^8 in the exponent
-    (templates/prefill.cuh CUKV_RESCALE_LOG2). Keys grow toward the sequence start, which the tile walk reaches last,
+    (templates/prefill_kernel.cuh kRescaleLog2). Keys grow toward the sequence start, which the tile walk reaches last,
     so the running max grows past that bound several times per row and P approaches 2^8 between rescales."""
     hq, hkv = 4, 2
     case = _case(rng, [700, 90, 1], [300, 0, 130], hq, hkv, d, page, k_ramp=6.0)

@@ -3,6 +3,8 @@ the cubin's code (.text.* sections). Two trees whose fingerprints match generate
 
     python3 tools/fingerprint.py --out before.json [--no-compile]
     python3 tools/fingerprint.py --out after.json && python3 tools/fingerprint.py --diff before.json after.json
+    python3 tools/fingerprint.py --filter _prefill_ --out sub.json --jobs 1   # a subset while iterating
+    python3 tools/fingerprint.py --filter _prefill_ --diff before.json sub.json
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this tree's cukv, not an installed one
+
+# the tree this file sits in, not an installed cukv (python3 tools/fingerprint.py puts tools/ first on the path)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def configs():
@@ -86,17 +91,21 @@ def main(argv=None):
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--diff", nargs=2, metavar=("A", "B"))
+    ap.add_argument("--filter", action="append", default=[], metavar="SUBSTR",
+                    help="only kernels whose name contains SUBSTR (repeatable); --diff then compares common names")
     a = ap.parse_args(argv)
     if a.diff:
         x, y = (json.load(open(p)) for p in a.diff)
-        names = sorted(set(x) | set(y))
+        # --filter: the kernels of that name in both (a filtered run beside a full one)
+        names = sorted(set(x) & set(y) if a.filter else set(x) | set(y))
+        names = [n for n in names if not a.filter or any(f in n for f in a.filter)]
         src = sum(x.get(n, {}).get("source") != y.get(n, {}).get("source") for n in names)
         txt = [n for n in names if x.get(n, {}).get("text") != y.get(n, {}).get("text")]
         print(f"{len(names)} kernels; {src} rendered sources differ; {len(txt)} .text digests differ")
         for n in txt:
             print("  text differs:", n)
         return 1 if txt else 0
-    cfgs = configs()
+    cfgs = [c for c in configs() if not a.filter or any(f in c.name for f in a.filter)]
     with ProcessPoolExecutor(a.jobs) as ex:
         rows = dict(ex.map(_one, [(c, not a.no_compile) for c in cfgs]))
     print(f"{len(rows)} kernels fingerprinted", file=sys.stderr)

@@ -411,7 +411,7 @@ class PrefillConfig(KernelConfig):
             quantized=self.quantized and not self.convert_once,
             scale_block=self.scale_block, producer_registers=self.producer_registers,
             consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
-            kscale_bytes=self.kscale_bytes, ks_mma=self.ks_mma, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES,
+            kscale_bytes=self.kscale_bytes, raw_bytes=self.raw_bytes, ks_mma=self.ks_mma, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES,
             pingpong=self.pingpong, once_page=self.page_size if self.convert_once else 0,
             once_args_bytes=ONCE_ARGS.itemsize, persistent=self.persistent, pv_wait=self.pv_wait)
 
