@@ -1,29 +1,22 @@
 #!/usr/bin/env bash
-# A/B of header macros on the device, one call: for each variant ("NAME=VAL NAME2=VAL", "" = as checked in),
-# rewrite `#define NAME ...` in templates/*.cuh ("@DIR": copy DIR's templates, and its cukv/ if it has one, over
-# ours instead), compile the probe's kernels in parallel, then run
-# benchmarks/probe_prefill_fp8.py (bf16 default beside the FP8 default) on the bench shapes. The tree is
-# restored after each variant. Logs under ${OUT:-out}. PROBE=script runs that probe instead (with --shapes "$SHAPES"
-# and $PROBE_ARGS), e.g. the convert-once branch's benchmarks/probe_prefill_once.py.
-#   OUT=$OUT bash benchmarks/ab_macros.sh "" "CUKV_OVERLAP=0" "CUKV_PINGPONG=1"
+# A/B on the device, one call: for each variant ("NAME=VAL NAME2=VAL" compile defines, "" = as checked in, "@DIR" =
+# another tree's cukv/ and templates/), compile the probe's kernels in parallel, then run
+# benchmarks/probe_prefill_fp8.py (bf16 default beside the FP8 default) on the bench shapes. Defines reach the kernels
+# through CUKV_DEFINES (part of the compile cache key), so no tracked file is edited. Logs under ${OUT:-out}.
+# PROBE=script runs that probe instead (with --shapes "$SHAPES" and $PROBE_ARGS).
+#   OUT=$OUT bash benchmarks/ab_macros.sh "" "CUKV_WAIT_STATS=1" @/path/to/other/tree
 set -u
 out=${OUT:-out}; mkdir -p "$out"
-export PYTHONPATH=$(pwd) PYTHONUNBUFFERED=1
+here=$(pwd)
+export PYTHONUNBUFFERED=1
 shapes=${SHAPES:-4x4096x32x8x128,1x16384x32x8x128,8x2048x32x32x128,4x4096x16x16x256,8x2048x32x8x64}
-cp -r templates "$out/.templates.orig"; cp -r cukv "$out/.cukv.orig"
 i=0
 for variant in "$@"; do
   i=$((i + 1))
   if [[ "$variant" == @* ]]; then
-    if [[ -d "${variant#@}/templates" ]]; then
-      cp "${variant#@}"/templates/* templates/; cp -r "${variant#@}"/cukv/* cukv/  # another tree
-    else
-      cp "${variant#@}"/* templates/  # another tree's templates
-    fi
+    export PYTHONPATH="${variant#@}:$here" CUKV_DEFINES=""  # the other tree's cukv/ finds its own templates/
   else
-    for kv in $variant; do
-      sed -i "s/^#define ${kv%%=*} .*/#define ${kv%%=*} ${kv#*=}/" templates/*.cuh
-    done
+    export PYTHONPATH="$here" CUKV_DEFINES="$variant"
   fi
   export CUKV_CACHE_DIR=$(pwd)/.cache/ab$i
   echo "=== variant $i: ${variant:-as checked in}" | tee -a "$out/ab.log"
@@ -52,6 +45,4 @@ PY
     python3 benchmarks/probe_prefill_fp8.py --shapes "$shapes" --rounds ${ROUNDS:-3} --variants "${VARIANTS:-}" \
       ${PROBE_ARGS:-} 2>&1 | tee -a "$out/ab.log"
   fi
-  rm -rf templates cukv && cp -r "$out/.templates.orig" templates && cp -r "$out/.cukv.orig" cukv
 done
-rm -rf "$out/.templates.orig" "$out/.cukv.orig"
