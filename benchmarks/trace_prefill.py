@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/trace_prefill.py --shape 4x4096x32x8x128 --out $OUT
 
-Copies templates/ with CUKV_TRACE 1 (templates/debug.cuh) into a temporary folder and compiles from there, so
+Compiles with the define CUKV_TRACE=1 (templates/debug.cuh; CUKV_DEFINES, part of the cache key), so
 the timestamps never reach the shipped kernels. For the heaviest blocks of head 0 it prints, per role, the
 median cycles of each phase over the steady-state iterations (the first and last four dropped):
 producer warp 0 (FP8: issue the next tile, its K ring slot wait included / wait for this tile's raw codes /
@@ -15,36 +15,17 @@ raw arrays ([block, warp, iteration, event] clock64) go to --out.
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 
-def copy_traced_templates(dest: Path) -> Path:
-    """templates/ copied into dest/templates with CUKV_TRACE 1."""
-    import cukv.compiler as comp
+def traced_build() -> None:
+    """Compile every later kernel of this process with CUKV_TRACE=1 (a compile define, part of the cache key)."""
+    import os
 
-    dst = Path(dest) / "templates"
-    shutil.copytree(comp.template_dir(), dst)
-    t = dst / "debug.cuh"
-    text = t.read_text()
-    if "#define CUKV_TRACE 0" not in text:
-        raise RuntimeError(f"{t}: no '#define CUKV_TRACE 0' line to switch on")
-    t.write_text(text.replace("#define CUKV_TRACE 0", "#define CUKV_TRACE 1"))
-    return dst
-
-
-def traced_templates() -> Path:
-    """Compile every later kernel of this process from a traced copy of templates/."""
-    import cukv.compiler as comp
-
-    dst = copy_traced_templates(Path(tempfile.mkdtemp(prefix="cukv_trace_")))
-    comp.template_dir = lambda: dst
-    comp._jinja_env.cache_clear()
-    return dst
+    os.environ["CUKV_DEFINES"] = (os.environ.get("CUKV_DEFINES", "") + " CUKV_TRACE=1").strip()
 
 
 # cukv_trace's shape: kTraceBlocks, kTraceWarps, kTraceIters, kTraceEvents in templates/debug.cuh
@@ -96,7 +77,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    traced_templates()
+    traced_build()
     import cupy as cp
 
     import cukv

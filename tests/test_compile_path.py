@@ -459,13 +459,13 @@ def test_atomic_write_replaces_and_cleans_up(tmp_path, monkeypatch):
 
 
 def test_trace_build_is_opt_in(cache, monkeypatch):
-    """benchmarks/trace_prefill.py compiles from a copy of templates/ with CUKV_TRACE 1: that build exports the
-    timestamp buffer, while the shipped headers keep the switch off (trace_mark compiles to nothing)."""
+    """benchmarks/trace_prefill.py compiles with the define CUKV_TRACE=1: that build exports the timestamp buffer,
+    while the shipped headers keep the switch off (trace_mark compiles to nothing)."""
     import sys
     from pathlib import Path
 
     shipped = (compiler.template_dir() / "debug.cuh").read_text()
-    assert "#define CUKV_TRACE 0" in shipped
+    assert re.search(r"^#define CUKV_TRACE 0$", shipped, re.M)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     try:
         import trace_prefill
@@ -473,36 +473,37 @@ def test_trace_build_is_opt_in(cache, monkeypatch):
         sys.path.pop(0)
     m = re.search(r"kTraceBlocks = (\d+), kTraceWarps = (\d+), kTraceIters = (\d+), kTraceEvents = (\d+);", shipped)
     assert m and tuple(map(int, m.groups())) == trace_prefill.TRACE_SHAPE  # the host views the buffer with it
-    _assert_timing_build(trace_prefill.copy_traced_templates(cache), b"cukv_trace", monkeypatch)
+    monkeypatch.delenv("CUKV_DEFINES", raising=False)
+    trace_prefill.traced_build()
+    assert os.environ["CUKV_DEFINES"] == "CUKV_TRACE=1"
+    _assert_timing_build(b"cukv_trace")
 
 
-def _assert_timing_build(templates, symbol: bytes, monkeypatch):
-    """The d64 bf16 prefill compiled from the timing copy ``templates`` exports ``symbol`` and does not spill (the
-    launch-per-item grid: on the persistent one the wait-stats build spills 24 bytes at d64, a timing aid's cost)."""
+def _assert_timing_build(symbol: bytes):
+    """The d64 bf16 prefill compiled with the timing define in CUKV_DEFINES exports ``symbol``, and does not spill
+    (the launch-per-item grid: on the persistent one the wait-stats build spills 24 bytes at d64, a timing aid's
+    cost); the shipped build does not export it."""
     import dataclasses
 
     from cukv.policy.prefill import default_config
 
-    monkeypatch.setattr(compiler, "template_dir", lambda: templates)
-    compiler._jinja_env.cache_clear()
+    cfg = dataclasses.replace(default_config("bfloat16", 64, 16), persistent=False)
+    mod = compiler.compile_source(cfg.name, cfg.render())
+    assert symbol + b"\x00" in mod.cubin_path.read_bytes()
+    assert mod.functions[cfg.name].spills == 0
+    defines = os.environ.pop("CUKV_DEFINES")
     try:
-        cfg = dataclasses.replace(default_config("bfloat16", 64, 16), persistent=False)
-        mod = cfg.compiled
-        assert symbol + b"\x00" in mod.cubin_path.read_bytes()
-        assert mod.functions[cfg.name].spills == 0
+        assert symbol + b"\x00" not in compiler.compile_source(cfg.name, cfg.render()).cubin_path.read_bytes()
     finally:
-        compiler._jinja_env.cache_clear()
+        os.environ["CUKV_DEFINES"] = defines
 
 
 def test_timing_macros_are_off_and_the_wait_stats_build_compiles(cache, monkeypatch):
-    """The prefill header's timing aids ship off, and the CUKV_WAIT_STATS build benchmarks/probe_waits.py runs (through
-    benchmarks/ab_macros.sh, which rewrites the #define) exports its counters and compiles without spills."""
-    import shutil
-
+    """The prefill header's timing aids ship off, and the CUKV_WAIT_STATS=1 build benchmarks/probe_waits.py runs
+    (through benchmarks/ab_macros.sh, which passes it in CUKV_DEFINES) exports its counters without spilling."""
     shipped = (compiler.template_dir() / "debug.cuh").read_text()
     for macro in ("CUKV_WAIT_STATS", "CUKV_ONCE_STATS", "CUKV_ONCE_UB", "CUKV_TRACE"):
-        assert re.search(rf"^#define {macro} 0$", shipped, re.M), macro
-    dst = cache / "wait_stats_templates"
-    shutil.copytree(compiler.template_dir(), dst)
-    (dst / "debug.cuh").write_text(shipped.replace("#define CUKV_WAIT_STATS 0", "#define CUKV_WAIT_STATS 1"))
-    _assert_timing_build(dst, b"cukv_wait_stats", monkeypatch)
+        assert re.search(rf"^#ifndef {macro}\n#define {macro} 0$", shipped, re.M), macro
+    monkeypatch.setenv("CUKV_DEFINES", "CUKV_WAIT_STATS=1")
+    _assert_timing_build(b"cukv_wait_stats")
+
