@@ -1,15 +1,49 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: doctor, compile, GPU tests, examples, benchmarks (decode, then prefill). Logs and
-# JSON land in $1 (default $OUT or ./out); the benchmark tables are printed last. SKIP_BENCH=1 skips both
-# benchmarks; BENCH_ARGS goes to `bench decode`, BENCH_PREFILL_ARGS (e.g. --quick) to `bench prefill`.
+# One call on a GPU machine: doctor, compile, GPU tests, the demo, benchmarks (decode, prefill, MLA decode). Logs and
+# JSON land in $1 (default $OUT or ./out); a short table is printed last.
+#   STAGE=tests | bench | all (default all): run only the tests or only the benchmarks (two calls fit the device
+#   tool's 10-minute limit). With two or more GPUs the prefill test files run on GPU 1 beside the rest on GPU 0,
+#   then tests/test_multi_gpu.py uses both; benchmarks always run alone on GPU 0.
+#   PYTEST_ARGS replaces the test selection; BENCH_ARGS goes to `bench decode`, BENCH_PREFILL_ARGS (e.g. --quick) to
+#   `bench prefill`, BENCH_MLA_ARGS to `bench mla-decode`; a .peers kit beside the tree adds FlashMLA to the MLA bench.
 set -u
 out=${1:-${OUT:-out}}
 mkdir -p "$out"
+stage=${STAGE:-all}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=gpu
 export CUKV_CACHE_DIR=${CUKV_CACHE_DIR:-$(pwd)/.cache/cukv}
-python3 -m cukv doctor 2>&1 | tee "$out/doctor.log"
-python3 -m cukv compile --jobs 16 > "$out/compile.log" 2>&1; echo "compile rc=$? (see compile.log)"
-python3 -m pytest -q -x -m "gpu or not gpu" ${PYTEST_ARGS:-tests} 2>&1 | tee "$out/tests.log" | tail -25
-python3 examples/decode_loop.py > "$out/demo.log" 2>&1; echo "demo rc=$?"; tail -2 "$out/demo.log"
-[ -n "${SKIP_BENCH:-}" ] || python3 -m cukv bench decode --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -30
-[ -n "${SKIP_BENCH:-}" ] || python3 -m cukv bench prefill --out "$out" ${BENCH_PREFILL_ARGS:-} 2>&1 | tee "$out/bench_prefill.log" | tail -20
+python3 -m cukv doctor 2>&1 | tee "$out/doctor.log" | tail -4
+python3 -m cukv compile --jobs "$(nproc)" > "$out/compile.log" 2>&1; echo "compile rc=$? ($(tail -1 "$out/compile.log"))"
+gpus=$(python3 -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
+prefill_files="tests/test_prefill_gpu.py tests/test_fp8_prefill_gpu.py tests/test_prefill_hypothesis_gpu.py tests/test_prefill_reference.py"
+pytest_q() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
+
+if [ "$stage" != bench ]; then
+  if [ -n "${PYTEST_ARGS:-}" ]; then
+    pytest_q $PYTEST_ARGS 2>&1 | tee "$out/tests.log" | tail -15
+  elif [ "$gpus" -ge 2 ]; then
+    ignore=$(for f in $prefill_files tests/test_multi_gpu.py; do printf -- '--ignore=%s ' "$f"; done)
+    CUDA_VISIBLE_DEVICES=1 pytest_q $prefill_files > "$out/tests_prefill.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 pytest_q tests $ignore > "$out/tests_rest.log" 2>&1
+    wait
+    pytest_q tests/test_multi_gpu.py > "$out/tests_multi_gpu.log" 2>&1
+    for f in tests_rest tests_prefill tests_multi_gpu; do echo "$f: $(tail -1 "$out/$f.log")"; done
+    grep -h "^FAILED\|^ERROR" "$out"/tests_*.log | head -20
+  else
+    pytest_q tests 2>&1 | tee "$out/tests.log" | tail -15
+  fi
+  python3 examples/decode_loop.py > "$out/demo.log" 2>&1; echo "demo rc=$? ($(tail -1 "$out/demo.log"))"
+fi
+
+if [ "$stage" != tests ]; then
+  export CUDA_VISIBLE_DEVICES=0
+  python3 -m cukv bench decode --out "$out" ${BENCH_ARGS:-} > "$out/bench_decode.log" 2>&1
+  python3 -m cukv bench prefill --out "$out" ${BENCH_PREFILL_ARGS:-} > "$out/bench_prefill.log" 2>&1
+  if [ -f .peers/activate.sh ]; then
+    (source .peers/activate.sh .peers >/dev/null 2>&1; python3 -m cukv bench mla-decode --out "$out" ${BENCH_MLA_ARGS:-}) \
+      > "$out/bench_mla_decode.log" 2>&1
+  else
+    python3 -m cukv bench mla-decode --out "$out" ${BENCH_MLA_ARGS:-} > "$out/bench_mla_decode.log" 2>&1
+  fi
+  for f in bench_decode bench_prefill bench_mla_decode; do echo "=== $f"; tail -${TAIL:-16} "$out/$f.log"; done
+fi
