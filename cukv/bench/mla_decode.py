@@ -70,7 +70,8 @@ def _fp8_copy(cache):
     """The same rows as an FP8 cache (656-byte rows, FlashMLA-style power-of-two scales), same page ids."""
     import cupy as cp
 
-    from ..mla_cache import MLAKVCache, append_mla
+    from ..mla_cache import MLAKVCache
+    from ..ops.mla_append import append_mla
 
     fp8 = MLAKVCache(cache.num_pages, PAGE, "fp8_e4m3")
     rows = cache.data.reshape(-1, 576)

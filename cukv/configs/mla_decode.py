@@ -6,11 +6,10 @@ The derived sizes follow the seed's ``MLAKVProducerPipeline`` vocabulary (``k_no
 from __future__ import annotations
 
 import dataclasses
-from functools import cached_property
 
 import numpy as np
 
-from .. import compiler
+from .base import KernelConfig
 from .checks import CTYPES, SHORT, check_in, check_range, check_rule
 
 NOPE, ROPE, DIM = 512, 64, 576
@@ -36,15 +35,29 @@ PARAMS = np.dtype([
 
 
 @dataclasses.dataclass(frozen=True)
-class MLADecodeConfig:
-    """One compiled specialization of absorbed MLA decode (576/512, 64 query rows per block)."""
+class MLADecodeConfig(KernelConfig):
+    """One compiled specialization of absorbed MLA decode (576/512, 64 query rows per block). The defaults
+    ``BatchMLADecode`` picks are :mod:`cukv.policy.mla_decode`'s (``DEFAULT_BLOCK_N``, ``DEFAULT_STAGES``).
+
+    Examples
+    --------
+    >>> from cukv import MLADecodeConfig
+    >>> cfg = MLADecodeConfig("bfloat16", block_n=64, num_kv_stages=2)
+    >>> cfg.name, cfg.k_bytes, cfg.smem_bytes          # one K tile: 64 rows x 576 bf16; Q + 2 tiles + P + stats
+    ('cukv_mla_decode_bf16_n64_s2', 73728, 231488)
+    >>> MLADecodeConfig("bfloat16", block_n=64, num_kv_stages=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: MLADecodeConfig.num_kv_stages=3 is not valid: the ring needs 305216 bytes of shared memory ...
+    """
+
+    template = "mla_decode.cu.j2"
 
     #: query, output and 16-bit cache element type
     dtype: str = "bfloat16"
-    #: tokens per K tile (each consumer warpgroup scores half of them); 64 with 2 stages is the default (H200:
-    #: block_n 32 with 4 stages was 11-40% slower on every bench shape, docs/mla.md "Performance")
+    #: tokens per K tile (each consumer warpgroup scores half of them)
     block_n: int = 64
-    #: K tiles in flight in the shared-memory ring (2 is all that fits beside the query block at block_n 64)
+    #: K tiles in flight in the shared-memory ring
     num_kv_stages: int = 2
     #: cache rows: None (16-bit, ``dtype``) or 'fp8_e4m3' (656-byte rows dequantized into bf16 tiles)
     kv_dtype: str | None = None
@@ -111,18 +124,14 @@ class MLADecodeConfig:
         kv = "_e4m3" if self.kv_dtype else ""
         return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}"
 
-    def render(self) -> str:
-        return compiler.render(
-            "mla_decode.cu.j2", name=self.name, ctype=CTYPES[self.dtype], block_n=self.block_n,
+    def render_params(self) -> dict:
+        return dict(
+            name=self.name, ctype=CTYPES[self.dtype], block_n=self.block_n,
             num_kv_stages=self.num_kv_stages, k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes,
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
             args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
             producer_regs=FP8_PRODUCER_REGS if self.kv_dtype else PRODUCER_REGS,
             consumer_regs=FP8_CONSUMER_REGS if self.kv_dtype else CONSUMER_REGS)
-
-    @cached_property
-    def compiled(self) -> compiler.CompiledModule:
-        return compiler.compile_source(self.name, self.render())
 
 
 def shipped() -> list[MLADecodeConfig]:
