@@ -16,6 +16,11 @@ NOPE, ROPE, DIM = 512, 64, 576
 BLOCK_M = 64              # query rows per block (one wgmma M); heads x s_q fold into them
 SMEM_LIMIT = 227 * 1024   # Hopper's opt-in dynamic shared memory per block
 BLOCK_NS = (32, 64)
+#: consumer schedules: "split" (each warpgroup scores half of every tile, templates/mla_decode_consumer.cuh) or
+#: "alternate" (warpgroup g scores tiles 2k + g whole, the softmaxes overlap the other's wgmmas;
+#: templates/mla_decode_consumer_alt.cuh)
+SCHEDULES = ("split", "alternate")
+CONSUMERS = {"split": "MLADecodeConsumer", "alternate": "MLADecodeAltConsumer"}
 # register split: the producer only forms addresses (56 like prefill's); the consumers get the rest of
 # 3 x 168 (the 384-thread launch allocation) for O's 128 accumulators beside S and P. An FP8 producer holds
 # 8 rows of codes and scales (96); the consumers then get 200 (they use 168 in the 16-bit kernel).
@@ -61,6 +66,9 @@ class MLADecodeConfig(KernelConfig):
     num_kv_stages: int = 2
     #: cache rows: None (16-bit, ``dtype``) or 'fp8_e4m3' (656-byte rows dequantized into bf16 tiles)
     kv_dtype: str | None = None
+    #: the consumer warpgroups' schedule (``SCHEDULES``): "split" halves every tile between them, "alternate" gives
+    #: each every other tile (docs/mla.md, "Schedules")
+    schedule: str = "split"
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -68,6 +76,10 @@ class MLADecodeConfig(KernelConfig):
         check_in(c, "block_n", self.block_n, BLOCK_NS)
         check_range(c, "num_kv_stages", self.num_kv_stages, 2, 8)
         check_in(c, "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
+        check_in(c, "schedule", self.schedule, SCHEDULES)
+        check_rule(c, "schedule", self.schedule, self.schedule == "split" or self.kv_dtype is None,
+                   "the alternating consumers need more than the 200 registers an FP8 producer leaves them "
+                   "(they spill): use schedule='split' with kv_dtype='fp8_e4m3'")
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
@@ -122,7 +134,8 @@ class MLADecodeConfig(KernelConfig):
     @property
     def name(self) -> str:
         kv = "_e4m3" if self.kv_dtype else ""
-        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}"
+        alt = "_alt" if self.schedule == "alternate" else ""
+        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}"
 
     def render_params(self) -> dict:
         return dict(
@@ -130,6 +143,7 @@ class MLADecodeConfig(KernelConfig):
             num_kv_stages=self.num_kv_stages, k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes,
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
             args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
+            schedule=self.schedule, consumer=CONSUMERS[self.schedule],
             producer_regs=FP8_PRODUCER_REGS if self.kv_dtype else PRODUCER_REGS,
             consumer_regs=FP8_CONSUMER_REGS if self.kv_dtype else CONSUMER_REGS)
 

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NOPE, PARAMS, ROPE
+from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NOPE, PARAMS, ROPE, SCHEDULES
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
@@ -45,6 +45,9 @@ class BatchMLADecode:
     block_n, num_kv_stages : int, optional
         Tile length (32 or 64 tokens) and ring depth (2..8); None takes :mod:`cukv.policy.mla_decode`'s defaults
         (see :class:`~cukv.configs.mla_decode.MLADecodeConfig`).
+    schedule : {None, 'split', 'alternate'}
+        How the two consumer warpgroups share the K tiles: 'split' halves every tile, 'alternate' gives each every
+        other tile whole (16-bit caches only); None takes the policy's default (docs/mla.md, "Schedules").
 
     Examples
     --------
@@ -74,12 +77,13 @@ class BatchMLADecode:
     """
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
-                 num_kv_stages: int | None = None):
+                 num_kv_stages: int | None = None, schedule: str | None = None):
         from ..arrays import canonical_dtype, canonical_kv_dtype
 
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
+        schedule = check_choice("schedule", schedule, (None,) + SCHEDULES)
         dt = canonical_dtype(dtype)
         kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
         if kvd not in (None, "fp8_e4m3"):
@@ -90,7 +94,10 @@ class BatchMLADecode:
         if kvd is not None and dt != "bfloat16":
             raise TypeError(f"kv_dtype={kv_dtype!r} needs dtype='bfloat16' (FP8 rows dequantize to bf16 tiles); "
                             f"got dtype={dtype!r}")
-        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages)
+        if kvd is not None and schedule == "alternate":
+            raise ValueError("schedule='alternate' is not offered with kv_dtype='fp8_e4m3' (its consumers would "
+                             "spill); use schedule='split' or None")
+        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule)
         self.dtype = self.config.dtype
         self._planned = False
         self._device = None

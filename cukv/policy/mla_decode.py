@@ -20,6 +20,9 @@ from ..configs.mla_decode import MLADecodeConfig
 DEFAULT_BLOCK_N = 64
 #: K tiles in the ring: 2 is all that fits beside the 72 KB query block at block_n 64 (docs/tuning.md)
 DEFAULT_STAGES = 2
+#: the consumers' schedule: "split" until "alternate" (each warpgroup scores every other tile whole) is measured
+#: correct and faster on a GPU (docs/tuning.md "MLA decode")
+DEFAULT_SCHEDULE = "split"
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
 ITEM_OVERHEAD_TILES = 8.0
@@ -74,7 +77,10 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
 
 
 def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
-                      num_kv_stages: int | None = None) -> MLADecodeConfig:
-    """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above."""
+                      num_kv_stages: int | None = None, schedule: str | None = None) -> MLADecodeConfig:
+    """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
+    cache keeps the "split" schedule, the only one it compiles without spills)."""
+    if schedule is None:
+        schedule = DEFAULT_SCHEDULE if kv_dtype is None else "split"
     return MLADecodeConfig(dtype, DEFAULT_BLOCK_N if block_n is None else block_n,
-                           DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype)
+                           DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype, schedule)
