@@ -152,3 +152,30 @@ def test_mla_configs_share_the_base():
 
     for cfg in SHIPPED:
         assert isinstance(cfg, KernelConfig) and cfg.template.startswith("mla_")
+
+
+ALTERNATE = [MLADecodeConfig(dt, bn, st, schedule="alternate")
+             for dt, bn, st in (("bfloat16", 64, 2), ("float16", 64, 2), ("bfloat16", 32, 4))]
+
+
+@pytest.mark.parametrize("cfg", ALTERNATE, ids=lambda c: c.name)
+def test_alternate_schedule_compiles_without_spills(cfg):
+    """The opt-in alternating consumers: same shared memory as the split ones, no spills, their own name."""
+    mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH)
+    for name, r in mod.functions.items():
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, r
+    split = MLADecodeConfig(cfg.dtype, cfg.block_n, cfg.num_kv_stages)
+    assert cfg.name == split.name + "_alt" and cfg.smem_bytes == split.smem_bytes
+    assert "MLADecodeAltConsumer" in cfg.render() and "MLADecodeAltConsumer" not in split.render()
+
+
+def test_schedule_rules():
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.schedule='pingpong' is not valid"):
+        MLADecodeConfig(schedule="pingpong")
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.schedule='alternate' is not valid: .*spill"):
+        MLADecodeConfig(kv_dtype="fp8_e4m3", schedule="alternate")
+    with pytest.raises(ValueError, match=r"^schedule='alternate' is not offered with kv_dtype='fp8_e4m3'"):
+        BatchMLADecode(16, kv_dtype="fp8_e4m3", schedule="alternate")
+    assert BatchMLADecode(16, kv_dtype="fp8_e4m3").config.schedule == "split"
+    assert BatchMLADecode(16, schedule="alternate").config == MLADecodeConfig(schedule="alternate")
+    assert mla_decode_config().schedule == "split"
