@@ -190,6 +190,10 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
     h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]
     if h128:
         result["geomean_flashmla_over_cukv_h128"] = float(np.exp(np.mean(np.log(h128))))
+    for c in configs[1:]:  # above 1: that config is faster than the first
+        ratios = [r[f"{config_label(*c)}_over_cukv"] for r in rows]
+        if ratios:
+            result[f"geomean_{config_label(*c)}_over_cukv"] = float(np.exp(np.mean(np.log(ratios))))
     print(format_table(result))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
@@ -228,4 +232,7 @@ def format_table(result) -> str:
     lines += [_fmt(r) for r in result["rows"]]
     if "geomean_flashmla_over_cukv_h128" in result:
         lines.append(f"geomean FlashMLA/cukv over h128 shapes: {result['geomean_flashmla_over_cukv_h128']:.3f}")
+    for k, v in result.items():
+        if k.startswith("geomean_cukv_"):
+            lines.append(f"geomean cukv/{k[len('geomean_'):-len('_over_cukv')]} over all shapes: {v:.3f}")
     return "\n".join(lines)

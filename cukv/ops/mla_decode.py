@@ -160,7 +160,7 @@ class BatchMLADecode:
         return self
 
     def _queries(self, q, q_nope, q_pe):
-        """``((address, element strides[3], array) for the latent and rope parts, the query array)``."""
+        """``([(address, element strides[3]) of the latent part, of the rope part], the query array)``."""
         b, s_q, h = self.batch_size, self.s_q, self.num_heads
         if q is not None:
             if q_nope is not None or q_pe is not None:
