@@ -139,8 +139,9 @@ class MLAKVCache:
         last = (self.num_pages - 1) * self.page_stride + (self.page_size - 1) * self.row_stride
         return 0, last + self.row_bytes
 
-    def dequantize(self):
-        """Every row as float32 ``[num_pages, page_size, 576]`` (FP8: ``e4m3(code) * scale``, then the rope)."""
+    def dequantize(self, chunk_bytes: int = 256 << 20):
+        """Every row as float32 ``[num_pages, page_size, 576]`` (FP8: ``e4m3(code) * scale``, then the rope). FP8
+        rows are converted ``chunk_bytes`` of output at a time, so the temporaries stay that small."""
         import cupy as cp
 
         d = self.data
@@ -150,8 +151,16 @@ class MLAKVCache:
             return (d.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
         from .fp8 import E4M3_VALUES
 
+        chunk_bytes = check_int("chunk_bytes", chunk_bytes, 1)
         table = cp.asarray(E4M3_VALUES.astype(np.float32))
-        codes = table[d[..., :NOPE]].reshape(d.shape[0], d.shape[1], 4, 128)
-        scales = cp.ascontiguousarray(d[..., NOPE:NOPE + 16]).view(cp.float32)
-        rope = (cp.ascontiguousarray(d[..., NOPE + 16:]).view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
-        return cp.concatenate([(codes * scales[..., None]).reshape(d.shape[0], d.shape[1], NOPE), rope], axis=-1)
+        out = cp.empty((self.num_pages, self.page_size, DIM), cp.float32)
+        step = max(1, chunk_bytes // (self.page_size * DIM * 4))  # pages per pass
+        for p0 in range(0, self.num_pages, step):
+            c = d[p0:p0 + step]
+            n = c.shape[0]
+            codes = table[c[..., :NOPE]].reshape(n, self.page_size, 4, 128)
+            scales = cp.ascontiguousarray(c[..., NOPE:NOPE + 16]).view(cp.float32)
+            out[p0:p0 + n, :, :NOPE] = (codes * scales[..., None]).reshape(n, self.page_size, NOPE)
+            rope = cp.ascontiguousarray(c[..., NOPE + 16:]).view(cp.uint16)
+            out[p0:p0 + n, :, NOPE:] = (rope.astype(cp.uint32) << 16).view(cp.float32)
+        return out

@@ -265,6 +265,8 @@ def test_append_fp8_bit_exact(rng, dtype, pow2):
     assert (got[untouched] == 0xFF).all()
     deq = cache.dequantize().get().reshape(-1, 576)
     np.testing.assert_array_equal(deq[slots[0]], reference.mla_dequantize_fp8(want[0]).astype(np.float32))
+    one_page = cache.dequantize(chunk_bytes=16 * 576 * 4).get().reshape(-1, 576)  # a pass per page
+    assert np.array_equal(np.isnan(one_page), np.isnan(deq)) and np.array_equal(np.nan_to_num(one_page), np.nan_to_num(deq))
 
 
 def test_append_16bit_and_from_arrays(rng):
