@@ -9,9 +9,10 @@
 //
 //   warpgroup 0, pair k                          warpgroup 1, pair k
 //   S0 = Q K[2k]^T                               S1 = Q K[2k+1]^T            (in parallel)
-//   m0 = max(m, rowmax S0); P0; publish ---H0--> read m0, P0; m1 = max(m0, rowmax S1); P1
-//   O0 += P0 V[2k]                        <--H1--- publish m1, P1
-//   read m1, P1; O0 += P1 V[2k+1]                O1 += P0 V[2k]; O1 += P1 V[2k+1]
+//   m0 = max(m, rowmax S0); P0; publish ---H0--> read m0, P0; issue O1 += P0 V[2k]
+//   issue O0 += P0 V[2k]                         m1 = max(m0, rowmax S1); P1 (beside its wgmmas)
+//   wait for H1                           <--H1--- publish m1, P1
+//   read m1, P1; O0 += P1 V[2k+1]                O1 += P1 V[2k+1]
 //
 // O and l follow each new max (O scaled by alpha = exp2(m_old - m_new) before the wgmma that adds to it); both
 // warpgroups end on the same max, and each l holds the sums of its own tiles' P. H0 and H1 are named barriers
@@ -146,8 +147,9 @@ struct MLADecodeAltConsumer {
     return stats()[(1 - g) * 128 + t];
   }
 
-  // O[:, this warpgroup's 256 columns] += P V over the BN tokens of stage s; then this warp releases the stage.
-  __device__ __forceinline__ void accumulate(const u32 (&p)[kPWords], int stage) {
+  // Issue O[:, this warpgroup's 256 columns] += P V over the BN tokens of stage s. Until pv_retire, neither O nor
+  // p may be touched (the wgmmas read p and accumulate into O asynchronously); other registers may.
+  __device__ __forceinline__ void pv_issue(const u32 (&p)[kPWords], int stage) {
     const u64 vd = sw128_desc(pipe.stage(stage) + (u32)(g * 4 * Pipe::atom_col_bytes), Pipe::atom_col_bytes, 1024);
     wgmma_fence();
 #pragma unroll
@@ -156,6 +158,10 @@ struct MLADecodeAltConsumer {
       MmaO::rs(o, frag, desc_add(vd, (u32)(kk * 16 * kAtomRowBytes)), 1);
     }
     wgmma_commit();
+  }
+
+  // Wait for the P V wgmmas; then this warp releases the stage (its last use of it).
+  __device__ __forceinline__ void pv_retire(int stage) {
     wgmma_wait<0>();
     fence_regs(o);
     if (lane == 0) mbar_arrive(pipe.empty(stage));
@@ -187,12 +193,17 @@ struct MLADecodeAltConsumer {
         probabilities(s, p);
         publish(p, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
         scale_o(a0);
-        accumulate(p, t0 % STAGES);
+        pv_issue(p, t0 % STAGES);
         if (pair) {
-          const float2 a1 = follow(receive(p, kBarH1));
-          scale_o(a1);
+          u32 p1[kPWords];
+          const float2 m1 = receive(p1, kBarH1);  // waits while P0 V runs
+          pv_retire(t0 % STAGES);
+          scale_o(follow(m1));
           wait_tile(t1);
-          accumulate(p, t1 % STAGES);
+          pv_issue(p1, t1 % STAGES);
+          pv_retire(t1 % STAGES);
+        } else {
+          pv_retire(t0 % STAGES);
         }
       } else {
         float s[kSRegs];
@@ -203,19 +214,20 @@ struct MLADecodeAltConsumer {
         }
         u32 p0[kPWords];
         const float2 m0 = receive(p0, kBarH0);
-        const float2 a0 = follow(m0);
+        scale_o(follow(m0));  // O and l to m0, the max P0 is scaled to
+        wait_tile(t0);
+        pv_issue(p0, t0 % STAGES);
         float2 a1 = make_float2(1.f, 1.f);
-        if (pair) {
+        if (pair) {  // the softmax of tile t1 while P0 V runs
           a1 = follow(make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y)));
           probabilities(s, p);
-          publish(p, kBarH1);  // warpgroup 0 goes on with P1 V while this one runs P0 V
+          publish(p, kBarH1);  // warpgroup 0 goes on with P1 V
         }
-        scale_o(a0);  // O to m0, the max P0 is scaled to
-        wait_tile(t0);
-        accumulate(p0, t0 % STAGES);
+        pv_retire(t0 % STAGES);
         if (pair) {
-          scale_o(a1);  // then to the pair's max, the one P1 is scaled to
-          accumulate(p, t1 % STAGES);
+          scale_o(a1);  // then O to the pair's max, the one P1 is scaled to
+          pv_issue(p, t1 % STAGES);
+          pv_retire(t1 % STAGES);
         }
       }
     }
