@@ -27,8 +27,9 @@ from .ops.decode import BatchDecode, decode
 from .ops.dequant import dequantize_kv
 from .ops.merge import merge_states, merge_states_n
 from .ops.prefill import BatchPrefill, prefill
-from .mla_cache import MLAKVCache, append_mla
+from .mla_cache import MLAKVCache
 from .configs.mla_decode import MLADecodeConfig
+from .ops.mla_append import append_mla
 from .ops.mla_decode import BatchMLADecode, mla_decode
 
 __all__ = [

@@ -106,10 +106,14 @@ def _bench(args) -> int:
     from .device import require_gpu
 
     if args.what == "mla-decode":
-        require_gpu("cukv bench")
-        from .bench.mla_decode import run as run_mla
+        from .bench.mla_decode import parse_mla_configs, run as run_mla
 
-        cfgs = tuple(tuple(int(v) for v in c.split("x")) for c in args.mla_configs.split(","))
+        try:
+            cfgs = parse_mla_configs(args.mla_configs)  # a clear error before anything needs a GPU
+        except ValueError as e:
+            print(f"cukv bench mla-decode: {e}", file=sys.stderr)
+            return 2
+        require_gpu("cukv bench")
         run_mla(out_dir=args.out, quick=args.quick, configs=cfgs, fp8=args.kv_dtype == "fp8_e4m3",
                 **({"reps": args.reps} if args.reps else {}))
         return 0
@@ -249,8 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kv-dtype", default="bfloat16",
                    help="fp8_e4m3: also time an FP8 cache beside bf16 on every shape")
     b.add_argument("--scale-granularity", default="token", help="FP8 scales: token, tensor, 32, 64 or 128")
-    b.add_argument("--mla-configs", default="64x2", help="mla-decode: block_n x num_kv_stages pairs to time, "
-                   "comma-separated; the first is the one compared with FlashMLA")
+    b.add_argument("--mla-configs", default="64x2", help="mla-decode: cukv configs to time in one process, "
+                   "comma-separated block_n x num_kv_stages[:schedule] (e.g. 64x2,64x2:alternate); the first is the "
+                   "one compared with FlashMLA, the others are timed and checked against it")
     a = sub.add_parser("autotune", help="time prefill tile shapes on this GPU and keep the fastest (opt-in)",
                        description="prefill: time candidate (BM, BN, BK, stages) around the default on a causal "
                        "prefill, check each against the default's output, store the fastest next to the compile "

@@ -7,6 +7,7 @@ from .configs.merge import MergeConfig
 from .configs.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from .policy.decode import decode_config
 from .policy.prefill import default_config as prefill_default
+from .configs.mla_append import shipped as mla_append_shipped
 from .configs.mla_decode import shipped as mla_decode_shipped
 
 DTYPES = ("bfloat16", "float16")
@@ -33,9 +34,7 @@ def shipped():
             for ps in (16, 0):  # page 16 and contiguous K/V
                 out.append(prefill_default(dt, d, ps))
     out.extend(mla_decode_shipped())
-    from .mla_cache import MLAAppendConfig
-
-    out.extend(MLAAppendConfig(dt, f8, p2) for dt in DTYPES for f8, p2 in ((False, False), (True, False), (True, True)))
+    out.extend(mla_append_shipped())
     return out
 
 

@@ -5,7 +5,8 @@
 // once and streams K tiles of BN tokens x 576 values through a ring of shared-memory stages (cp.async,
 // completion on mbarriers). Warpgroups 1 and 2 consume: each computes S = Q K^T for half of the tile's tokens
 // (wgmma from shared-memory descriptors), the two exchange row maxima and their P through shared memory, and
-// each accumulates O[:, its 256 columns] += P V, V being the first 512 columns of the same K rows. A chunk
+// each accumulates O[:, its 256 columns] += P V, V being the first 512 columns of the same K rows (the "split"
+// schedule; mla_decode_consumer_alt.cuh gives each warpgroup every other tile whole instead). A chunk
 // that covers its whole sequence writes the output; the others write float32 partials that the combine
 // kernel (mla_decode_combine.cuh) merges by LSE.
 #pragma once

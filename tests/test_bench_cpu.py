@@ -264,3 +264,17 @@ def test_timing_helper_kernels_compile_without_spills(template, name):
 
     rep = compiler.build(template, name, name=name).functions[name]
     assert rep.spill_stores == 0 and rep.registers <= 64, rep
+
+
+def test_mla_configs_parse_both_schedules():
+    from cukv.bench.mla_decode import config_label, parse_mla_configs
+
+    assert parse_mla_configs("64x2") == ((64, 2, "split"),)
+    assert parse_mla_configs("64x2:alternate, 32x4") == ((64, 2, "alternate"), (32, 4, "split"))
+    assert config_label(64, 2, "alternate") == "cukv_n64s2_alternate" and config_label(32, 4) == "cukv_n32s4"
+    for bad in ("64", "64x2:alt", "ax2"):
+        with pytest.raises(ValueError, match="--mla-configs entry"):
+            parse_mla_configs(bad)
+    a = cli.build_parser().parse_args(["bench", "mla-decode", "--mla-configs", "64x2,64x2:alternate"])
+    assert a.mla_configs == "64x2,64x2:alternate"
+    assert cli.main(["bench", "mla-decode", "--mla-configs", "64x2,64x2:alt"]) == 2

@@ -28,7 +28,8 @@ ENV = ("CUKV_NO_COMPILE", "CUKV_DEFINES", "CUKV_DUMP_SOURCE", "CUKV_CHECK", "CUK
 #: the public entry points that must carry an example of their own (cukv/__init__.py's names, errors aside)
 PUBLIC = ("BatchDecode", "BatchPrefill", "PagedKVCache", "SequenceTable", "PageTable", "PageAllocator", "append_kv",
           "merge_states", "merge_states_n", "dequantize_kv", "decode", "prefill", "DecodeConfig", "PrefillConfig",
-          "KVBufferConfig", "AppendConfig", "MergeConfig", "DequantConfig")
+          "KVBufferConfig", "AppendConfig", "MergeConfig", "DequantConfig", "MLAKVCache", "append_mla", "BatchMLADecode",
+          "mla_decode", "MLADecodeConfig")
 
 
 def _modules():

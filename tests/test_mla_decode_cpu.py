@@ -6,13 +6,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cukv import compiler, reference
-from cukv.configs.mla_decode import MLADecodeConfig, shipped
-from cukv.mla_cache import MLAAppendConfig, check_int
-from cukv.ops.mla_decode import BatchMLADecode, plan_items
+from cukv.configs import mla_append, mla_decode
+from cukv.configs.mla_append import MLAAppendConfig
+from cukv.configs.mla_decode import MLADecodeConfig
+from cukv.ops.mla_decode import BatchMLADecode
+from cukv.policy.mla_decode import DEFAULT_BLOCK_N, DEFAULT_STAGES, mla_decode_config, plan_items
 
 ARCH = "sm_90a"
-SHIPPED = shipped() + [MLAAppendConfig(dt, f8, p2) for dt in ("bfloat16", "float16")
-                       for f8, p2 in ((False, False), (True, False), (True, True))]
+SHIPPED = mla_decode.shipped() + mla_append.shipped()
 
 
 @pytest.mark.parametrize("cfg", SHIPPED, ids=lambda c: c.name)
@@ -129,7 +130,54 @@ def test_named_errors_without_gpu():
         BatchMLADecode(16, "float32")
     with pytest.raises(ValueError, match="block_n"):
         BatchMLADecode(16, block_n=48)
-    with pytest.raises(TypeError, match="s_q"):
-        check_int("s_q", 1.5, 1, 8)
+    with pytest.raises(ValueError, match=r"^s_q=1\.5 must be in 1\.\.8"):
+        BatchMLADecode(16).plan([5], s_q=1.5)
+    with pytest.raises(ValueError, match=r"^seq_lens\[1\]=-1 must be in 0\.\."):
+        BatchMLADecode(16).plan([5, -1])
+    with pytest.raises(TypeError, match=r"^kv_dtype='fp8_e4m3' needs dtype='bfloat16'"):
+        BatchMLADecode(16, "float16", kv_dtype="fp8_e4m3")
     with pytest.raises(ValueError, match="pow2_scales"):
         MLAAppendConfig("bfloat16", False, True)
+
+
+def test_policy_defaults_are_the_configs():
+    """BatchMLADecode takes its tile from the policy; the config's own defaults agree with it."""
+    assert mla_decode_config() == MLADecodeConfig() == BatchMLADecode(16).config
+    assert (MLADecodeConfig().block_n, MLADecodeConfig().num_kv_stages) == (DEFAULT_BLOCK_N, DEFAULT_STAGES)
+    assert BatchMLADecode(16, block_n=32, num_kv_stages=4).config == MLADecodeConfig("bfloat16", 32, 4)
+
+
+def test_mla_configs_share_the_base():
+    from cukv.configs.base import KernelConfig
+
+    for cfg in SHIPPED:
+        assert isinstance(cfg, KernelConfig) and cfg.template.startswith("mla_")
+
+
+ALTERNATE = [MLADecodeConfig(dt, bn, st, schedule="alternate")
+             for dt, bn, st in (("bfloat16", 64, 2), ("float16", 64, 2), ("bfloat16", 32, 4))]
+
+
+@pytest.mark.parametrize("cfg", ALTERNATE, ids=lambda c: c.name)
+def test_alternate_schedule_compiles_without_spills(cfg):
+    """The opt-in alternating consumers: same shared memory as the split ones, no spills, their own name, and no
+    wgmma wait that ptxas had to inject (C7517: a register of an in-flight wgmma touched, the overlap lost)."""
+    mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH)
+    for name, r in mod.functions.items():
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, r
+    assert "C7517" not in mod.log and "wgmma.wait_group is injected" not in mod.log, mod.log
+    split = MLADecodeConfig(cfg.dtype, cfg.block_n, cfg.num_kv_stages)
+    assert cfg.name == split.name + "_alt" and cfg.smem_bytes == split.smem_bytes
+    assert "MLADecodeAltConsumer" in cfg.render() and "MLADecodeAltConsumer" not in split.render()
+
+
+def test_schedule_rules():
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.schedule='pingpong' is not valid"):
+        MLADecodeConfig(schedule="pingpong")
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.schedule='alternate' is not valid: .*spill"):
+        MLADecodeConfig(kv_dtype="fp8_e4m3", schedule="alternate")
+    with pytest.raises(ValueError, match=r"^schedule='alternate' is not offered with kv_dtype='fp8_e4m3'"):
+        BatchMLADecode(16, kv_dtype="fp8_e4m3", schedule="alternate")
+    assert BatchMLADecode(16, kv_dtype="fp8_e4m3").config.schedule == "split"
+    assert BatchMLADecode(16, schedule="alternate").config == MLADecodeConfig(schedule="alternate")
+    assert mla_decode_config().schedule == "split"

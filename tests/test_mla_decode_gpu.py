@@ -131,7 +131,8 @@ def test_mla_decode_fp8_cache(rng, pow2):
     bf16(e4m3 * scale), exact for power-of-two scales), loose against the unquantized tokens."""
     import cupy as cp
 
-    from cukv.mla_cache import MLAKVCache, append_mla
+    from cukv.mla_cache import MLAKVCache
+    from cukv.ops.mla_append import append_mla
     from cukv.ops.mla_decode import BatchMLADecode
 
     lens, s_q, heads, ps = [3000, 0, 77, 640], 2, 16, 16
@@ -242,7 +243,8 @@ def test_mla_decode_bad_input_writes_nothing(rng):
 def test_append_fp8_bit_exact(rng, dtype, pow2):
     import cupy as cp
 
-    from cukv.mla_cache import MLAKVCache, append_mla
+    from cukv.mla_cache import MLAKVCache
+    from cukv.ops.mla_append import append_mla
 
     t = 37
     kv_c = rng.standard_normal((t, 512)).astype(np.float32) * rng.uniform(0.01, 100, (t, 1)).astype(np.float32)
@@ -263,12 +265,15 @@ def test_append_fp8_bit_exact(rng, dtype, pow2):
     assert (got[untouched] == 0xFF).all()
     deq = cache.dequantize().get().reshape(-1, 576)
     np.testing.assert_array_equal(deq[slots[0]], reference.mla_dequantize_fp8(want[0]).astype(np.float32))
+    one_page = cache.dequantize(chunk_bytes=16 * 576 * 4).get().reshape(-1, 576)  # a pass per page
+    assert np.array_equal(np.isnan(one_page), np.isnan(deq)) and np.array_equal(np.nan_to_num(one_page), np.nan_to_num(deq))
 
 
 def test_append_16bit_and_from_arrays(rng):
     import cupy as cp
 
-    from cukv.mla_cache import MLAKVCache, append_mla
+    from cukv.mla_cache import MLAKVCache
+    from cukv.ops.mla_append import append_mla
 
     base = cp.full((6, 2, 16, 1, 576), 0x7FC0, cp.uint16)  # a [blocks, 2, page, 1, 576] buffer: strided pages
     cache = MLAKVCache.from_arrays(base[:, 1], dtype="bfloat16")

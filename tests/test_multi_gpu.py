@@ -156,12 +156,16 @@ def test_kernels_are_loaded_once_per_device():
             assert fn.max_dynamic_shared_size_bytes >= cfg.smem_bytes
 
 
-@pytest.mark.parametrize("op", ["decode", "prefill"])
+@pytest.mark.parametrize("op", ["decode", "prefill", "mla"])
 def test_run_on_another_device_than_the_plan_is_refused(rng, op):
+    import cupy as cp
+
     from cukv.errors import DeviceMismatchError
 
     with _on(0):
-        if op == "decode":
+        if op == "mla":
+            obj = cukv.BatchMLADecode(16).plan([100, 7])
+        elif op == "decode":
             obj = cukv.BatchDecode(8, 2, 128, 16, "bfloat16").plan(3, 1100)
         else:
             obj = cukv.BatchPrefill(8, 2, 128, 16, "bfloat16")
@@ -169,7 +173,11 @@ def test_run_on_another_device_than_the_plan_is_refused(rng, op):
                                         head_dim=128, page_size=16)
             obj.plan(case0["q_offsets"], case0["kv_lens"])
     with _on(1):
-        if op == "decode":
+        if op == "mla":
+            cache = cukv.MLAKVCache(num_pages=4, page_size=64, dtype="bfloat16", fill="zeros")
+            table = cp.asarray(np.array([[0, 1], [2, 3]], np.int32))
+            call = lambda: obj.run(cp.zeros((2, 1, 16, 576), cp.uint16), cache, table)  # noqa: E731
+        elif op == "decode":
             case = random_decode_case(rng, batch=3, lengths=[1, 517, 1100], num_qo_heads=8, num_kv_heads=2,
                                       head_dim=128, page_size=16)
             call = lambda: obj.run(case["q"], case["cache"], case["table"])  # noqa: E731

@@ -118,6 +118,27 @@ def _extend(**kw):
     return cukv.SequenceTable(FAKE_CACHE, 2, 2).extend(kw["counts"])
 
 
+def _mla_ctor(**kw):
+    return cukv.BatchMLADecode(**{**dict(num_heads=16), **kw})
+
+
+def _mla_plan(**kw):
+    return _mla_ctor().plan(**{**dict(seq_lens=np.array([100, 7]), s_q=1), **kw})
+
+
+def _mla_run(**kw):
+    return _mla_ctor().run(None, None, None, **kw)
+
+
+def _mla_cache(**kw):
+    return cukv.MLAKVCache(**{**dict(num_pages=4, page_size=64, dtype="bfloat16"), **kw})
+
+
+def _append_mla(**kw):
+    args = {**dict(cache=None, kv_c=None, k_pe=None, slots=None), **kw}
+    return cukv.append_mla(args.pop("cache"), args.pop("kv_c"), args.pop("k_pe"), args.pop("slots"), **args)
+
+
 SCALARS = {
     "BatchDecode": (_decode_ctor, {"num_qo_heads": POSITIVE_INT, "num_kv_heads": POSITIVE_INT, "head_dim": POSITIVE_INT,
                                    "page_size": POSITIVE_INT, "num_warps": POSITIVE_INT, "stages": OPTIONAL_NONNEG_INT,
@@ -145,6 +166,18 @@ SCALARS = {
     "PageAllocator": (lambda **kw: cukv.PageAllocator(**kw), {"num_pages": POSITIVE_INT}),
     "PageAllocator.alloc": (lambda **kw: cukv.PageAllocator(4).alloc(**kw),
                             {"n": [(True, ValueError), (1.5, ValueError), (-1, ValueError), ("1", TypeError)]}),
+    "MLAKVCache": (_mla_cache, {"num_pages": POSITIVE_INT, "page_size": POSITIVE_INT,
+                                "fill": [("zero", ValueError), (0, ValueError), (True, ValueError)]}),
+    "append_mla": (_append_mla, {"pow2_scales": BOOL, "check": OPTIONAL_BOOL}),
+    "BatchMLADecode": (_mla_ctor, {"num_heads": POSITIVE_INT + [(129, ValueError)],
+                                   "block_n": [(True, ValueError), (48, ValueError), (64.0, ValueError),
+                                               ("64", ValueError)],
+                                   "num_kv_stages": OPTIONAL_POSITIVE_INT + [(1, ValueError), (9, ValueError)],
+                                   "schedule": [("alt", ValueError), (1, ValueError), (True, ValueError)]}),
+    "BatchMLADecode.plan": (_mla_plan, {"s_q": POSITIVE_INT + [(9, ValueError)], "chunk_tiles": OPTIONAL_POSITIVE_INT,
+                                        "seq_lens": HOST_INTS}),
+    "BatchMLADecode.run": (_mla_run, {"softmax_scale": OPTIONAL_POSITIVE_FLOAT, "return_lse": BOOL,
+                                      "check": OPTIONAL_BOOL}),
 }
 # None is no bad value where the argument takes None
 OPTIONAL = {("BatchPrefill", "page_size")}
@@ -179,6 +212,9 @@ DEVICE_ENTRIES = {
     "merge_states_n": ("vs", lambda x: cukv.merge_states_n(x, None)),
     "PagedKVCache.from_arrays": ("k", lambda x: cukv.PagedKVCache.from_arrays(x, x)),
     "PageTable": ("block_table", lambda x: cukv.PageTable(x, x, 16)),
+    "MLAKVCache.from_arrays": ("x", lambda x: cukv.MLAKVCache.from_arrays(x)),
+    "append_mla": ("kv_c", lambda x: cukv.append_mla(None, x, x, x)),
+    "mla_decode": ("q", lambda x: cukv.mla_decode(x, None, None, [1])),
     "check_device_array": ("x", lambda x: validate.check_device_array("x", x)),
     "check_per_head": ("sink", lambda x: validate.check_per_head("sink", x, 8)),
 }
@@ -199,7 +235,8 @@ def test_cpu_tensor_message_says_host():
 
 
 @pytest.mark.parametrize("obj,how", [(lambda: _decode_ctor(), "plan(batch_size, max_kv_len)"),
-                                     (lambda: _prefill_ctor(), "plan(q_offsets, kv_lengths)")])
+                                     (lambda: _prefill_ctor(), "plan(q_offsets, kv_lengths)"),
+                                     (lambda: _mla_ctor(), "plan(seq_lens, s_q)")])
 def test_run_before_plan(obj, how):
     o = obj()
     with pytest.raises(NotPlannedError, match=re.escape(f"call {how} first")) as e:
@@ -397,3 +434,33 @@ def test_dequantize_in_chunks_matches_one_pass(granularity):
     for chunk in (1, 4 * 4 * 2 * 64 * 2):  # one page, two pages at a time
         for a, b in zip(whole, cache.dequantize(chunk)):
             assert cp.array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_mla_device_arrays_and_checked_mode():
+    """BatchMLADecode.run: bad device arrays name the argument, a strided sink is refused, and the checked mode
+    refuses a page id outside the cache (the unchecked kernel reads it as zeros); append_mla's checked slots."""
+    import cupy as cp
+
+    cache = cukv.MLAKVCache(num_pages=4, page_size=16, dtype="float16", fill="zeros")
+    dec = cukv.BatchMLADecode(8, "float16").plan([20, 5])
+    q = cp.zeros((2, 1, 8, 576), cp.float16)
+    table = cp.asarray(np.array([[0, 1], [2, 3]], np.int32))
+    dec.run(q, cache, table, check=True)
+    for arg, bad, exc in [("q", q.astype(cp.float32), TypeError), ("q", q[..., :512], ValueError),
+                          ("block_table", table.astype(cp.int64), TypeError),
+                          ("sink", cp.zeros(16, cp.float32)[::2], ValueError),
+                          ("sink", cp.zeros(8, cp.float16), TypeError),
+                          ("out", cp.zeros((2, 1, 8, 512), cp.float32), TypeError)]:
+        kw = {"q": q, "block_table": table, arg: bad}
+        with pytest.raises(exc, match=rf"^{arg}\b"):
+            dec.run(kw.pop("q"), cache, kw.pop("block_table"), **kw)
+    bad_table = cp.asarray(np.array([[0, 9], [2, 3]], np.int32))
+    with pytest.raises(ValueError, match=r"^block_table\[0, 1\]=9 is not a page of the cache \(0\.\.3\)"):
+        dec.run(q, cache, bad_table, check=True)
+    dec.run(q, cache, bad_table)  # unchecked: no error (docs/errors.md)
+    kv = cp.zeros((2, 512), cp.float16)
+    pe = cp.zeros((2, 64), cp.float16)
+    with pytest.raises(ValueError, match=r"^slots\[1\]=64 is not a slot of the cache \(0\.\.63"):
+        cukv.append_mla(cache, kv, pe, cp.asarray([0, 64]), check=True)
+    cukv.append_mla(cache, kv, pe, cp.asarray([0, 64]))  # unchecked: slot 64 is skipped

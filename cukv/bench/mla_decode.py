@@ -70,7 +70,8 @@ def _fp8_copy(cache):
     """The same rows as an FP8 cache (656-byte rows, FlashMLA-style power-of-two scales), same page ids."""
     import cupy as cp
 
-    from ..mla_cache import MLAKVCache, append_mla
+    from ..mla_cache import MLAKVCache
+    from ..ops.mla_append import append_mla
 
     fp8 = MLAKVCache(cache.num_pages, PAGE, "fp8_e4m3")
     rows = cache.data.reshape(-1, 576)
@@ -79,13 +80,44 @@ def _fp8_copy(cache):
     return fp8
 
 
+def parse_mla_configs(text: str) -> tuple:
+    """``--mla-configs``: comma-separated ``BNxS`` or ``BNxS:schedule`` (``64x2``, ``64x2:alternate``) ->
+    ``((block_n, num_kv_stages, schedule), ...)``; a malformed entry is a ValueError naming it.
+
+    >>> from cukv.bench.mla_decode import parse_mla_configs
+    >>> parse_mla_configs("64x2,64x2:alternate")
+    ((64, 2, 'split'), (64, 2, 'alternate'))
+    """
+    from ..configs.mla_decode import SCHEDULES
+
+    out = []
+    for entry in text.split(","):
+        tile, _, schedule = entry.strip().partition(":")
+        bn, _, st = tile.partition("x")
+        schedule = schedule or "split"
+        if not (bn.isdigit() and st.isdigit()) or schedule not in SCHEDULES:
+            raise ValueError(f"--mla-configs entry {entry!r} is not valid; expected BNxS or BNxS:schedule "
+                             f"(schedule one of {', '.join(SCHEDULES)}), e.g. 64x2,64x2:alternate")
+        out.append((int(bn), int(st), schedule))
+    return tuple(out)
+
+
+def config_label(block_n: int, num_kv_stages: int, schedule: str = "split") -> str:
+    """The bench's name for a cukv config other than the first: ``cukv_n64s2``, ``cukv_n64s2_alternate``."""
+    return f"cukv_n{block_n}s{num_kv_stages}" + ("" if schedule == "split" else f"_{schedule}")
+
+
 def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: bool = True,
-        configs=((64, 2),), fp8: bool = False) -> dict:
-    """Time every shape; ``configs`` lists (block_n, num_kv_stages) pairs of cukv to time (the first is the
-    default one the ratios use; the others are reported as ``cukv_n{BN}s{S}``)."""
+        configs=((64, 2, "split"),), fp8: bool = False) -> dict:
+    """Time every shape; ``configs`` lists (block_n, num_kv_stages[, schedule]) of cukv to time in one process
+    (the first is the one FlashMLA is compared with, reported as ``cukv``; the others as ``config_label(...)``,
+    each with its largest difference from the first's output)."""
     import cupy as cp
 
     from ..ops.mla_decode import BatchMLADecode
+    from ..policy.mla_decode import mla_decode_config
+
+    configs = tuple((c[0], c[1], c[2] if len(c) > 2 else "split") for c in configs)
 
     timer = Timer()
     ceiling = read_ceiling_tbs(timer)
@@ -96,13 +128,21 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
             continue
         lens = _lengths(batch, ctx)
         cache, table, q = _problem(batch, heads, s_q, lens)
-        decs = [BatchMLADecode(heads, block_n=bn, num_kv_stages=st).plan(lens, s_q) for bn, st in configs]
+        decs = [BatchMLADecode(heads, block_n=bn, num_kv_stages=st, schedule=sc).plan(lens, s_q)
+                for bn, st, sc in configs]
         dec = decs[0]
         out = cp.empty((batch, s_q, heads, 512), cp.uint16)
         lse = cp.empty((batch, s_q, heads), cp.float32)
         fns = {"cukv": lambda: dec.run(q, cache, table, out=out, lse=lse)}
-        for (bn, st), d in zip(configs[1:], decs[1:]):
-            fns[f"cukv_n{bn}s{st}"] = lambda d=d: d.run(q, cache, table, out=out, lse=lse)
+        diffs = {}
+        if len(configs) > 1:  # every other config against the first, on this shape's data
+            dec.run(q, cache, table, out=out, lse=lse)
+            want = _bf16_float(out)
+            for c, d in zip(configs[1:], decs[1:]):
+                got = _bf16_float(d.run(q, cache, table))
+                diffs[config_label(*c)] = float(cp.nan_to_num(cp.abs(got - want), nan=cp.inf).max())
+        for c, d in zip(configs[1:], decs[1:]):
+            fns[config_label(*c)] = lambda d=d: d.run(q, cache, table, out=out, lse=lse)
         if fp8:  # opt-in: the FP8 path's timing beside bf16 (reported as cukv_fp8, and its ratio to cukv bf16)
             fcache = _fp8_copy(cache)
             fdec = BatchMLADecode(heads, kv_dtype="fp8_e4m3").plan(lens, s_q)
@@ -127,6 +167,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
         nbytes = float(lens.sum()) * 576 * 2 + batch * s_q * heads * (576 + 512) * 2
         r = {"shape": name, "batch": batch, "heads": heads, "s_q": s_q, "tokens": int(lens.sum()),
              "items": dec.num_items, "chunk_tiles": dec.chunk_tiles, "max_abs_diff_vs_flashmla": err}
+        for k, v in diffs.items():
+            r[f"{k}_max_abs_diff_vs_cukv"] = v
         for k, t in ms.items():
             r[f"{k}_ms"] = t
             r[f"{k}_tflops"] = flops / (t * 1e-3) / 1e12
@@ -136,21 +178,35 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
             r["flashmla_over_cukv"] = r["flashmla_ms"] / r["cukv_ms"]
         if "cukv_fp8_ms" in r:
             r["cukv_bf16_over_fp8"] = r["cukv_ms"] / r["cukv_fp8_ms"]
+        for c in configs[1:]:
+            r[f"{config_label(*c)}_over_cukv"] = r["cukv_ms"] / r[f"{config_label(*c)}_ms"]
         rows.append(r)
         print(_fmt(r), flush=True)
         fns = cache = table = q = out = lse = dec = decs = fcache = fdec = None  # free this shape's buffers
         cp.get_default_memory_pool().free_all_blocks()
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
-              "flashmla": why or "imported", "rows": rows}
+              "flashmla": why or "imported", "cukv": mla_decode_config("bfloat16", None, *configs[0]).name,
+              "rows": rows}
     h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]
     if h128:
         result["geomean_flashmla_over_cukv_h128"] = float(np.exp(np.mean(np.log(h128))))
+    for c in configs[1:]:  # above 1: that config is faster than the first
+        ratios = [r[f"{config_label(*c)}_over_cukv"] for r in rows]
+        if ratios:
+            result[f"geomean_{config_label(*c)}_over_cukv"] = float(np.exp(np.mean(np.log(ratios))))
     print(format_table(result))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "bench_mla_decode.json"), "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def _bf16_float(x):
+    """bf16 bits (a CuPy uint16 array) -> float32."""
+    import cupy as cp
+
+    return (x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32)
 
 
 def _fmt(r) -> str:
@@ -162,6 +218,8 @@ def _fmt(r) -> str:
     for k in r:
         if (k.startswith("cukv_n") or k == "cukv_fp8_ms") and k.endswith("_ms"):
             s += f" | {k[:-3]} {r[k]:8.3f} ms"
+            if f"{k[:-3]}_over_cukv" in r:
+                s += f" (cukv/this {r[f'{k[:-3]}_over_cukv']:.3f}, diff {r[f'{k[:-3]}_max_abs_diff_vs_cukv']:.1e})"
     if "cukv_bf16_over_fp8" in r:
         s += f" (bf16/fp8 {r['cukv_bf16_over_fp8']:.2f})"
     if r.get("max_abs_diff_vs_flashmla") is not None:
@@ -174,4 +232,7 @@ def format_table(result) -> str:
     lines += [_fmt(r) for r in result["rows"]]
     if "geomean_flashmla_over_cukv_h128" in result:
         lines.append(f"geomean FlashMLA/cukv over h128 shapes: {result['geomean_flashmla_over_cukv_h128']:.3f}")
+    for k, v in result.items():
+        if k.startswith("geomean_cukv_"):
+            lines.append(f"geomean cukv/{k[len('geomean_'):-len('_over_cukv')]} over all shapes: {v:.3f}")
     return "\n".join(lines)

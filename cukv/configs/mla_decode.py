@@ -6,17 +6,21 @@ The derived sizes follow the seed's ``MLAKVProducerPipeline`` vocabulary (``k_no
 from __future__ import annotations
 
 import dataclasses
-from functools import cached_property
 
 import numpy as np
 
-from .. import compiler
+from .base import KernelConfig
 from .checks import CTYPES, SHORT, check_in, check_range, check_rule
 
 NOPE, ROPE, DIM = 512, 64, 576
 BLOCK_M = 64              # query rows per block (one wgmma M); heads x s_q fold into them
 SMEM_LIMIT = 227 * 1024   # Hopper's opt-in dynamic shared memory per block
 BLOCK_NS = (32, 64)
+#: consumer schedules: "split" (each warpgroup scores half of every tile, templates/mla_decode_consumer.cuh) or
+#: "alternate" (warpgroup g scores tiles 2k + g whole, the softmaxes overlap the other's wgmmas;
+#: templates/mla_decode_consumer_alt.cuh)
+SCHEDULES = ("split", "alternate")
+CONSUMERS = {"split": "MLADecodeConsumer", "alternate": "MLADecodeAltConsumer"}
 # register split: the producer only forms addresses (56 like prefill's); the consumers get the rest of
 # 3 x 168 (the 384-thread launch allocation) for O's 128 accumulators beside S and P. An FP8 producer holds
 # 8 rows of codes and scales (96); the consumers then get 200 (they use 168 in the 16-bit kernel).
@@ -36,18 +40,35 @@ PARAMS = np.dtype([
 
 
 @dataclasses.dataclass(frozen=True)
-class MLADecodeConfig:
-    """One compiled specialization of absorbed MLA decode (576/512, 64 query rows per block)."""
+class MLADecodeConfig(KernelConfig):
+    """One compiled specialization of absorbed MLA decode (576/512, 64 query rows per block). The defaults
+    ``BatchMLADecode`` picks are :mod:`cukv.policy.mla_decode`'s (``DEFAULT_BLOCK_N``, ``DEFAULT_STAGES``).
+
+    Examples
+    --------
+    >>> from cukv import MLADecodeConfig
+    >>> cfg = MLADecodeConfig("bfloat16", block_n=64, num_kv_stages=2)
+    >>> cfg.name, cfg.k_bytes, cfg.smem_bytes          # one K tile: 64 rows x 576 bf16; Q + 2 tiles + P + stats
+    ('cukv_mla_decode_bf16_n64_s2', 73728, 231488)
+    >>> MLADecodeConfig("bfloat16", block_n=64, num_kv_stages=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: MLADecodeConfig.num_kv_stages=3 is not valid: the ring needs 305216 bytes of shared memory ...
+    """
+
+    template = "mla_decode.cu.j2"
 
     #: query, output and 16-bit cache element type
     dtype: str = "bfloat16"
-    #: tokens per K tile (each consumer warpgroup scores half of them); 64 with 2 stages is the default (H200:
-    #: block_n 32 with 4 stages was 11-40% slower on every bench shape, docs/mla.md "Performance")
+    #: tokens per K tile (each consumer warpgroup scores half of them)
     block_n: int = 64
-    #: K tiles in flight in the shared-memory ring (2 is all that fits beside the query block at block_n 64)
+    #: K tiles in flight in the shared-memory ring
     num_kv_stages: int = 2
     #: cache rows: None (16-bit, ``dtype``) or 'fp8_e4m3' (656-byte rows dequantized into bf16 tiles)
     kv_dtype: str | None = None
+    #: the consumer warpgroups' schedule (``SCHEDULES``): "split" halves every tile between them, "alternate" gives
+    #: each every other tile (docs/mla.md, "Schedules")
+    schedule: str = "split"
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -55,6 +76,10 @@ class MLADecodeConfig:
         check_in(c, "block_n", self.block_n, BLOCK_NS)
         check_range(c, "num_kv_stages", self.num_kv_stages, 2, 8)
         check_in(c, "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
+        check_in(c, "schedule", self.schedule, SCHEDULES)
+        check_rule(c, "schedule", self.schedule, self.schedule == "split" or self.kv_dtype is None,
+                   "the alternating consumers need more than the 200 registers an FP8 producer leaves them "
+                   "(they spill): use schedule='split' with kv_dtype='fp8_e4m3'")
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
@@ -109,20 +134,18 @@ class MLADecodeConfig:
     @property
     def name(self) -> str:
         kv = "_e4m3" if self.kv_dtype else ""
-        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}"
+        alt = "_alt" if self.schedule == "alternate" else ""
+        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}"
 
-    def render(self) -> str:
-        return compiler.render(
-            "mla_decode.cu.j2", name=self.name, ctype=CTYPES[self.dtype], block_n=self.block_n,
+    def render_params(self) -> dict:
+        return dict(
+            name=self.name, ctype=CTYPES[self.dtype], block_n=self.block_n,
             num_kv_stages=self.num_kv_stages, k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes,
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
             args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
+            schedule=self.schedule, consumer=CONSUMERS[self.schedule],
             producer_regs=FP8_PRODUCER_REGS if self.kv_dtype else PRODUCER_REGS,
             consumer_regs=FP8_CONSUMER_REGS if self.kv_dtype else CONSUMER_REGS)
-
-    @cached_property
-    def compiled(self) -> compiler.CompiledModule:
-        return compiler.compile_source(self.name, self.render())
 
 
 def shipped() -> list[MLADecodeConfig]:

@@ -1,0 +1,86 @@
+"""MLA decode policy: the default tile of an :class:`~cukv.configs.mla_decode.MLADecodeConfig` and the work list
+``BatchMLADecode.plan`` builds (chunk length per batch). Measurements: docs/tuning.md ("MLA decode").
+
+Examples
+--------
+>>> from cukv.policy.mla_decode import plan_items
+>>> items, chunk_tiles = plan_items([4096, 100], row_blocks=1, block_n=64, num_sms=8)
+>>> chunk_tiles, len(items), items[0]          # (batch, row block, first token, end token, chunks of that row)
+(10, 8, (0, 0, 0, 640, 7))
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from ..configs.mla_decode import MLADecodeConfig
+
+#: tokens per K tile: 64 (block_n 32 with 4 stages was 11-40% slower on every bench shape; docs/tuning.md)
+DEFAULT_BLOCK_N = 64
+#: K tiles in the ring: 2 is all that fits beside the 72 KB query block at block_n 64 (docs/tuning.md)
+DEFAULT_STAGES = 2
+#: the consumers' schedule: "split" until "alternate" (each warpgroup scores every other tile whole) is measured
+#: correct and faster on a GPU (docs/tuning.md "MLA decode")
+DEFAULT_SCHEDULE = "split"
+#: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
+#: (docs/tuning.md "MLA decode")
+ITEM_OVERHEAD_TILES = 8.0
+#: chunks per (sequence, row block): the combine kernel's shared arrays (kMlaMaxChunks in mla_decode_combine.cuh)
+MAX_CHUNKS = 512
+
+
+def _makespan(costs: list[float], slots: int) -> float:
+    """Finish time of blocks of these costs launched in order onto ``slots`` SMs (each takes the next block)."""
+    heap = [0.0] * min(slots, len(costs))
+    for c in costs:
+        heapq.heapreplace(heap, heap[0] + c)
+    return max(heap) if heap else 0.0
+
+
+def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles: int | None = None):
+    """The work list: ``(batch, row_block, begin, end, chunks)`` items, longest first, and the chunk length in tiles.
+
+    A chunk length of ``c`` tiles cuts each sequence of ``n`` tiles into ``ceil(n / c)`` chunks. Chunk lengths
+    are tried from the one that fills every SM twice up to the longest sequence; the one whose greedy
+    schedule (blocks taken in launch order by the first free SM, each costing its tiles plus
+    ``ITEM_OVERHEAD_TILES``) ends first wins, the longest among near ties (fewer partials to merge)."""
+    tiles = [-(-int(n) // block_n) for n in lengths]
+    total = row_blocks * sum(tiles)
+    most = max(tiles + [1])
+    least = max(1, -(-total // (2 * num_sms)), -(-most // MAX_CHUNKS))  # <= 2 chunks per SM (+ 1 per row block)
+    if chunk_tiles is None:
+        cands = sorted({max(least, -(-most // k)) for k in range(1, most + 1) if -(-most // k) >= least}
+                       | {least, most})
+        if len(cands) > 48:
+            idx = np.unique(np.geomspace(1, len(cands), 48).astype(int) - 1)
+            cands = [cands[i] for i in idx]
+        best = None
+        for c in cands:
+            costs = sorted((min(c, t - j * c) + ITEM_OVERHEAD_TILES for t in tiles for j in range(max(1, -(-t // c)))
+                            for _ in range(row_blocks)), reverse=True)
+            span = _makespan(costs, num_sms)
+            if best is None or span < best[0] * 0.99 or (span <= best[0] * 1.01 and c > best[1]):
+                best = (min(span, best[0]) if best else span, c)
+        chunk_tiles = best[1]
+    c = max(1, int(chunk_tiles), -(-most // MAX_CHUNKS))
+    items = []
+    for b, t in enumerate(tiles):
+        n_chunks = max(1, -(-t // c))
+        for rb in range(row_blocks):
+            for j in range(n_chunks):
+                begin = j * c * block_n
+                end = min(int(lengths[b]), (j + 1) * c * block_n)
+                items.append((b, rb, begin, end, n_chunks))
+    items.sort(key=lambda x: -(x[3] - x[2]))
+    return items, c
+
+
+def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
+                      num_kv_stages: int | None = None, schedule: str | None = None) -> MLADecodeConfig:
+    """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
+    cache keeps the "split" schedule, the only one it compiles without spills)."""
+    if schedule is None:
+        schedule = DEFAULT_SCHEDULE if kv_dtype is None else "split"
+    return MLADecodeConfig(dtype, DEFAULT_BLOCK_N if block_n is None else block_n,
+                           DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype, schedule)
