@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute profiles of the prefill (bf16 and FP8 caches) and decode (bf16 and FP8) kernels in one call:
-# reports, their details and per-SASS-instruction source counters land in ${1:-$OUT}. PF_ARGS go to ncu_prefill.py
+# reports, their details and per-SASS-instruction source counters land in ${1:-$OUT}. PF_ARGS go to ncu_launches.py prefill
 # (e.g. "--heads 32/32 --strategy convert_once"), NCU_EXTRA to ncu.
 #   [WHICH=prefill|decode] bash benchmarks/ncu_profile.sh "$OUT" [prefill-shape] [decode-cell]
 set -u
@@ -20,5 +20,5 @@ run() {  # name, kernel regex, skip, script and its args...
   ncu -i "$out/$name.ncu-rep" --page source --print-source sass --csv > "$out/${name}_sass.csv" 2>&1
   ls -la "$out/$name"*
 }
-[ "${WHICH:-all}" = decode ] || run pf cukv_prefill 4 benchmarks/ncu_prefill.py "$pshape" ${PF_ARGS:-}
-[ "${WHICH:-all}" = prefill ] || run dec cukv_decode 2 benchmarks/ncu_decode.py "$dcell"
+[ "${WHICH:-all}" = decode ] || run pf cukv_prefill 4 benchmarks/ncu_launches.py prefill "$pshape" ${PF_ARGS:-}
+[ "${WHICH:-all}" = prefill ] || run dec cukv_decode 2 benchmarks/ncu_launches.py decode "$dcell"

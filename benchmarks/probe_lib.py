@@ -52,6 +52,6 @@ def apply_unchecked(args) -> None:
 def once_variant(strategy: str):
     """A probe's strategy name to ``(fp8_prefill, once_persistent, max_blocks)`` (``BatchPrefill``'s arguments):
     ``'convert_once:np'`` runs convert-once on the launch-per-item grid, ``'convert_once:gN'`` on a persistent grid of
-    N blocks (benchmarks/probe_prefill_once.py, benchmarks/ncu_prefill.py)."""
+    N blocks (benchmarks/probe_prefill_once.py, benchmarks/ncu_launches.py prefill)."""
     return (strategy.split(":")[0], not strategy.endswith(":np"),
             int(strategy.split(":g")[1]) if ":g" in strategy else None)

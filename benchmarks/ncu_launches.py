@@ -1,0 +1,72 @@
+"""cukv launches at one decode cell or prefill shape for Nsight Compute: two warm-up rounds, then the round to
+profile. Decode: cukv on bf16 and FP8 caches and, with ``--peers``, the SDPA peers (cuDNN, flash) on the same K/V.
+Prefill: cukv paged on the bf16 cache and on the same tokens quantized into an FP8 cache.
+
+    ncu -k regex:cukv_decode --launch-skip 2 --section WarpStateStats python3 benchmarks/ncu_launches.py decode 64x4096
+    ncu --section SpeedOfLight python3 benchmarks/ncu_launches.py decode 1x512 --peers
+    ncu -k regex:cukv_prefill --launch-skip 4 --launch-count 2 --section WarpStateStats \\
+        python3 benchmarks/ncu_launches.py prefill 2x4096x128
+"""
+import argparse
+
+import cupy as cp
+
+import cukv
+
+
+def decode_fns(args):
+    from cukv.bench.decode import _build, _fp8_cache, _peer_fns, _torch
+
+    batch, ctx = map(int, args.cell.split("x"))
+    hq, hkv, d, ps = 32, 8, 128, 16
+    cache, pt, q, table = _build(batch, ctx, hq, hkv, d, ps)
+    fcache = _fp8_cache(batch, ctx, hkv, d, ps, "token")
+    out = cp.empty_like(q)
+    dec = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16").plan(batch, ctx)
+    fdec = cukv.BatchDecode(hq, hkv, d, ps, "bfloat16", kv_dtype="fp8_e4m3", scale_granularity="token").plan(batch, ctx)
+    fns = [lambda: dec.run(q, cache, pt, out=out), lambda: fdec.run(q, fcache, pt, out=out)]
+    if args.peers and _torch() is not None:
+        dec.run(q, cache, pt, out=out)
+        fns += list(_peer_fns(_torch(), cache, table, q, out, batch, ctx, hq, d, {}).values())
+    return fns
+
+
+def prefill_fns(args):
+    from cukv.bench.prefill import DTYPE, PAGE_SIZE, _build, fp8_cache_like
+    from probe_lib import once_variant
+
+    batch, seq_len, d = map(int, args.shape.split("x"))
+    hq, hkv = map(int, args.heads.split("/"))
+    q, k, v, cache, pt, offsets, lengths = _build(batch, seq_len, hq, hkv, d)
+    fcache = fp8_cache_like((q, k, v, cache, pt, offsets, lengths), args.gran)
+    out = cp.empty_like(q)
+    bf = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE).plan(offsets, lengths, mask="causal")
+    fp8_prefill, once_persistent, max_blocks = once_variant(args.strategy)  # "convert_once:np" / ":gN"
+    f8 = cukv.BatchPrefill(hq, hkv, d, page_size=PAGE_SIZE, dtype=DTYPE, kv_dtype="fp8_e4m3",
+                           scale_granularity=args.gran, fp8_prefill=fp8_prefill, once_persistent=once_persistent,
+                           max_blocks=max_blocks).plan(offsets, lengths, mask="causal")
+    print("configs:", bf.config.name, f8.config.name, flush=True)
+    return [lambda: bf.run(q, (cache, pt), out=out), lambda: f8.run(q, (fcache, pt), out=out)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="op", required=True)
+    d = sub.add_parser("decode")
+    d.add_argument("cell", nargs="?", default="64x4096")
+    d.add_argument("--peers", action="store_true")
+    p = sub.add_parser("prefill")
+    p.add_argument("shape", nargs="?", default="2x4096x128", help="batch x seq_len x head_dim")
+    p.add_argument("--heads", default="32/8")
+    p.add_argument("--gran", default="token")
+    p.add_argument("--strategy", default="auto", help="fp8_prefill of the FP8 plan")
+    args = ap.parse_args()
+    fns = decode_fns(args) if args.op == "decode" else prefill_fns(args)
+    for _ in range(3):  # rounds 1-2 warm up, round 3 is the one to profile
+        for fn in fns:
+            fn()
+    cp.cuda.Device().synchronize()
+
+
+if __name__ == "__main__":
+    main()
