@@ -64,14 +64,12 @@ struct DecodeKernel {
 
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
+    const Op op(a.kv);
     // Chunks are 16-token strips aligned to absolute positions (so a strip never straddles a page whose
     // size is a multiple of 16); splits take contiguous runs of chunks.
-    const Op op(a.kv);
-    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int len = op.cache_length(b);
-    int start, my_lo, my_hi;
-    split_range(a, len, split, start, my_lo, my_hi);
+    const DecodeBlock blk(a, op);
+    const int hk = blk.hk, b = blk.b, warp = blk.warp, g = blk.g, c = blk.c;
+    const int len = blk.len, start = blk.start, my_lo = blk.lo, my_hi = blk.hi;
 
     // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
     // in shared memory: its registers go to the wider output accumulator.

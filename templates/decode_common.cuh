@@ -112,6 +112,23 @@ __device__ __forceinline__ void split_range(const DecodeArgs& a, int len, int sp
   }
 }
 
+// What every decode block knows before its first strip, the same for both kernels: the block's (split, KV head,
+// sequence), the lane's roles (g, c: the mma fragments' row and column pair), the sequence's cached length, the
+// first visible token and this split's strips [lo, hi) (split_range).
+struct DecodeBlock {
+  int split, hk, b;
+  int warp, lane, g, c;
+  int len;
+  int start, lo, hi;
+
+  template <typename Op>
+  __device__ __forceinline__ DecodeBlock(const DecodeArgs& a, const Op& op)
+      : split(blockIdx.x), hk(blockIdx.y), b(blockIdx.z), warp(threadIdx.x >> 5), lane(threadIdx.x & 31),
+        g(lane >> 2), c(lane & 3), len(op.cache_length(b)) {
+    split_range(a, len, split, start, lo, hi);
+  }
+};
+
 // A warp's ring of STAGES strip slots in shared memory. Copies run STAGES - 1 strips ahead of the strip being
 // computed and page-table entries one strip further ahead still, so a copy never waits on the table. The
 // warp's strips are first, first + step, ... below end. issue_strip(base, t0, slot) copies strip t0 into

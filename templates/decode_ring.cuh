@@ -94,11 +94,9 @@ struct DecodeRingKernel {
     __shared__ Smem sm;
     extern __shared__ __align__(16) unsigned char ring[];  // 16 B: banks depend on offsets, not the base
     const Op op(a.kv);
-    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int len = op.cache_length(b);
-    int start, my_lo, my_hi;
-    split_range(a, len, split, start, my_lo, my_hi);
+    const DecodeBlock blk(a, op);
+    const int hk = blk.hk, b = blk.b, warp = blk.warp, lane = blk.lane, g = blk.g, c = blk.c;
+    const int len = blk.len, start = blk.start, my_lo = blk.lo, my_hi = blk.hi;
     const u32 my_ring = smem_addr(ring) + (u32)(warp * STAGES * Strip::BYTES);
 
     // Strips of this warp: my_lo + warp + NUM_WARPS * k, copied into the ring before Q is staged.
