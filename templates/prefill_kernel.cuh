@@ -202,6 +202,10 @@ struct PrefillKernel {
   static __device__ __forceinline__ void produce_fp8(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
                                                      const Buf& buf, const Cache& cache, int b, int kv_head, int kv_len,
                                                      int n_first, int n_tiles, int vslice, int pw, int lane);
+  static __device__ __forceinline__ void issue_fp8(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
+                                                   const Buf& buf, const Cache& cache, int b, int kv_head, int kv_len,
+                                                   int vslice, int pw, int lane, const KVT* kbase, const KVT* vbase,
+                                                   int n, i64 key_lane, int t, float& ks_held, int& ks_stage);
   static __device__ __forceinline__ void produce_16(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
                                                     const Buf& buf, const Cache& cache, int b, int kv_head, int kv_len,
                                                     int n_first, int n_tiles, int vslice, int pw, int lane,
