@@ -140,6 +140,8 @@ struct StripRing {
   static constexpr bool ONE_PAGE = Op::page_size % BN == 0;
   const Op& op;
   const int b, first, end, step;
+  // the slot strip st_issue goes to: a plain int (as a WrappedRingState ptxas gave the d128 16-bit ring 14 more
+  // registers)
   int st_issue, slot_issue = 0;
   i64 key_next;  // the table entry of strip st_issue (row_key; checked by row_from_key when it is issued)
 
@@ -163,14 +165,14 @@ struct StripRing {
   }
   template <typename Issue, typename Body>
   __device__ __forceinline__ void run(Issue& issue_strip, Body&& body) {
-    int slot = 0;
+    WrappedRingState<STAGES> slot;
     for (int st = first; st < end; st += step) {
       issue(issue_strip);
       cp_async_wait<STAGES - 1>();
       __syncwarp();  // every lane's copies of this strip have landed
-      body(st * BN, slot);
+      body(st * BN, slot.stage);
       __syncwarp();  // every lane is done with this slot before a later issue overwrites it
-      slot = slot + 1 == STAGES ? 0 : slot + 1;
+      slot.advance();
     }
     cp_async_wait<0>();  // nothing may land in shared memory after the block moves on
   }
