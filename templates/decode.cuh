@@ -34,7 +34,8 @@ struct DecodeKernel {
   static constexpr int NO = Buf::num_mmas;           // output n-tiles
   // registers go to the output accumulator (wide heads) or to occupancy (the FP8 ring) instead
   static constexpr bool Q_IN_SMEM = Traits::q_in_smem;
-  static_assert(Q_IN_SMEM == (DEPTH > 128 || STAGES > 0), "DecodeConfig.q_in_smem: past head dim 128 and in the FP8 ring");
+  static_assert(Q_IN_SMEM == (DEPTH > 128 || STAGES > 0),
+                "DecodeConfig.q_in_smem: Q in shared memory past head dim 128 and in the FP8 ring");
   // the strip reads Q from shared memory each time where the head is too wide for registers, and in the FP8
   // ring with K scale blocks (their partial scores already take the registers a third block per SM needs);
   // otherwise the FP8 ring stages Q there (as f16) and keeps its fragments in registers (168-178 at d128, by NVRTC version)
