@@ -12,12 +12,20 @@
 
 namespace cukv {
 
-// QUANTIZED: the cache holds FP8 e4m3 codes (scales per SCALE_BLOCK dims, 0 = per tensor), dequantized to T
-// in registers; SUB: strips each warp keeps in flight in registers; STAGES > 0: instead a ring of that many
-// shared-memory slots per warp, filled with whole code rows by cp.async (DecodeStreamingKVBuffer::issue).
-template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, bool QUANTIZED = false, int SCALE_BLOCK = 0,
-          int SUB = 1, bool WARP_SLOTS = false, int STAGES = 0, int CLUSTER = 0>
+// Traits (DecodeTraits, rendered by DecodeConfig): T, page_size, head_dim, group, num_warps; quantized: the cache
+// holds FP8 e4m3 codes (scales per scale_block dims, 0 = per tensor), dequantized to T in registers; sub: strips
+// each warp keeps in flight in registers; stages > 0: instead a ring of that many shared-memory slots per warp,
+// filled with whole code rows by cp.async (DecodeStreamingKVBuffer::issue); cluster: see decode_epilogue;
+// q_in_smem: where Q lives (DecodeConfig.q_in_smem decides); warp_slots: see DecodeSmem.
+template <class Traits>
 struct DecodeKernel {
+  typedef typename Traits::T T;
+  static constexpr int PAGE_SIZE = Traits::page_size, DEPTH = Traits::head_dim, GROUP = Traits::group;
+  static constexpr int NUM_WARPS = Traits::num_warps;
+  static constexpr bool QUANTIZED = Traits::quantized;
+  static constexpr int SCALE_BLOCK = Traits::scale_block, SUB = Traits::sub, STAGES = Traits::stages;
+  static constexpr int CLUSTER = Traits::cluster;
+  static constexpr bool WARP_SLOTS = Traits::warp_slots;
   typedef KVCacheOperand<typename Select<QUANTIZED, unsigned char, T>::type, PAGE_SIZE, QUANTIZED> Op;
   typedef DecodeStreamingKVBuffer<Op, T, DEPTH, SCALE_BLOCK> Buf;
   static constexpr int BN = 16;
@@ -25,7 +33,9 @@ struct DecodeKernel {
   static constexpr int NK = Buf::num_k_strips;
   static constexpr int NO = Buf::num_mmas;           // output n-tiles
   // registers go to the output accumulator (wide heads) or to occupancy (the FP8 ring) instead
-  static constexpr bool Q_IN_SMEM = DEPTH > 128 || STAGES > 0;
+  static constexpr bool Q_IN_SMEM = Traits::q_in_smem;
+  static_assert(Q_IN_SMEM == (DEPTH > 128 || STAGES > 0),
+                "DecodeConfig.q_in_smem: Q in shared memory past head dim 128 and in the FP8 ring");
   // the strip reads Q from shared memory each time where the head is too wide for registers, and in the FP8
   // ring with K scale blocks (their partial scores already take the registers a third block per SM needs);
   // otherwise the FP8 ring stages Q there (as f16) and keeps its fragments in registers (168-178 at d128, by NVRTC version)
@@ -56,14 +66,11 @@ struct DecodeKernel {
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
     const Op op(a.kv);
-    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-
-    const int len = op.cache_length(b);
     // Chunks are 16-token strips aligned to absolute positions (so a strip never straddles a page whose
     // size is a multiple of 16); splits take contiguous runs of chunks.
-    int start, my_lo, my_hi;
-    split_range(a, len, split, start, my_lo, my_hi);
+    const DecodeBlock blk(a, op);
+    const int hk = blk.hk, b = blk.b, warp = blk.warp, g = blk.g, c = blk.c;
+    const int len = blk.len, start = blk.start, my_lo = blk.lo, my_hi = blk.hi;
 
     // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
     // in shared memory: its registers go to the wider output accumulator.

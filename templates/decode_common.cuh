@@ -112,6 +112,23 @@ __device__ __forceinline__ void split_range(const DecodeArgs& a, int len, int sp
   }
 }
 
+// What every decode block knows before its first strip, the same for both kernels: the block's (split, KV head,
+// sequence), the lane's roles (g, c: the mma fragments' row and column pair), the sequence's cached length, the
+// first visible token and this split's strips [lo, hi) (split_range).
+struct DecodeBlock {
+  int split, hk, b;
+  int warp, lane, g, c;
+  int len;
+  int start, lo, hi;
+
+  template <typename Op>
+  __device__ __forceinline__ DecodeBlock(const DecodeArgs& a, const Op& op)
+      : split(blockIdx.x), hk(blockIdx.y), b(blockIdx.z), warp(threadIdx.x >> 5), lane(threadIdx.x & 31),
+        g(lane >> 2), c(lane & 3), len(op.cache_length(b)) {
+    split_range(a, len, split, start, lo, hi);
+  }
+};
+
 // A warp's ring of STAGES strip slots in shared memory. Copies run STAGES - 1 strips ahead of the strip being
 // computed and page-table entries one strip further ahead still, so a copy never waits on the table. The
 // warp's strips are first, first + step, ... below end. issue_strip(base, t0, slot) copies strip t0 into
@@ -123,6 +140,8 @@ struct StripRing {
   static constexpr bool ONE_PAGE = Op::page_size % BN == 0;
   const Op& op;
   const int b, first, end, step;
+  // the slot strip st_issue goes to: a plain int (as a WrappedRingState ptxas gave the d128 16-bit ring 14 more
+  // registers)
   int st_issue, slot_issue = 0;
   i64 key_next;  // the table entry of strip st_issue (row_key; checked by row_from_key when it is issued)
 
@@ -146,14 +165,14 @@ struct StripRing {
   }
   template <typename Issue, typename Body>
   __device__ __forceinline__ void run(Issue& issue_strip, Body&& body) {
-    int slot = 0;
+    WrappedRingState<STAGES> slot;
     for (int st = first; st < end; st += step) {
       issue(issue_strip);
       cp_async_wait<STAGES - 1>();
       __syncwarp();  // every lane's copies of this strip have landed
-      body(st * BN, slot);
+      body(st * BN, slot.stage);
       __syncwarp();  // every lane is done with this slot before a later issue overwrites it
-      slot = slot + 1 == STAGES ? 0 : slot + 1;
+      slot.advance();
     }
     cp_async_wait<0>();  // nothing may land in shared memory after the block moves on
   }

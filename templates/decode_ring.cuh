@@ -40,15 +40,22 @@ struct DecodeRingStrip {
   }
 };
 
-template <typename T, int PAGE_SIZE, int DEPTH, int GROUP, int NUM_WARPS, int STAGES, int CLUSTER = 0>
+// Traits: DecodeTraits (decode.cu.j2) with quantized false and stages > 0; sub, scale_block and warp_slots unused
+// (a warp's merge slot is its own ring slots).
+template <class Traits>
 struct DecodeRingKernel {
+  typedef typename Traits::T T;
+  static constexpr int PAGE_SIZE = Traits::page_size, DEPTH = Traits::head_dim, GROUP = Traits::group;
+  static constexpr int NUM_WARPS = Traits::num_warps, STAGES = Traits::stages, CLUSTER = Traits::cluster;
+  static_assert(!Traits::quantized, "FP8 caches take DecodeKernel's ring (decode.cuh)");
   typedef KVCacheOperand<T, PAGE_SIZE, false> Op;
   typedef DecodeRingStrip<DEPTH> Strip;
   static constexpr int BN = 16;
   static constexpr bool TWO_ROWS = GROUP > 8;
   static constexpr int NO = DEPTH / 8;               // output n-tiles of 8 dims
   static constexpr int NKS = DEPTH / 16;             // k-steps of the score mma
-  static constexpr bool Q_IN_SMEM = DEPTH > 128;     // registers go to the output accumulator instead
+  static constexpr bool Q_IN_SMEM = Traits::q_in_smem;  // registers go to the output accumulator instead
+  static_assert(Q_IN_SMEM || DEPTH <= 128, "Q in registers: head dim <= 128");
   static constexpr int Q_PITCH = DEPTH + 8;          // padded rows: the 8 rows of a fragment load hit 8 banks
   static constexpr int RING_BYTES = NUM_WARPS * STAGES * Strip::BYTES;
   // rows are read whole: let an L2 miss fetch the row (up to 256 bytes) from DRAM at once
@@ -87,12 +94,9 @@ struct DecodeRingKernel {
     __shared__ Smem sm;
     extern __shared__ __align__(16) unsigned char ring[];  // 16 B: banks depend on offsets, not the base
     const Op op(a.kv);
-    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-
-    const int len = op.cache_length(b);
-    int start, my_lo, my_hi;
-    split_range(a, len, split, start, my_lo, my_hi);
+    const DecodeBlock blk(a, op);
+    const int hk = blk.hk, b = blk.b, warp = blk.warp, lane = blk.lane, g = blk.g, c = blk.c;
+    const int len = blk.len, start = blk.start, my_lo = blk.lo, my_hi = blk.hi;
     const u32 my_ring = smem_addr(ring) + (u32)(warp * STAGES * Strip::BYTES);
 
     // Strips of this warp: my_lo + warp + NUM_WARPS * k, copied into the ring before Q is staged.

@@ -45,6 +45,18 @@ struct RingState {
   __device__ __forceinline__ void advance(int n = 1) { count += n; }
 };
 
+// A ring position kept wrapped, for rings that need neither the running count nor a phase (decode's cp.async strip
+// rings: commit groups, not mbarriers, hand their slots over, and STAGES need not be a power of two, so advance()
+// is a compare where RingState's stage() would be a division).
+template <int STAGES>
+struct WrappedRingState {
+  int stage = 0;
+  __device__ __forceinline__ void advance() {
+    const int next = stage + 1;
+    stage = next == STAGES ? 0 : next;
+  }
+};
+
 // Adds tx bytes the current phase must also see land (TMA completions count them down) without arriving.
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, int bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");

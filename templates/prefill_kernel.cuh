@@ -199,7 +199,13 @@ struct PrefillKernel {
                                                  const Buf& buf, const Cache& cache, int b, int kv_head, int head,
                                                  int q_begin, int q0, int rows, int kv_len, int n_first, int n_tiles,
                                                  int vslice, int pw, int lane, Ring& ring);
-  struct ProducerLane;  // prefill_producer.cuh
+  static __device__ __forceinline__ void produce_fp8(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
+                                                     const Buf& buf, const Cache& cache, int b, int kv_head, int kv_len,
+                                                     int n_first, int n_tiles, int vslice, int pw, int lane);
+  static __device__ __forceinline__ void issue_fp8(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
+                                                   const Buf& buf, const Cache& cache, int b, int kv_head, int kv_len,
+                                                   int vslice, int pw, int lane, const KVT* kbase, const KVT* vbase,
+                                                   int n, i64 key_lane, int t, float& ks_held, int& ks_stage);
   static __device__ __forceinline__ void produce_16(const PrefillArgs& a, const PrefillMaps* maps, const Smem& sm,
                                                     const Buf& buf, const Cache& cache, int b, int kv_head, int kv_len,
                                                     int n_first, int n_tiles, int vslice, int pw, int lane,

@@ -50,24 +50,36 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
                                                                int vslice, int pw, int lane, Ring& ring) {
   if constexpr (!FP8_SCORES && !PERSISTENT) load_query(a, sm, head, q_begin, q0, rows, pw, lane);
 
-  const KVT* kbase = static_cast<const KVT*>(a.kv.k);
-  const KVT* vbase = static_cast<const KVT*>(a.kv.v);
-  float k_tensor_scale = 0.f, v_tensor_scale = 0.f;
-  if constexpr (QUANTIZED && SCALE_BLOCK == 0) {
-    k_tensor_scale = cache.template load_scale<0>(true, 0, 0, 0);
-    v_tensor_scale = cache.template load_scale<0>(false, 0, 0, 0);
+  if constexpr (QUANTIZED) {
+    produce_fp8(a, maps, sm, buf, cache, b, kv_head, kv_len, n_first, n_tiles, vslice, pw, lane);
+  } else {
+    const KVT* kbase = static_cast<const KVT*>(a.kv.k);
+    const KVT* vbase = static_cast<const KVT*>(a.kv.v);
+    constexpr int kWarpRows = BN / Buf::kProducerWarps;
+    // this lane's row's table entry for the last tile (produce_16 looks up the rest one tile ahead)
+    auto lookup = [&](int n) -> i64 {
+      const int tok = n * BN + pw * kWarpRows + lane;
+      return (lane < kWarpRows && tok < kv_len) ? cache.row_key(b, tok) : (i64)-1;
+    };
+    static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
+    i64 key_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : (i64)-1;
+    produce_16(a, maps, sm, buf, cache, b, kv_head, kv_len, n_first, n_tiles, vslice, pw, lane, key_next, kbase, vbase, ring);
   }
+  // leave only after every copy has landed (PERSISTENT: the ring's position carries into the next item)
+  if constexpr (!PERSISTENT) asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// FP8 cache: tile n's codes and scales into raw slot t % 2 (FP8_SCORES: its K codes straight into the ring), by
+// tensor copies or cp.async (produce's protocol above); key_lane: this lane's table entry of tile n (lookup);
+// kKsMma: this lane's row's K scale comes back in ks_held, for ring element ks_stage.
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::issue_fp8(const PrefillArgs& a, const PrefillMaps* maps,
+                                                                 const Smem& sm, const Buf& buf, const Cache& cache,
+                                                                 int b, int kv_head, int kv_len, int vslice, int pw,
+                                                                 int lane, const KVT* kbase, const KVT* vbase, int n,
+                                                                 i64 key_lane, int t, float& ks_held, int& ks_stage) {
   constexpr int kWarpRows = BN / Buf::kProducerWarps;
-  // Lane j of a producer warp loads the table entry of the warp's j-th row one tile ahead (row_key: the
-  // load's latency hides behind this tile's copies) and forms that row's 64-bit K and V offsets (and FP8
-  // scale offsets) from it once (row_from_key checks the entry there); every lane that copies a chunk of
-  // that row takes them by shuffle, so the address math is not repeated.
   auto lane_tok = [&](int n) -> int { return n * BN + pw * kWarpRows + lane; };  // this lane's token of tile n
-  auto lookup = [&](int n) -> i64 {
-    const int tok = lane_tok(n);
-    return (lane < kWarpRows && tok < kv_len) ? cache.row_key(b, tok) : (i64)-1;
-  };
-  static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
   // this lane's row of tile n (a cache row), or -1 when it reads as zeros
   auto lane_row = [&](int n, i64 key_lane) -> i64 {
     const int tok_lane = lane_tok(n);
@@ -106,160 +118,181 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce(const PrefillArgs
     }
   };
   auto row_of = [&](i64 x, int i) -> i64 { return __shfl_sync(0xffffffffu, x, (lane / 8 + 4 * i) % 32); };
-  i64 key_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : (i64)-1;
-  if constexpr (QUANTIZED) {
-    // FP8_SCORES with token scales: the lane's row's K scale beside the K element in ring slot `stage` (zero for
-    // a row that reads as zeros)
-    auto copy_k_scale = [&](int stage, bool ok, const float* src) {
-      if (lane < kWarpRows)
-        cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4), ok ? src : a.kv.k_scales, ok ? 4 : 0);
-    };
-    float ks_held = 0.f;  // kKsMma: this lane's row's K scale of the tile issued last, for ring element ks_stage
-    int ks_stage = 0;
-    // kKsMma: B of the K-scale wgmma (see kKsMma) for the K element issued last, then its full barrier
-    auto split_k_scales = [&] {
+  // FP8_SCORES with token scales: the lane's row's K scale beside the K element in ring slot `stage` (zero for
+  // a row that reads as zeros)
+  auto copy_k_scale = [&](int stage, bool ok, const float* src) {
+    if (lane < kWarpRows)
+      cp_async4(sm.kscale + (u32)((stage * BN + pw * kWarpRows + lane) * 4), ok ? src : a.kv.k_scales, ok ? 4 : 0);
+  };
+  const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes);
+  const u32 vdst = slot + (u32)((FP8_SCORES ? 0 : kKElems) * kRawElemBytes);
+  const Ring at{t * (kKElems + 1)};  // FP8_SCORES: the K element's ring position
+  const int stage = at.stage();
+  if constexpr (kTma) {
+    const int r0 = pw * kWarpRows + lane;
+    const i64 row = lane_row(n, key_lane);
+    const u32 raw_bar = sm.raw_full + 8 * (t & 1);
+    __syncwarp();  // the warp's lanes have read their rows of this slot (tile t - 2) before it is refilled
+    // the scales first: their offsets die before the boxes' coordinates are formed
+    if constexpr (FP8_SCORES) {
+      mbar_wait(sm.empty + 8 * stage, at.empty_phase());
       if constexpr (kKsMma) {
-        const int r = pw * kWarpRows + lane;
-        if (lane < kWarpRows) {
-          const uint2 t = bf16x3_from_float(ks_held);
-          const u32 dst = sm.kscale + (u32)(kKsOnesBytes + (ks_stage * (BN / 2) + r % (BN / 2)) * kKsRowBytes +
-                                            (r / (BN / 2)) * 8);
-          asm volatile("st.shared.v2.u32 [%0], {%1,%2};" ::"r"(dst), "r"(t.x), "r"(t.y) : "memory");
-          fence_proxy_async();
-        }
-        mbar_arrive(sm.full + 8 * ks_stage);
-      }
-    };
-    auto issue_tile = [&](int n, i64 key_lane, int t) {
-      const u32 slot = sm.raw + (u32)((t & 1) * kRawTileBytes);
-      const u32 vdst = slot + (u32)((FP8_SCORES ? 0 : kKElems) * kRawElemBytes);
-      const Ring at{t * (kKElems + 1)};  // FP8_SCORES: the K element's ring position
-      const int stage = at.stage();
-      if constexpr (kTma) {
-        const int r0 = pw * kWarpRows + lane;
-        const i64 row = lane_row(n, key_lane);
-        const u32 raw_bar = sm.raw_full + 8 * (t & 1);
-        __syncwarp();  // the warp's lanes have read their rows of this slot (tile t - 2) before it is refilled
-        // the scales first: their offsets die before the boxes' coordinates are formed
-        if constexpr (FP8_SCORES) {
-          mbar_wait(sm.empty + 8 * stage, at.empty_phase());
-          if constexpr (kKsMma) {
-            // held in a register until split_k_scales, after the next raw wait has hidden the load
-            ks_held = row >= 0 ? __ldg(cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0)) : 0.f;
-            ks_stage = stage;
-          } else if constexpr (SCALE_BLOCK > 0)
-            copy_k_scale(stage, row >= 0, cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0));
-        } else if constexpr (SCALE_BLOCK > 0) {
-          const i64 ks_lane =
-              row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales : 0;
+        // held in a register until split_k_scales, after the next raw wait has hidden the load
+        ks_held = row >= 0 ? __ldg(cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0)) : 0.f;
+        ks_stage = stage;
+      } else if constexpr (SCALE_BLOCK > 0)
+        copy_k_scale(stage, row >= 0, cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0));
+    } else if constexpr (SCALE_BLOCK > 0) {
+      const i64 ks_lane =
+          row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(true, row, kv_head, 0) - a.kv.k_scales : 0;
 #pragma unroll
-          for (int e = 0; e < kKElems; ++e)
-            buf.template copy_raw_scales<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), a.kv.k_scales, row, ks_lane,
-                                                      e * BK, min(BK, DEPTH - e * BK), pw, lane);
-        }
-        if constexpr (SCALE_BLOCK > 0) {
-          const i64 vs_lane =
-              row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales : 0;
-          buf.template copy_raw_scales<SCALE_BLOCK>(vdst, a.kv.v_scales, row, vs_lane, vslice * kVCols, kVCols, pw,
-                                                    lane);
-        }
-        if (lane < kWarpRows && lane % TMA_ROWS == 0) {
-          const int2 box = box_coords(n, key_lane, row);
-          const int page = box.x, tip = box.y;
-          if constexpr (FP8_SCORES) {
-            ring_boxes(stage, &maps->k, 0, Buf::code_atoms, box);
-          } else {
+      for (int e = 0; e < kKElems; ++e)
+        buf.template copy_raw_scales<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), a.kv.k_scales, row, ks_lane,
+                                                  e * BK, min(BK, DEPTH - e * BK), pw, lane);
+    }
+    if constexpr (SCALE_BLOCK > 0) {
+      const i64 vs_lane =
+          row >= 0 ? cache.template scale_ptr<SCALE_BLOCK>(false, row, kv_head, 0) - a.kv.v_scales : 0;
+      buf.template copy_raw_scales<SCALE_BLOCK>(vdst, a.kv.v_scales, row, vs_lane, vslice * kVCols, kVCols, pw,
+                                                lane);
+    }
+    if (lane < kWarpRows && lane % TMA_ROWS == 0) {
+      const int2 box = box_coords(n, key_lane, row);
+      const int page = box.x, tip = box.y;
+      if constexpr (FP8_SCORES) {
+        ring_boxes(stage, &maps->k, 0, Buf::code_atoms, box);
+      } else {
 #pragma unroll
-            for (int e = 0; e < kKElems; ++e) {
-              mbar_expect_tx(raw_bar, TMA_ROWS * BK);
-              tma_load_4d(slot + (u32)(e * kRawElemBytes + r0 * BK), &maps->k, e * BK, kv_head, tip, page, raw_bar);
-            }
-          }
+        for (int e = 0; e < kKElems; ++e) {
           mbar_expect_tx(raw_bar, TMA_ROWS * BK);
-          tma_load_4d(vdst + (u32)(r0 * BK), &maps->v, vslice * kVCols, kv_head, tip, page, raw_bar);
+          tma_load_4d(slot + (u32)(e * kRawElemBytes + r0 * BK), &maps->k, e * BK, kv_head, tip, page, raw_bar);
         }
-        if constexpr (FP8_SCORES && !kKsMma) mbar_arrive_cp_async(sm.full + 8 * stage);
-        mbar_arrive_cp_async(raw_bar);
-      } else {
-        i64 k_lane, v_lane, ks_lane, vs_lane;
-        row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
-        if constexpr (FP8_SCORES) {
-          mbar_wait(sm.empty + 8 * stage, at.empty_phase());
-          buf.load_codes_from_dram(stage, kbase, [&](int i) { return row_of(k_lane, i); }, pw, lane);
-          if constexpr (SCALE_BLOCK > 0) copy_k_scale(stage, k_lane >= 0, a.kv.k_scales + ks_lane);
-          mbar_arrive_cp_async(sm.full + 8 * stage);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kKElems; ++e)
-            buf.template copy_raw_fp8<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), kbase, a.kv.k_scales,
-                                                   [&](int r) { return __shfl_sync(0xffffffffu, k_lane, r); }, k_lane,
-                                                   ks_lane, e * BK, min(BK, DEPTH - e * BK), pw, lane);
-        }
-        buf.template copy_raw_fp8<SCALE_BLOCK>(vdst, vbase, a.kv.v_scales,
-                                               [&](int r) { return __shfl_sync(0xffffffffu, v_lane, r); }, v_lane,
-                                               vs_lane, vslice * kVCols, kVCols, pw, lane);
       }
-    };
-    if (n_tiles > 0) {
-      const i64 key_lane = key_next;
-      if (n_tiles > 1) key_next = lookup(n_first + n_tiles - 2);
-      issue_tile(n_first + n_tiles - 1, key_lane, 0);
-      split_k_scales();  // the first tile's: nothing to hide its load behind
+      mbar_expect_tx(raw_bar, TMA_ROWS * BK);
+      tma_load_4d(vdst + (u32)(r0 * BK), &maps->v, vslice * kVCols, kv_head, tip, page, raw_bar);
     }
-    if constexpr (!kTma) cp_async_commit();
-    for (int it = 0; it < n_tiles; ++it) {
-      const int n = n_first + n_tiles - 1 - it;
-      trace_mark(it, 0);
-      if (it + 1 < n_tiles) {
-        const i64 key_lane = key_next;
-        if (it + 2 < n_tiles) key_next = lookup(n - 2);
-        issue_tile(n - 1, key_lane, it + 1);
-      }
-      trace_mark(it, 1);
-      if constexpr (kTma) {
-        mbar_wait(sm.raw_full + 8 * (it & 1), (it >> 1) & 1);
-      } else {
-        cp_async_commit();
-        cp_async_wait<1>();  // this lane's copies of tile it have landed
-        __syncwarp();        // and the scales its row's lane copied
-      }
-      if (it + 1 < n_tiles) split_k_scales();
-      trace_mark(it, 2);
-      const u32 slot = sm.raw + (u32)((it & 1) * kRawTileBytes);
-      const int valid = kv_len - n * BN;  // rows of this tile inside the sequence (TMA: the rest must be zeroed)
-#pragma unroll
-      for (int e = FP8_SCORES ? kKElems : 0; e <= kKElems; ++e) {
-        const Ring at{it * (kKElems + 1) + e};
-        const int stage = at.stage();
-        const u32 src = slot + (u32)((FP8_SCORES ? 0 : e) * kRawElemBytes);
-        const float ts = e < kKElems ? k_tensor_scale : v_tensor_scale;
-        auto wait_slot = [&] {
-          mbar_wait(sm.empty + 8 * stage, at.empty_phase());
-          trace_mark(it, 3);
-        };
-        // V with a per-tensor scale goes in as its codes (kVCodes); the TMA producer's last tile zeroes the rows
-        // past the sequence, full tiles pay nothing for that
-        auto convert = [&](auto codes) {
-          constexpr bool kCodes = decltype(codes)::value;
-          if (kTma && valid < BN)
-            buf.template convert_raw_fp8<SCALE_BLOCK, true, kCodes, kConvPairs>(stage, src, ts, pw, lane, wait_slot, valid);
-          else
-            buf.template convert_raw_fp8<SCALE_BLOCK, false, kCodes, kConvPairs>(stage, src, ts, pw, lane, wait_slot);
-        };
-        if (e == kKElems)
-          convert(Bool<kVCodes>());
-        else
-          convert(Bool<false>());
-        fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
-        mbar_arrive(sm.full + 8 * stage);
-      }
-      trace_mark(it, 4);
-    }
+    if constexpr (FP8_SCORES && !kKsMma) mbar_arrive_cp_async(sm.full + 8 * stage);
+    mbar_arrive_cp_async(raw_bar);
   } else {
-    produce_16(a, maps, sm, buf, cache, b, kv_head, kv_len, n_first, n_tiles, vslice, pw, lane, key_next, kbase, vbase, ring);
+    i64 k_lane, v_lane, ks_lane, vs_lane;
+    row_offsets(n, key_lane, k_lane, v_lane, ks_lane, vs_lane);
+    if constexpr (FP8_SCORES) {
+      mbar_wait(sm.empty + 8 * stage, at.empty_phase());
+      buf.load_codes_from_dram(stage, kbase, [&](int i) { return row_of(k_lane, i); }, pw, lane);
+      if constexpr (SCALE_BLOCK > 0) copy_k_scale(stage, k_lane >= 0, a.kv.k_scales + ks_lane);
+      mbar_arrive_cp_async(sm.full + 8 * stage);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kKElems; ++e)
+        buf.template copy_raw_fp8<SCALE_BLOCK>(slot + (u32)(e * kRawElemBytes), kbase, a.kv.k_scales,
+                                               [&](int r) { return __shfl_sync(0xffffffffu, k_lane, r); }, k_lane,
+                                               ks_lane, e * BK, min(BK, DEPTH - e * BK), pw, lane);
+    }
+    buf.template copy_raw_fp8<SCALE_BLOCK>(vdst, vbase, a.kv.v_scales,
+                                           [&](int r) { return __shfl_sync(0xffffffffu, v_lane, r); }, v_lane,
+                                           vs_lane, vslice * kVCols, kVCols, pw, lane);
   }
-  // leave only after every copy has landed (PERSISTENT: the ring's position carries into the next item)
-  if constexpr (!PERSISTENT) asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// FP8 cache (produce's protocol above): the K/V codes and scales of every visited tile, the last tile first:
+// tile it + 1 is issued (issue_fp8) while tile it is converted into the ring.
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::produce_fp8(const PrefillArgs& a, const PrefillMaps* maps,
+                                                                   const Smem& sm, const Buf& buf, const Cache& cache,
+                                                                   int b, int kv_head, int kv_len, int n_first,
+                                                                   int n_tiles, int vslice, int pw, int lane) {
+  const KVT* kbase = static_cast<const KVT*>(a.kv.k);
+  const KVT* vbase = static_cast<const KVT*>(a.kv.v);
+  float k_tensor_scale = 0.f, v_tensor_scale = 0.f;
+  if constexpr (QUANTIZED && SCALE_BLOCK == 0) {
+    k_tensor_scale = cache.template load_scale<0>(true, 0, 0, 0);
+    v_tensor_scale = cache.template load_scale<0>(false, 0, 0, 0);
+  }
+  constexpr int kWarpRows = BN / Buf::kProducerWarps;
+  // Lane j of a producer warp loads the table entry of the warp's j-th row one tile ahead (row_key: the
+  // load's latency hides behind this tile's copies) and forms that row's 64-bit K and V offsets (and FP8
+  // scale offsets) from it once (row_from_key checks the entry there); every lane that copies a chunk of
+  // that row takes them by shuffle, so the address math is not repeated.
+  auto lane_tok = [&](int n) -> int { return n * BN + pw * kWarpRows + lane; };  // this lane's token of tile n
+  auto lookup = [&](int n) -> i64 {
+    const int tok = lane_tok(n);
+    return (lane < kWarpRows && tok < kv_len) ? cache.row_key(b, tok) : (i64)-1;
+  };
+  static_assert(kWarpRows <= 32, "BN <= 128: one row per producer lane");
+  i64 key_next = n_tiles > 0 ? lookup(n_first + n_tiles - 1) : (i64)-1;
+  float ks_held = 0.f;  // kKsMma: this lane's row's K scale of the tile issued last, for ring element ks_stage
+  int ks_stage = 0;
+  // kKsMma: B of the K-scale wgmma (see kKsMma) for the K element issued last, then its full barrier
+  auto split_k_scales = [&] {
+    if constexpr (kKsMma) {
+      const int r = pw * kWarpRows + lane;
+      if (lane < kWarpRows) {
+        const uint2 t = bf16x3_from_float(ks_held);
+        const u32 dst = sm.kscale + (u32)(kKsOnesBytes + (ks_stage * (BN / 2) + r % (BN / 2)) * kKsRowBytes +
+                                          (r / (BN / 2)) * 8);
+        asm volatile("st.shared.v2.u32 [%0], {%1,%2};" ::"r"(dst), "r"(t.x), "r"(t.y) : "memory");
+        fence_proxy_async();
+      }
+      mbar_arrive(sm.full + 8 * ks_stage);
+    }
+  };
+  if (n_tiles > 0) {
+    const i64 key_lane = key_next;
+    if (n_tiles > 1) key_next = lookup(n_first + n_tiles - 2);
+    issue_fp8(a, maps, sm, buf, cache, b, kv_head, kv_len, vslice, pw, lane, kbase, vbase, n_first + n_tiles - 1,
+              key_lane, 0, ks_held, ks_stage);
+    split_k_scales();  // the first tile's: nothing to hide its load behind
+  }
+  if constexpr (!kTma) cp_async_commit();
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n = n_first + n_tiles - 1 - it;
+    trace_mark(it, 0);
+    if (it + 1 < n_tiles) {
+      const i64 key_lane = key_next;
+      if (it + 2 < n_tiles) key_next = lookup(n - 2);
+      issue_fp8(a, maps, sm, buf, cache, b, kv_head, kv_len, vslice, pw, lane, kbase, vbase, n - 1, key_lane, it + 1,
+                ks_held, ks_stage);
+    }
+    trace_mark(it, 1);
+    if constexpr (kTma) {
+      mbar_wait(sm.raw_full + 8 * (it & 1), (it >> 1) & 1);
+    } else {
+      cp_async_commit();
+      cp_async_wait<1>();  // this lane's copies of tile it have landed
+      __syncwarp();        // and the scales its row's lane copied
+    }
+    if (it + 1 < n_tiles) split_k_scales();
+    trace_mark(it, 2);
+    const u32 slot = sm.raw + (u32)((it & 1) * kRawTileBytes);
+    const int valid = kv_len - n * BN;  // rows of this tile inside the sequence (TMA: the rest must be zeroed)
+#pragma unroll
+    for (int e = FP8_SCORES ? kKElems : 0; e <= kKElems; ++e) {
+      const Ring at{it * (kKElems + 1) + e};
+      const int stage = at.stage();
+      const u32 src = slot + (u32)((FP8_SCORES ? 0 : e) * kRawElemBytes);
+      const float ts = e < kKElems ? k_tensor_scale : v_tensor_scale;
+      auto wait_slot = [&] {
+        mbar_wait(sm.empty + 8 * stage, at.empty_phase());
+        trace_mark(it, 3);
+      };
+      // V with a per-tensor scale goes in as its codes (kVCodes); the TMA producer's last tile zeroes the rows
+      // past the sequence, full tiles pay nothing for that
+      auto convert = [&](auto codes) {
+        constexpr bool kCodes = decltype(codes)::value;
+        if (kTma && valid < BN)
+          buf.template convert_raw_fp8<SCALE_BLOCK, true, kCodes, kConvPairs>(stage, src, ts, pw, lane, wait_slot, valid);
+        else
+          buf.template convert_raw_fp8<SCALE_BLOCK, false, kCodes, kConvPairs>(stage, src, ts, pw, lane, wait_slot);
+      };
+      if (e == kKElems)
+        convert(Bool<kVCodes>());
+      else
+        convert(Bool<false>());
+      fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma reads
+      mbar_arrive(sm.full + 8 * stage);
+    }
+    trace_mark(it, 4);
+  }
 }
 
 // 16-bit cache: each tile's K elements and V element straight into the ring

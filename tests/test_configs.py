@@ -51,22 +51,26 @@ def _fresh_kernel_cache(tmp_path_factory):
 def test_decode_every_valid_config_renders(cfg):
     src = cfg.render()
     assert cfg.name in src
-    assert f"void __launch_bounds__(NUM_WARPS * 32, {cfg.min_blocks}) {cfg.name}(" in src
+    assert f"void __launch_bounds__({cfg.num_warps * 32}, {cfg.min_blocks}) {cfg.name}(" in src
     assert "static_assert" in src
     # the sizes Python computed are the ones the source re-checks
     if cfg.stages:
         assert f"K::RING_BYTES == {cfg.ring_smem_bytes}," in src
         assert f"K::NO == {cfg.num_mmas}," in src
-        assert f"DecodeRingKernel<T, PAGE_SIZE, DEPTH, GROUP, NUM_WARPS, {cfg.stages}, {cfg.cluster}>" in src
+        assert "typedef DecodeRingKernel<DecodeTraits> K;" in src
     else:
         for member in ("num_k_strips", "num_k_mmas2", "num_mmas", "input_frag_size"):
             assert f"K::Buf::{member} == {getattr(cfg, member)}," in src, member
     assert f"sizeof(K::Smem) == {cfg.smem_bytes}," in src
     assert f"sizeof(DecodeArgs) == {DECODE_ARGS.itemsize}," in src
-    assert f"constexpr int PAGE_SIZE = {cfg.page_size};" in src
-    assert f"constexpr int DEPTH = {cfg.head_dim};" in src
-    assert f"constexpr int GROUP = {cfg.group};" in src
-    assert f"constexpr int NUM_WARPS = {cfg.num_warps};" in src
+    # DecodeTraits: the config's fields and decisions by name
+    assert (f"static constexpr int page_size = {cfg.page_size}, head_dim = {cfg.head_dim}, group = {cfg.group};"
+            in src)
+    assert f"static constexpr int num_warps = {cfg.num_warps};" in src
+    assert f"static constexpr int stages = {cfg.stages};" in src
+    assert f"static constexpr int cluster = {cfg.cluster};" in src
+    assert f"static constexpr bool q_in_smem = {'true' if cfg.q_in_smem else 'false'};" in src
+    assert f"static constexpr bool warp_slots = {'true' if cfg.warp_slots else 'false'};" in src
     assert ("__nv_bfloat16" if cfg.dtype == "bfloat16" else "__half") in src
     assert cfg.render() == src  # deterministic: the cache key depends on it
 
