@@ -4,7 +4,7 @@
 
 To refresh the page after a GPU run: copy `$OUT/bench_*.json` (and the PNGs) from `make gpu-check OUT=out` into
 docs/perf/ under a name that ends in the device (`bench_prefill_h100.json`), then run this script. One table per
-JSON file: decode (`bench decode`, bf16 or FP8), prefill (`bench prefill`), FP8 prefill (`--kv-dtype fp8_e4m3`).
+JSON file: decode (`bench decode`, bf16 or FP8), prefill (`bench prefill`), FP8 prefill (`--kv-dtype fp8_e4m3`), MLA decode (`bench mla-decode`).
 The script reads nothing but the JSON, so the page always says what the files hold.
 """
 from __future__ import annotations
@@ -102,10 +102,33 @@ def fp8_prefill_table(name, d):
     return out
 
 
+def mla_decode_table(name, d):
+    """``bench mla-decode``: cukv beside FlashMLA (same call), plus any extra cukv configs it timed."""
+    extra = sorted({k[:-len("_over_cukv")] for r in d["rows"] for k in r if k.endswith("_over_cukv")
+                    and k != "flashmla_over_cukv"})
+    out = [f"### `{name}`", "", f"{d['device']}, {d.get('date', '2026-11-27')}; {d.get('cukv', 'cukv')} beside FlashMLA's SM90 "
+           f"kernel; read ceiling {_f(d.get('read_ceiling_tbs'), 2)} TB/s "
+           "(same call).", "",
+           "| shape | cukv ms | TFLOP/s | TB/s | % ceiling | FlashMLA ms | FlashMLA/cukv |"
+           + "".join(f" {e} time / cukv |" for e in extra),
+           "|---|---|---|---|---|---|---|" + "---|" * len(extra)]
+    for r in d["rows"]:
+        out.append(f"| {r['shape']} | {_f(r['cukv_ms'])} | {_f(r['cukv_tflops'], 0)} | {_f(r['cukv_tbs'], 2)} | "
+                   f"{_f(r['cukv_pct_ceiling'], 0)} | {_f(r.get('flashmla_ms'))} | {_f(r.get('flashmla_over_cukv'), 2)} |"
+                   + "".join(f" {_f(1 / r[e + '_over_cukv'] if r.get(e + '_over_cukv') else None, 2)} |" for e in extra))
+    g = d.get("geomean_flashmla_over_cukv_h128")
+    out += ["", f"Geomean FlashMLA/cukv over the h128 shapes {_f(g)}."
+            + "".join(f" Geomean {e}/cukv time {_f(1 / d['geomean_' + e + '_over_cukv'])}." for e in extra
+                      if d.get("geomean_" + e + "_over_cukv"))]
+    return out
+
+
 def table(path):
     name = os.path.basename(path)
     d = json.load(open(path))
     row = d["rows"][0]
+    if "flashmla_over_cukv" in row or name.startswith("bench_mla_decode"):
+        return "mla", mla_decode_table(name, d)
     if "ctx" in row:
         return "decode", decode_table(name, d)
     if "fp8_ms" in row:
@@ -126,7 +149,8 @@ Compare figures only within one table: the GPU machine may be an H100 or an H200
 limit moves a few percent between calls.
 """
 
-SECTIONS = {"decode": "## Decode", "prefill": "## Prefill (16-bit cache)", "fp8": "## Prefill (FP8 e4m3 cache)"}
+SECTIONS = {"decode": "## Decode", "prefill": "## Prefill (16-bit cache)", "fp8": "## Prefill (FP8 e4m3 cache)",
+            "mla": "## MLA decode (absorbed, bf16 latent cache)"}
 
 
 def render(perf_dir):
