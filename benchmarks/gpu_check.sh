@@ -4,7 +4,7 @@
 #   STAGE=tests | bench | all (default all): run only the tests or only the benchmarks (two calls fit the device
 #   tool's 10-minute limit). With two or more GPUs the prefill test files run on GPU 1 beside the rest on GPU 0,
 #   then tests/test_multi_gpu.py uses both; benchmarks always run alone on GPU 0.
-#   PYTEST_ARGS replaces the test selection; BENCH_ARGS goes to `bench decode`, BENCH_PREFILL_ARGS (e.g. --quick) to
+#   SLOW=1 adds the tests marked slow (long sweeps; a call of their own); PYTEST_ARGS replaces the test selection; BENCH_ARGS goes to `bench decode`, BENCH_PREFILL_ARGS (e.g. --quick) to
 #   `bench prefill`, BENCH_MLA_ARGS to `bench mla-decode`; a .peers kit beside the tree adds FlashMLA to the MLA bench.
 set -u
 out=${1:-${OUT:-out}}
@@ -16,7 +16,8 @@ python3 -m cukv doctor 2>&1 | tee "$out/doctor.log" | tail -4
 python3 -m cukv compile --jobs "$(nproc)" > "$out/compile.log" 2>&1; echo "compile rc=$? ($(tail -1 "$out/compile.log"))"
 gpus=$(python3 -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
 prefill_files="tests/test_prefill_gpu.py tests/test_fp8_prefill_gpu.py tests/test_prefill_hypothesis_gpu.py tests/test_prefill_reference.py"
-pytest_q() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
+marks=$([ -n "${SLOW:-}" ] && echo gpu || echo "gpu and not slow")  # SLOW=1 adds the long sweeps (the MLA full grid)
+pytest_q() { python3 -m pytest -q -m "$marks" -p no:cacheprovider "$@"; }
 
 if [ "$stage" != bench ]; then
   if [ -n "${PYTEST_ARGS:-}" ]; then
