@@ -20,8 +20,8 @@ from ..configs.mla_decode import MLADecodeConfig
 DEFAULT_BLOCK_N = 64
 #: K tiles in the ring: 2 is all that fits beside the 72 KB query block at block_n 64 (docs/tuning.md)
 DEFAULT_STAGES = 2
-#: the consumers' schedule: "split" until "alternate" (each warpgroup scores every other tile whole) is measured
-#: correct and faster on a GPU (docs/tuning.md "MLA decode")
+#: the consumers' schedule: "alternate" (each warpgroup scores every other tile whole) measured 5-8% slower
+#: (docs/tuning.md "MLA decode")
 DEFAULT_SCHEDULE = "split"
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
