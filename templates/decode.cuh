@@ -63,6 +63,33 @@ struct DecodeKernel {
   // WARP_SLOTS: per-warp merge slots in static shared memory (DecodeConfig.warp_slots says when they fit)
   typedef DecodeSmem<T, NUM_WARPS, GROUP, DEPTH, Q_IN_SMEM, DEPTH, WARP_SLOTS> Smem;
 
+  static constexpr int NQ = Q_SMEM_READS ? 1 : NK;  // Q fragments held in registers
+
+  // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
+  // in shared memory: its registers go to the wider output accumulator. The FP8 ring sets k_factor (it stages
+  // Q as f16 through a power of two).
+  static __device__ __forceinline__ void load_q(const DecodeArgs& a, Smem& sm, int b, int hk, int g, int c,
+                                                uint4 (&qa)[NQ], uint4 (&qb)[NQ], float& k_factor) {
+    const T* q = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
+    if constexpr (K_F16) {
+      k_factor = sm.stage_q_f16(q);
+      if constexpr (!Q_SMEM_READS) {
+#pragma unroll
+        for (int s = 0; s < NK; ++s) sm.template q_frag<TWO_ROWS>(g, c, s, qa[s], qb[s]);
+      }
+    } else if constexpr (Q_IN_SMEM) {
+      sm.stage_q(q, kQPre);
+    } else {
+#pragma unroll
+      for (int s = 0; s < NK; ++s) {
+        qa[s] = g < GROUP ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)g * DEPTH + s * 32 + 8 * c), kQPre)
+                          : make_uint4(0, 0, 0, 0);
+        qb[s] = (TWO_ROWS && g + 8 < GROUP) ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)(g + 8) * DEPTH + s * 32 + 8 * c), kQPre)
+                                             : make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
     const Op op(a.kv);
@@ -72,30 +99,9 @@ struct DecodeKernel {
     const int hk = blk.hk, b = blk.b, warp = blk.warp, g = blk.g, c = blk.c;
     const int len = blk.len, start = blk.start, my_lo = blk.lo, my_hi = blk.hi;
 
-    // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
-    // in shared memory: its registers go to the wider output accumulator.
-    uint4 qa[Q_SMEM_READS ? 1 : NK], qb[Q_SMEM_READS ? 1 : NK];
+    uint4 qa[NQ], qb[NQ];
     float k_factor = kKFactor;  // what a raw FP8 score is multiplied by, beside the K scale
-    {
-      const T* q = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
-      if constexpr (K_F16) {
-        k_factor = sm.stage_q_f16(q);
-        if constexpr (!Q_SMEM_READS) {
-#pragma unroll
-          for (int s = 0; s < NK; ++s) sm.template q_frag<TWO_ROWS>(g, c, s, qa[s], qb[s]);
-        }
-      } else if constexpr (Q_IN_SMEM) {
-        sm.stage_q(q, kQPre);
-      } else {
-#pragma unroll
-        for (int s = 0; s < NK; ++s) {
-          qa[s] = g < GROUP ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)g * DEPTH + s * 32 + 8 * c), kQPre)
-                            : make_uint4(0, 0, 0, 0);
-          qb[s] = (TWO_ROWS && g + 8 < GROUP) ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)(g + 8) * DEPTH + s * 32 + 8 * c), kQPre)
-                                               : make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
+    load_q(a, sm, b, hk, g, c, qa, qb, k_factor);
     const float scale_log2 = a.sm_scale * kLog2e;
 
     float o[NO][4];
