@@ -90,6 +90,28 @@ struct DecodeKernel {
     }
   }
 
+  // Ring (FP8): the warp copies whole rows of each strip (cp.async) STAGES - 1 strips ahead into its slots and
+  // reads its fragments back right before the strip; page rows are looked up one strip further ahead still.
+  // buf is the caller's (declared here, ptxas allocated the kernel's registers differently).
+  template <class Strip>
+  static __device__ __forceinline__ void ring_strips(const Op& op, const int& b, const int& hk, const int& warp,
+                                                     const int& start, const int& len, const int& my_lo,
+                                                     const int& my_hi, Buf& buf, Strip&& strip) {
+    extern __shared__ __align__(16) unsigned char ring[];
+    unsigned char* my_ring = ring + warp * STAGES * Buf::SLOT_BYTES;
+    const u32 my_ring_s = smem_addr(my_ring);
+    StripRing<Op, STAGES, BN> sr(op, b, my_lo + warp, my_hi, NUM_WARPS);
+    auto issue = [&](i64 base, int t0, int slot) {
+      Buf::issue(op, b, hk, t0, start, len, base, my_ring_s + slot * Buf::SLOT_BYTES);
+    };
+    sr.prologue(issue);
+    sr.run(issue, [&](int t0, int slot) {
+      const unsigned char* here = my_ring + slot * Buf::SLOT_BYTES;
+      buf.fetch_k(here);
+      strip(buf, t0, [&] { buf.fetch_v(here); }, [] {});
+    });
+  }
+
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
     const Op op(a.kv);
@@ -219,26 +241,9 @@ struct DecodeKernel {
       }
       after_pv();
     };
-    auto nothing = [] {};
-
     if constexpr (STAGES > 0) {
-      // Ring (FP8): the warp copies whole rows of each strip (cp.async) STAGES - 1 strips ahead into its
-      // slots and reads its fragments back right before the strip; page rows are looked up one strip
-      // further ahead still.
-      extern __shared__ __align__(16) unsigned char ring[];
-      unsigned char* my_ring = ring + warp * STAGES * Buf::SLOT_BYTES;
-      const u32 my_ring_s = smem_addr(my_ring);
-      StripRing<Op, STAGES, BN> sr(op, b, my_lo + warp, my_hi, NUM_WARPS);
-      auto issue = [&](i64 base, int t0, int slot) {
-        Buf::issue(op, b, hk, t0, start, len, base, my_ring_s + slot * Buf::SLOT_BYTES);
-      };
-      sr.prologue(issue);
       Buf buf;
-      sr.run(issue, [&](int t0, int slot) {
-        const unsigned char* here = my_ring + slot * Buf::SLOT_BYTES;
-        buf.fetch_k(here);
-        strip(buf, t0, [&] { buf.fetch_v(here); }, nothing);
-      });
+      ring_strips(op, b, hk, warp, start, len, my_lo, my_hi, buf, strip);
     } else {
     // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V
     // loads right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB
