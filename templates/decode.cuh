@@ -90,6 +90,58 @@ struct DecodeKernel {
     }
   }
 
+  // FP8: raises gv to the strip's largest V scale (to the power of two at least it; al0/al1 take the change)
+  // and returns 1 / gv (exact), what P's V scales are multiplied by. A quad holds all 16 tokens, and every
+  // quad the same ones, so the largest scale (and the branch) is warp-uniform.
+  static __device__ __forceinline__ float v_bound(Buf& bb, float& gv, float& al0, float& al1) {
+    float vmax = 0.f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int i = 0; i < Buf::num_v_scales; ++i) vmax = fmaxf(vmax, bb.vs[r][i]);
+    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
+    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
+    if (vmax > gv) {
+      const float ng = pow2_at_least(vmax);
+      al0 *= gv * (1.f / ng);  // exact: powers of two
+      al1 *= gv * (1.f / ng);
+      gv = ng;
+    }
+    return __int_as_float((254 << 23) - __float_as_int(gv));
+  }
+
+  // o += P.V from bb's V registers; P (the strip's probabilities s) as the A operand, times the V scale of
+  // its block over gv (FP8: inv_gv). SCALE_BLOCK 32 puts two blocks in a 64-dim group: lanes g < 4 hold the
+  // first block's columns, so each block's mma gets the other block's B columns as zeros.
+  static __device__ __forceinline__ void pv(Buf& bb, int g, float (&s)[2][4], float inv_gv, float (&o)[NO][4]) {
+#pragma unroll
+    for (int grp = 0; grp < NO / 8; ++grp) {
+      u32 bf[8][2];
+      bb.v_frags(grp, bf);
+      constexpr int kBlocks = (Buf::quantized && Buf::SB < 64) ? 2 : 1;
+#pragma unroll
+      for (int hb = 0; hb < kBlocks; ++hb) {
+        float f[4] = {1.f, 1.f, 1.f, 1.f};
+        if constexpr (QUANTIZED) {
+          // past the head (d96's second group) the B columns are zeros; any finite scale will do
+          const int blk = min(kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB, Buf::num_v_scales - 1);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) f[r] = bb.vs[r][blk] * inv_gv;
+        }
+        const u32 pa0 = ElemTraits<PVT>::pack(s[0][0] * f[0], s[0][1] * f[1]);
+        const u32 pa2 = ElemTraits<PVT>::pack(s[1][0] * f[2], s[1][1] * f[3]);
+        const u32 pa1 = TWO_ROWS ? ElemTraits<PVT>::pack(s[0][2] * f[0], s[0][3] * f[1]) : 0u;
+        const u32 pa3 = TWO_ROWS ? ElemTraits<PVT>::pack(s[1][2] * f[2], s[1][3] * f[3]) : 0u;
+        const bool mine = kBlocks == 1 || ((g < 4) == (hb == 0));
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = grp * 8 + jj;
+          mma_16816<PVT>(o[j], pa0, pa1, pa2, pa3, mine ? bf[jj][0] : 0u, mine ? bf[jj][1] : 0u);
+        }
+      }
+    }
+  }
+
   // Ring (FP8): the warp copies whole rows of each strip (cp.async) STAGES - 1 strips ahead into its slots and
   // reads its fragments back right before the strip; page rows are looked up one strip further ahead still.
   // buf is the caller's (declared here, ptxas allocated the kernel's registers differently).
@@ -179,25 +231,8 @@ struct DecodeKernel {
       after_scores();
       float al0, al1;
       strip_softmax<TWO_ROWS>(a, scale_log2, s, t0, start, len, m0, m1, l0, l1, al0, al1);
-      float inv_gv = 1.f;  // FP8: what P's V scales are multiplied by, 1 / gv (exact)
-      if constexpr (QUANTIZED) {
-        // The strip's largest V scale: a quad holds all 16 tokens, and every quad the same ones, so the
-        // result (and the branch) is warp-uniform.
-        float vmax = 0.f;
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-          for (int i = 0; i < Buf::num_v_scales; ++i) vmax = fmaxf(vmax, bb.vs[r][i]);
-        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
-        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
-        if (vmax > gv) {
-          const float ng = pow2_at_least(vmax);
-          al0 *= gv * (1.f / ng);  // exact: powers of two
-          al1 *= gv * (1.f / ng);
-          gv = ng;
-        }
-        inv_gv = __int_as_float((254 << 23) - __float_as_int(gv));
-      }
+      float inv_gv = 1.f;  // FP8: what P's V scales are multiplied by
+      if constexpr (QUANTIZED) inv_gv = v_bound(bb, gv, al0, al1);
       // once the running max settles, most strips leave it unchanged in every row: skip the rescale then
       if (!__all_sync(0xffffffffu, al0 == 1.f && al1 == 1.f)) {
 #pragma unroll
@@ -210,35 +245,7 @@ struct DecodeKernel {
           }
         }
       }
-#pragma unroll
-      for (int grp = 0; grp < NO / 8; ++grp) {
-        u32 bf[8][2];
-        bb.v_frags(grp, bf);
-        // P as the A operand, times the V scale of its block (FP8); SCALE_BLOCK 32 puts two blocks in a
-        // 64-dim group: lanes g < 4 hold the first block's columns, so each block's mma gets the other
-        // block's B columns as zeros.
-        constexpr int kBlocks = (Buf::quantized && Buf::SB < 64) ? 2 : 1;
-#pragma unroll
-        for (int hb = 0; hb < kBlocks; ++hb) {
-          float f[4] = {1.f, 1.f, 1.f, 1.f};
-          if constexpr (QUANTIZED) {
-            // past the head (d96's second group) the B columns are zeros; any finite scale will do
-            const int blk = min(kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB, Buf::num_v_scales - 1);
-#pragma unroll
-            for (int r = 0; r < 4; ++r) f[r] = bb.vs[r][blk] * inv_gv;
-          }
-          const u32 pa0 = ElemTraits<PVT>::pack(s[0][0] * f[0], s[0][1] * f[1]);
-          const u32 pa2 = ElemTraits<PVT>::pack(s[1][0] * f[2], s[1][1] * f[3]);
-          const u32 pa1 = TWO_ROWS ? ElemTraits<PVT>::pack(s[0][2] * f[0], s[0][3] * f[1]) : 0u;
-          const u32 pa3 = TWO_ROWS ? ElemTraits<PVT>::pack(s[1][2] * f[2], s[1][3] * f[3]) : 0u;
-          const bool mine = kBlocks == 1 || ((g < 4) == (hb == 0));
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int j = grp * 8 + jj;
-            mma_16816<PVT>(o[j], pa0, pa1, pa2, pa3, mine ? bf[jj][0] : 0u, mine ? bf[jj][1] : 0u);
-          }
-        }
-      }
+      pv(bb, g, s, inv_gv, o);
       after_pv();
     };
     if constexpr (STAGES > 0) {
