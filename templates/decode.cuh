@@ -164,6 +164,27 @@ struct DecodeKernel {
     });
   }
 
+  // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V loads
+  // right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB strips of
+  // loads in flight while it computes, in the same registers. A warp's strips in one round are
+  // ch + sub * NUM_WARPS (sub < SUB); FP8 caches use SUB = 2 so the bytes in flight match the 16-bit cache.
+  // pipeline_prologue sets up the warp's first round of strips (ch: its first strip); the strip loop stays the
+  // caller's (as a function of its own, ptxas allocated the 16-head kernels' registers differently).
+  static __device__ __forceinline__ void pipeline_prologue(const Op& op, const int& b, const int& hk, const int& start,
+                                                           const int& len, const int& my_hi, const int& ch,
+                                                           Buf (&buf)[SUB], i64 (&base)[SUB]) {
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) {
+      buf[sub].set_tensor_scales(op);
+      const int st = ch + sub * NUM_WARPS;
+      base[sub] = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, st * BN) : (i64)0;  // speculative: in-table
+      if (PIPELINE && st < my_hi) {
+        buf[sub].load_k(op, b, hk, st * BN, start, len, base[sub]);
+        buf[sub].load_v(op, b, hk, st * BN, start, len, base[sub]);
+      }
+    }
+  }
+
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
     const Op op(a.kv);
@@ -252,48 +273,35 @@ struct DecodeKernel {
       Buf buf;
       ring_strips(op, b, hk, warp, start, len, my_lo, my_hi, buf, strip);
     } else {
-    // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V
-    // loads right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB
-    // strips of loads in flight while it computes, in the same registers. A warp's strips in one round are
-    // ch + sub * NUM_WARPS (sub < SUB); FP8 caches use SUB = 2 so the bytes in flight match the 16-bit cache.
-    Buf buf[SUB];
-    i64 base[SUB];
-    int ch = my_lo + warp;
+      Buf buf[SUB];
+      i64 base[SUB];
+      int ch = my_lo + warp;
+      pipeline_prologue(op, b, hk, start, len, my_hi, ch, buf, base);
+      for (; ch < my_hi; ch += NUM_WARPS * SUB) {
 #pragma unroll
-    for (int sub = 0; sub < SUB; ++sub) {
-      buf[sub].set_tensor_scales(op);
-      const int st = ch + sub * NUM_WARPS;
-      base[sub] = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, st * BN) : (i64)0;  // speculative: in-table
-      if (PIPELINE && st < my_hi) {
-        buf[sub].load_k(op, b, hk, st * BN, start, len, base[sub]);
-        buf[sub].load_v(op, b, hk, st * BN, start, len, base[sub]);
-      }
-    }
-    for (; ch < my_hi; ch += NUM_WARPS * SUB) {
-#pragma unroll
-      for (int sub = 0; sub < SUB; ++sub) {
-        const int st = ch + sub * NUM_WARPS;
-        if (st >= my_hi) break;
-        const int t0 = st * BN;
-        const int nch = st + NUM_WARPS * SUB;
-        const bool has_next = nch < my_hi;
-        const i64 nbase = (PAGE_SIZE % BN == 0 && has_next) ? Buf::rows_base(op, b, nch * BN) : (i64)0;
-        if constexpr (!PIPELINE) {
-          buf[sub].load_k(op, b, hk, t0, start, len, base[sub]);
-          if constexpr (!V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
+        for (int sub = 0; sub < SUB; ++sub) {
+          const int st = ch + sub * NUM_WARPS;
+          if (st >= my_hi) break;
+          const int t0 = st * BN;
+          const int nch = st + NUM_WARPS * SUB;
+          const bool has_next = nch < my_hi;
+          const i64 nbase = (PAGE_SIZE % BN == 0 && has_next) ? Buf::rows_base(op, b, nch * BN) : (i64)0;
+          if constexpr (!PIPELINE) {
+            buf[sub].load_k(op, b, hk, t0, start, len, base[sub]);
+            if constexpr (!V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
+          }
+          strip(
+              buf[sub], t0,
+              [&] {
+                if (PIPELINE && has_next) buf[sub].load_k(op, b, hk, nch * BN, start, len, nbase);
+                if constexpr (V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
+              },
+              [&] {
+                if (PIPELINE && has_next) buf[sub].load_v(op, b, hk, nch * BN, start, len, nbase);
+              });
+          base[sub] = nbase;
         }
-        strip(
-            buf[sub], t0,
-            [&] {
-              if (PIPELINE && has_next) buf[sub].load_k(op, b, hk, nch * BN, start, len, nbase);
-              if constexpr (V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
-            },
-            [&] {
-              if (PIPELINE && has_next) buf[sub].load_v(op, b, hk, nch * BN, start, len, nbase);
-            });
-        base[sub] = nbase;
       }
-    }
     }
 
     if constexpr (QUANTIZED) {
