@@ -110,6 +110,22 @@ struct DecodeKernel {
     return __int_as_float((254 << 23) - __float_as_int(gv));
   }
 
+  // o *= the softmax's rescale factors (al0 for row g, al1 for row g + 8). Once the running max settles, most
+  // strips leave it unchanged in every row: skip the rescale then.
+  static __device__ __forceinline__ void rescale(float (&o)[NO][4], float& al0, float& al1) {
+    if (!__all_sync(0xffffffffu, al0 == 1.f && al1 == 1.f)) {
+#pragma unroll
+      for (int j = 0; j < NO; ++j) {
+        o[j][0] *= al0;
+        o[j][1] *= al0;
+        if constexpr (TWO_ROWS) {
+          o[j][2] *= al1;
+          o[j][3] *= al1;
+        }
+      }
+    }
+  }
+
   // o += P.V from bb's V registers; P (the strip's probabilities s) as the A operand, times the V scale of
   // its block over gv (FP8: inv_gv). SCALE_BLOCK 32 puts two blocks in a 64-dim group: lanes g < 4 hold the
   // first block's columns, so each block's mma gets the other block's B columns as zeros.
@@ -254,18 +270,7 @@ struct DecodeKernel {
       strip_softmax<TWO_ROWS>(a, scale_log2, s, t0, start, len, m0, m1, l0, l1, al0, al1);
       float inv_gv = 1.f;  // FP8: what P's V scales are multiplied by
       if constexpr (QUANTIZED) inv_gv = v_bound(bb, gv, al0, al1);
-      // once the running max settles, most strips leave it unchanged in every row: skip the rescale then
-      if (!__all_sync(0xffffffffu, al0 == 1.f && al1 == 1.f)) {
-#pragma unroll
-        for (int j = 0; j < NO; ++j) {
-          o[j][0] *= al0;
-          o[j][1] *= al0;
-          if constexpr (TWO_ROWS) {
-            o[j][2] *= al1;
-            o[j][3] *= al1;
-          }
-        }
-      }
+      rescale(o, al0, al1);
       pv(bb, g, s, inv_gv, o);
       after_pv();
     };
