@@ -160,7 +160,7 @@ struct DecodeKernel {
 
   // Ring (FP8): the warp copies whole rows of each strip (cp.async) STAGES - 1 strips ahead into its slots and
   // reads its fragments back right before the strip; page rows are looked up one strip further ahead still.
-  // buf is the caller's (declared here, ptxas allocated the kernel's registers differently).
+  // buf is the caller's (declared in here, it changes ptxas's register allocation).
   template <class Strip>
   static __device__ __forceinline__ void ring_strips(const Op& op, const int& b, const int& hk, const int& warp,
                                                      const int& start, const int& len, const int& my_lo,
@@ -180,12 +180,9 @@ struct DecodeKernel {
     });
   }
 
-  // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V loads
-  // right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB strips of
-  // loads in flight while it computes, in the same registers. A warp's strips in one round are
-  // ch + sub * NUM_WARPS (sub < SUB); FP8 caches use SUB = 2 so the bytes in flight match the 16-bit cache.
-  // pipeline_prologue sets up the warp's first round of strips (ch: its first strip); the strip loop stays the
-  // caller's (as a function of its own, ptxas allocated the 16-head kernels' registers differently).
+  // The register pipeline's first round: buf[sub] and base[sub] for strip ch + sub * NUM_WARPS (its K and V
+  // loads already out where PIPELINE). The strip loop itself stays in run (as a function of its own, it
+  // changes ptxas's register allocation of the 16-head kernels).
   static __device__ __forceinline__ void pipeline_prologue(const Op& op, const int& b, const int& hk, const int& start,
                                                            const int& len, const int& my_hi, const int& ch,
                                                            Buf (&buf)[SUB], i64 (&base)[SUB]) {
@@ -227,7 +224,8 @@ struct DecodeKernel {
       float s[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      // K scale blocks (one for a 16-bit cache): a partial score per block, scaled per token after the mma
+      // Scores. K scale blocks (one for a 16-bit cache): a partial score per block, scaled per token after the
+      // mma (inline: as a function of its own, the scores change ptxas's register allocation)
 #pragma unroll
       for (int kb = 0; kb < Buf::num_k_scales; ++kb) {
         // the ring keeps two accumulators per n-tile (the k16 halves of each 32-dim step): half the dependent
@@ -278,6 +276,10 @@ struct DecodeKernel {
       Buf buf;
       ring_strips(op, b, hk, warp, start, len, my_lo, my_hi, buf, strip);
     } else {
+      // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V loads
+      // right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB strips
+      // of loads in flight while it computes, in the same registers. A warp's strips in one round are
+      // ch + sub * NUM_WARPS (sub < SUB); FP8 caches use SUB = 2 so the bytes in flight match the 16-bit cache.
       Buf buf[SUB];
       i64 base[SUB];
       int ch = my_lo + warp;
