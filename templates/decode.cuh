@@ -63,6 +63,141 @@ struct DecodeKernel {
   // WARP_SLOTS: per-warp merge slots in static shared memory (DecodeConfig.warp_slots says when they fit)
   typedef DecodeSmem<T, NUM_WARPS, GROUP, DEPTH, Q_IN_SMEM, DEPTH, WARP_SLOTS> Smem;
 
+  static constexpr int NQ = Q_SMEM_READS ? 1 : NK;  // Q fragments held in registers
+
+  // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
+  // in shared memory: its registers go to the wider output accumulator. The FP8 ring sets k_factor (it stages
+  // Q as f16 through a power of two).
+  static __device__ __forceinline__ void load_q(const DecodeArgs& a, Smem& sm, int b, int hk, int g, int c,
+                                                uint4 (&qa)[NQ], uint4 (&qb)[NQ], float& k_factor) {
+    const T* q = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
+    if constexpr (K_F16) {
+      k_factor = sm.stage_q_f16(q);
+      if constexpr (!Q_SMEM_READS) {
+#pragma unroll
+        for (int s = 0; s < NK; ++s) sm.template q_frag<TWO_ROWS>(g, c, s, qa[s], qb[s]);
+      }
+    } else if constexpr (Q_IN_SMEM) {
+      sm.stage_q(q, kQPre);
+    } else {
+#pragma unroll
+      for (int s = 0; s < NK; ++s) {
+        qa[s] = g < GROUP ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)g * DEPTH + s * 32 + 8 * c), kQPre)
+                          : make_uint4(0, 0, 0, 0);
+        qb[s] = (TWO_ROWS && g + 8 < GROUP) ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)(g + 8) * DEPTH + s * 32 + 8 * c), kQPre)
+                                             : make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+
+  // FP8: raises gv to the strip's largest V scale (to the power of two at least it; al0/al1 take the change)
+  // and returns 1 / gv (exact), what P's V scales are multiplied by. A quad holds all 16 tokens, and every
+  // quad the same ones, so the largest scale (and the branch) is warp-uniform.
+  static __device__ __forceinline__ float v_bound(Buf& bb, float& gv, float& al0, float& al1) {
+    float vmax = 0.f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int i = 0; i < Buf::num_v_scales; ++i) vmax = fmaxf(vmax, bb.vs[r][i]);
+    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
+    vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
+    if (vmax > gv) {
+      const float ng = pow2_at_least(vmax);
+      al0 *= gv * (1.f / ng);  // exact: powers of two
+      al1 *= gv * (1.f / ng);
+      gv = ng;
+    }
+    return __int_as_float((254 << 23) - __float_as_int(gv));
+  }
+
+  // o *= the softmax's rescale factors (al0 for row g, al1 for row g + 8). Once the running max settles, most
+  // strips leave it unchanged in every row: skip the rescale then.
+  static __device__ __forceinline__ void rescale(float (&o)[NO][4], float& al0, float& al1) {
+    if (!__all_sync(0xffffffffu, al0 == 1.f && al1 == 1.f)) {
+#pragma unroll
+      for (int j = 0; j < NO; ++j) {
+        o[j][0] *= al0;
+        o[j][1] *= al0;
+        if constexpr (TWO_ROWS) {
+          o[j][2] *= al1;
+          o[j][3] *= al1;
+        }
+      }
+    }
+  }
+
+  // o += P.V from bb's V registers; P (the strip's probabilities s) as the A operand, times the V scale of
+  // its block over gv (FP8: inv_gv). SCALE_BLOCK 32 puts two blocks in a 64-dim group: lanes g < 4 hold the
+  // first block's columns, so each block's mma gets the other block's B columns as zeros.
+  static __device__ __forceinline__ void pv(Buf& bb, int g, float (&s)[2][4], float inv_gv, float (&o)[NO][4]) {
+#pragma unroll
+    for (int grp = 0; grp < NO / 8; ++grp) {
+      u32 bf[8][2];
+      bb.v_frags(grp, bf);
+      constexpr int kBlocks = (Buf::quantized && Buf::SB < 64) ? 2 : 1;
+#pragma unroll
+      for (int hb = 0; hb < kBlocks; ++hb) {
+        float f[4] = {1.f, 1.f, 1.f, 1.f};
+        if constexpr (QUANTIZED) {
+          // past the head (d96's second group) the B columns are zeros; any finite scale will do
+          const int blk = min(kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB, Buf::num_v_scales - 1);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) f[r] = bb.vs[r][blk] * inv_gv;
+        }
+        const u32 pa0 = ElemTraits<PVT>::pack(s[0][0] * f[0], s[0][1] * f[1]);
+        const u32 pa2 = ElemTraits<PVT>::pack(s[1][0] * f[2], s[1][1] * f[3]);
+        const u32 pa1 = TWO_ROWS ? ElemTraits<PVT>::pack(s[0][2] * f[0], s[0][3] * f[1]) : 0u;
+        const u32 pa3 = TWO_ROWS ? ElemTraits<PVT>::pack(s[1][2] * f[2], s[1][3] * f[3]) : 0u;
+        const bool mine = kBlocks == 1 || ((g < 4) == (hb == 0));
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = grp * 8 + jj;
+          mma_16816<PVT>(o[j], pa0, pa1, pa2, pa3, mine ? bf[jj][0] : 0u, mine ? bf[jj][1] : 0u);
+        }
+      }
+    }
+  }
+
+  // Ring (FP8): the warp copies whole rows of each strip (cp.async) STAGES - 1 strips ahead into its slots and
+  // reads its fragments back right before the strip; page rows are looked up one strip further ahead still.
+  // buf is the caller's (declared in here, it changes ptxas's register allocation).
+  template <class Strip>
+  static __device__ __forceinline__ void ring_strips(const Op& op, const int& b, const int& hk, const int& warp,
+                                                     const int& start, const int& len, const int& my_lo,
+                                                     const int& my_hi, Buf& buf, Strip&& strip) {
+    extern __shared__ __align__(16) unsigned char ring[];
+    unsigned char* my_ring = ring + warp * STAGES * Buf::SLOT_BYTES;
+    const u32 my_ring_s = smem_addr(my_ring);
+    StripRing<Op, STAGES, BN> sr(op, b, my_lo + warp, my_hi, NUM_WARPS);
+    auto issue = [&](i64 base, int t0, int slot) {
+      Buf::issue(op, b, hk, t0, start, len, base, my_ring_s + slot * Buf::SLOT_BYTES);
+    };
+    sr.prologue(issue);
+    sr.run(issue, [&](int t0, int slot) {
+      const unsigned char* here = my_ring + slot * Buf::SLOT_BYTES;
+      buf.fetch_k(here);
+      strip(buf, t0, [&] { buf.fetch_v(here); }, [] {});
+    });
+  }
+
+  // The register pipeline's first round: buf[sub] and base[sub] for strip ch + sub * NUM_WARPS (its K and V
+  // loads already out where PIPELINE). The strip loop itself stays in run (as a function of its own, it
+  // changes ptxas's register allocation of the 16-head kernels).
+  static __device__ __forceinline__ void pipeline_prologue(const Op& op, const int& b, const int& hk, const int& start,
+                                                           const int& len, const int& my_hi, const int& ch,
+                                                           Buf (&buf)[SUB], i64 (&base)[SUB]) {
+#pragma unroll
+    for (int sub = 0; sub < SUB; ++sub) {
+      buf[sub].set_tensor_scales(op);
+      const int st = ch + sub * NUM_WARPS;
+      base[sub] = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, st * BN) : (i64)0;  // speculative: in-table
+      if (PIPELINE && st < my_hi) {
+        buf[sub].load_k(op, b, hk, st * BN, start, len, base[sub]);
+        buf[sub].load_v(op, b, hk, st * BN, start, len, base[sub]);
+      }
+    }
+  }
+
   static __device__ __forceinline__ void run(const DecodeArgs& a) {
     __shared__ Smem sm;
     const Op op(a.kv);
@@ -72,30 +207,9 @@ struct DecodeKernel {
     const int hk = blk.hk, b = blk.b, warp = blk.warp, g = blk.g, c = blk.c;
     const int len = blk.len, start = blk.start, my_lo = blk.lo, my_hi = blk.hi;
 
-    // Q fragments (rows g and g+8 of the group), in the K strip's permuted dim order. Depth > 128 keeps Q
-    // in shared memory: its registers go to the wider output accumulator.
-    uint4 qa[Q_SMEM_READS ? 1 : NK], qb[Q_SMEM_READS ? 1 : NK];
+    uint4 qa[NQ], qb[NQ];
     float k_factor = kKFactor;  // what a raw FP8 score is multiplied by, beside the K scale
-    {
-      const T* q = static_cast<const T*>(a.q) + ((i64)b * a.num_qo_heads + (i64)hk * GROUP) * DEPTH;
-      if constexpr (K_F16) {
-        k_factor = sm.stage_q_f16(q);
-        if constexpr (!Q_SMEM_READS) {
-#pragma unroll
-          for (int s = 0; s < NK; ++s) sm.template q_frag<TWO_ROWS>(g, c, s, qa[s], qb[s]);
-        }
-      } else if constexpr (Q_IN_SMEM) {
-        sm.stage_q(q, kQPre);
-      } else {
-#pragma unroll
-        for (int s = 0; s < NK; ++s) {
-          qa[s] = g < GROUP ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)g * DEPTH + s * 32 + 8 * c), kQPre)
-                            : make_uint4(0, 0, 0, 0);
-          qb[s] = (TWO_ROWS && g + 8 < GROUP) ? scale8<T>(*reinterpret_cast<const uint4*>(q + (i64)(g + 8) * DEPTH + s * 32 + 8 * c), kQPre)
-                                               : make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
+    load_q(a, sm, b, hk, g, c, qa, qb, k_factor);
     const float scale_log2 = a.sm_scale * kLog2e;
 
     float o[NO][4];
@@ -110,7 +224,8 @@ struct DecodeKernel {
       float s[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      // K scale blocks (one for a 16-bit cache): a partial score per block, scaled per token after the mma
+      // Scores. K scale blocks (one for a 16-bit cache): a partial score per block, scaled per token after the
+      // mma (inline: as a function of its own, the scores change ptxas's register allocation)
 #pragma unroll
       for (int kb = 0; kb < Buf::num_k_scales; ++kb) {
         // the ring keeps two accumulators per n-tile (the k16 halves of each 32-dim step): half the dependent
@@ -151,131 +266,49 @@ struct DecodeKernel {
       after_scores();
       float al0, al1;
       strip_softmax<TWO_ROWS>(a, scale_log2, s, t0, start, len, m0, m1, l0, l1, al0, al1);
-      float inv_gv = 1.f;  // FP8: what P's V scales are multiplied by, 1 / gv (exact)
-      if constexpr (QUANTIZED) {
-        // The strip's largest V scale: a quad holds all 16 tokens, and every quad the same ones, so the
-        // result (and the branch) is warp-uniform.
-        float vmax = 0.f;
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-          for (int i = 0; i < Buf::num_v_scales; ++i) vmax = fmaxf(vmax, bb.vs[r][i]);
-        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
-        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
-        if (vmax > gv) {
-          const float ng = pow2_at_least(vmax);
-          al0 *= gv * (1.f / ng);  // exact: powers of two
-          al1 *= gv * (1.f / ng);
-          gv = ng;
-        }
-        inv_gv = __int_as_float((254 << 23) - __float_as_int(gv));
-      }
-      // once the running max settles, most strips leave it unchanged in every row: skip the rescale then
-      if (!__all_sync(0xffffffffu, al0 == 1.f && al1 == 1.f)) {
-#pragma unroll
-        for (int j = 0; j < NO; ++j) {
-          o[j][0] *= al0;
-          o[j][1] *= al0;
-          if constexpr (TWO_ROWS) {
-            o[j][2] *= al1;
-            o[j][3] *= al1;
-          }
-        }
-      }
-#pragma unroll
-      for (int grp = 0; grp < NO / 8; ++grp) {
-        u32 bf[8][2];
-        bb.v_frags(grp, bf);
-        // P as the A operand, times the V scale of its block (FP8); SCALE_BLOCK 32 puts two blocks in a
-        // 64-dim group: lanes g < 4 hold the first block's columns, so each block's mma gets the other
-        // block's B columns as zeros.
-        constexpr int kBlocks = (Buf::quantized && Buf::SB < 64) ? 2 : 1;
-#pragma unroll
-        for (int hb = 0; hb < kBlocks; ++hb) {
-          float f[4] = {1.f, 1.f, 1.f, 1.f};
-          if constexpr (QUANTIZED) {
-            // past the head (d96's second group) the B columns are zeros; any finite scale will do
-            const int blk = min(kBlocks == 2 ? 2 * grp + hb : (grp * 64) / Buf::SB, Buf::num_v_scales - 1);
-#pragma unroll
-            for (int r = 0; r < 4; ++r) f[r] = bb.vs[r][blk] * inv_gv;
-          }
-          const u32 pa0 = ElemTraits<PVT>::pack(s[0][0] * f[0], s[0][1] * f[1]);
-          const u32 pa2 = ElemTraits<PVT>::pack(s[1][0] * f[2], s[1][1] * f[3]);
-          const u32 pa1 = TWO_ROWS ? ElemTraits<PVT>::pack(s[0][2] * f[0], s[0][3] * f[1]) : 0u;
-          const u32 pa3 = TWO_ROWS ? ElemTraits<PVT>::pack(s[1][2] * f[2], s[1][3] * f[3]) : 0u;
-          const bool mine = kBlocks == 1 || ((g < 4) == (hb == 0));
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-            const int j = grp * 8 + jj;
-            mma_16816<PVT>(o[j], pa0, pa1, pa2, pa3, mine ? bf[jj][0] : 0u, mine ? bf[jj][1] : 0u);
-          }
-        }
-      }
+      float inv_gv = 1.f;  // FP8: what P's V scales are multiplied by
+      if constexpr (QUANTIZED) inv_gv = v_bound(bb, gv, al0, al1);
+      rescale(o, al0, al1);
+      pv(bb, g, s, inv_gv, o);
       after_pv();
     };
-    auto nothing = [] {};
-
     if constexpr (STAGES > 0) {
-      // Ring (FP8): the warp copies whole rows of each strip (cp.async) STAGES - 1 strips ahead into its
-      // slots and reads its fragments back right before the strip; page rows are looked up one strip
-      // further ahead still.
-      extern __shared__ __align__(16) unsigned char ring[];
-      unsigned char* my_ring = ring + warp * STAGES * Buf::SLOT_BYTES;
-      const u32 my_ring_s = smem_addr(my_ring);
-      StripRing<Op, STAGES, BN> sr(op, b, my_lo + warp, my_hi, NUM_WARPS);
-      auto issue = [&](i64 base, int t0, int slot) {
-        Buf::issue(op, b, hk, t0, start, len, base, my_ring_s + slot * Buf::SLOT_BYTES);
-      };
-      sr.prologue(issue);
       Buf buf;
-      sr.run(issue, [&](int t0, int slot) {
-        const unsigned char* here = my_ring + slot * Buf::SLOT_BYTES;
-        buf.fetch_k(here);
-        strip(buf, t0, [&] { buf.fetch_v(here); }, nothing);
-      });
+      ring_strips(op, b, hk, warp, start, len, my_lo, my_hi, buf, strip);
     } else {
-    // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V
-    // loads right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB
-    // strips of loads in flight while it computes, in the same registers. A warp's strips in one round are
-    // ch + sub * NUM_WARPS (sub < SUB); FP8 caches use SUB = 2 so the bytes in flight match the 16-bit cache.
-    Buf buf[SUB];
-    i64 base[SUB];
-    int ch = my_lo + warp;
+      // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V loads
+      // right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB strips
+      // of loads in flight while it computes, in the same registers. A warp's strips in one round are
+      // ch + sub * NUM_WARPS (sub < SUB); FP8 caches use SUB = 2 so the bytes in flight match the 16-bit cache.
+      Buf buf[SUB];
+      i64 base[SUB];
+      int ch = my_lo + warp;
+      pipeline_prologue(op, b, hk, start, len, my_hi, ch, buf, base);
+      for (; ch < my_hi; ch += NUM_WARPS * SUB) {
 #pragma unroll
-    for (int sub = 0; sub < SUB; ++sub) {
-      buf[sub].set_tensor_scales(op);
-      const int st = ch + sub * NUM_WARPS;
-      base[sub] = PAGE_SIZE % BN == 0 ? Buf::rows_base(op, b, st * BN) : (i64)0;  // speculative: in-table
-      if (PIPELINE && st < my_hi) {
-        buf[sub].load_k(op, b, hk, st * BN, start, len, base[sub]);
-        buf[sub].load_v(op, b, hk, st * BN, start, len, base[sub]);
-      }
-    }
-    for (; ch < my_hi; ch += NUM_WARPS * SUB) {
-#pragma unroll
-      for (int sub = 0; sub < SUB; ++sub) {
-        const int st = ch + sub * NUM_WARPS;
-        if (st >= my_hi) break;
-        const int t0 = st * BN;
-        const int nch = st + NUM_WARPS * SUB;
-        const bool has_next = nch < my_hi;
-        const i64 nbase = (PAGE_SIZE % BN == 0 && has_next) ? Buf::rows_base(op, b, nch * BN) : (i64)0;
-        if constexpr (!PIPELINE) {
-          buf[sub].load_k(op, b, hk, t0, start, len, base[sub]);
-          if constexpr (!V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
+        for (int sub = 0; sub < SUB; ++sub) {
+          const int st = ch + sub * NUM_WARPS;
+          if (st >= my_hi) break;
+          const int t0 = st * BN;
+          const int nch = st + NUM_WARPS * SUB;
+          const bool has_next = nch < my_hi;
+          const i64 nbase = (PAGE_SIZE % BN == 0 && has_next) ? Buf::rows_base(op, b, nch * BN) : (i64)0;
+          if constexpr (!PIPELINE) {
+            buf[sub].load_k(op, b, hk, t0, start, len, base[sub]);
+            if constexpr (!V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
+          }
+          strip(
+              buf[sub], t0,
+              [&] {
+                if (PIPELINE && has_next) buf[sub].load_k(op, b, hk, nch * BN, start, len, nbase);
+                if constexpr (V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
+              },
+              [&] {
+                if (PIPELINE && has_next) buf[sub].load_v(op, b, hk, nch * BN, start, len, nbase);
+              });
+          base[sub] = nbase;
         }
-        strip(
-            buf[sub], t0,
-            [&] {
-              if (PIPELINE && has_next) buf[sub].load_k(op, b, hk, nch * BN, start, len, nbase);
-              if constexpr (V_LATE) buf[sub].load_v(op, b, hk, t0, start, len, base[sub]);
-            },
-            [&] {
-              if (PIPELINE && has_next) buf[sub].load_v(op, b, hk, nch * BN, start, len, nbase);
-            });
-        base[sub] = nbase;
       }
-    }
     }
 
     if constexpr (QUANTIZED) {
