@@ -36,7 +36,8 @@ def mla_prefill_flops(batch: int, q_len: int, kv_len: int, num_heads: int, causa
 
 def default_config(dtype: str, page_size: int) -> MLAPrefillConfig:
     """The MHA prefill's 192-deep tile (BM 128, BN 64, 4 stages; :data:`cukv.policy.prefill.DEFAULTS`), untuned for
-    MLA: the first GPU run measures the alternatives (docs/mla.md)."""
+    MLA: the first GPU run measures the alternatives (docs/mla.md). The shipped kernels use it
+    (:func:`cukv.configs.mla_prefill.shipped`)."""
     return MLAPrefillConfig(dtype, BM=128, BN=64, stages=4, page_size=page_size)
 
 
