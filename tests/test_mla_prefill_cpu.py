@@ -150,3 +150,20 @@ def test_flops():
     assert mla_prefill_flops(1, 8, 8, 2, causal=False) == 2 * 2 * 64 * 320
     assert mla_prefill_flops(1, 8, 8, 2) == 2 * 2 * 36 * 320
     assert mla_prefill_flops(1, 2, 10, 1) == 2 * (2 * 8 + 3) * 320
+
+
+# ---- the benchmark's host side
+
+
+def test_bench_shapes_and_table():
+    from cukv.bench import mla_prefill as b
+    from cukv.cli import build_parser
+
+    assert [s[0] for s in b.SHAPES][:5] == ["1x128x8192", "4x128x2048", "1x32x8192", "1x16x16384", "4x16x4096"]
+    assert set(b.QUICK) <= {s[0] for s in b.SHAPES}
+    assert {(s[4], s[5]) for s in b.SHAPES[5:]} == {(16384, "causal"), (16384, "none")}
+    r = {"shape": "4x16x4096", "cukv_ms": 1.0, "cukv_tflops": 500.0, "cudnn_ms": 1.2, "cudnn_tflops": 420.0,
+         "cukv_over_cudnn": 1.2, "cudnn_max_abs_diff": 1e-3, "flashinfer_ms": None, "flashinfer_error": "x"}
+    text = b.format_table({"device": "H100", "peers": "imported", "rows": [r], "geomean_cukv_over_cudnn": 1.2})
+    assert "peer/cukv 1.200" in text and "flashinfer failed: x" in text and "geomean_cukv_over_cudnn: 1.200" in text
+    assert build_parser().parse_args(["bench", "mla-prefill", "--quick"]).what == "mla-prefill"
