@@ -365,9 +365,9 @@ MLA_QK = MLA_QK_NOPE + MLA_ROPE  # 192
 def mla_rope_rows(pages, block_table, kv_lengths):
     """The ``k_rope[Tk, 64]`` rows of a ragged batch, gathered from an MLA latent cache through its page table.
 
-    ``pages`` is the cache's host copy: ``[num_pages, page_size, 576]`` float values (a 16-bit cache; CuPy
-    ``cache.data.get()``, bf16 read with :mod:`cukv.dtypes`), or ``uint8[num_pages, page_size, 656]`` FP8 rows
-    (only their bf16 rope part, bytes 528..655, is read). ``block_table[B, max_pages]``, ``kv_lengths[B]``:
+    ``pages`` is the cache's host copy (``MLAKVCache.data.get()``): ``[num_pages, page_size, 576]`` values of a
+    16-bit cache (float16 or float values; ``uint16`` is read as bf16 bit patterns, as cukv stores bf16), or
+    ``uint8[num_pages, page_size, 656]`` FP8 rows (only their bf16 rope part, bytes 528..655, is read). ``block_table[B, max_pages]``, ``kv_lengths[B]``:
     tokens ``0 .. kv_lengths[b] - 1`` of sequence b, in order. Returns float64 ``[sum(kv_lengths), 64]``,
     sequence after sequence (the layout ``kv_offsets = [0, cumsum(kv_lengths)]`` describes)."""
     pages = np.asarray(pages)
@@ -379,6 +379,8 @@ def mla_rope_rows(pages, block_table, kv_lengths):
             raise ValueError(f"pages with {MLA_FP8_ROW_BYTES}-wide rows must be uint8 FP8 rows; got {pages.dtype}")
         bits = np.ascontiguousarray(pages[..., 528:]).view("<u2").astype(np.uint32) << 16
         rope = bits.view(np.float32).astype(np.float64)
+    elif pages.dtype == np.uint16:
+        rope = (pages[..., MLA_NOPE:].astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     else:
         rope = pages[..., MLA_NOPE:].astype(np.float64)
     ps = pages.shape[1]

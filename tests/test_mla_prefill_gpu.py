@@ -162,6 +162,15 @@ def test_dtypes_and_sink(rng, dtype):
     run_case(rng, [17, 64], [5, 0], 4, 16, dtype=dtype, sink=True, scale=0.05)
 
 
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8_e4m3"])
+def test_rope_rows_helper_reads_the_cache_the_kernel_reads(rng, cache_dtype):
+    """reference.mla_rope_rows over the cache's host copy gives the rope rows the problem wrote."""
+    p = make_problem(rng, [17, 129], [5, 70], 2, 16, cache_dtype=cache_dtype)
+    got = reference.mla_rope_rows(p["cache"].data.get(), p["table"].get(), p["kv_lengths"])
+    ko = p["kv_offsets"]
+    np.testing.assert_array_equal(got, p["k_rope"][ko[0]: ko[-1]])
+
+
 def test_rope_from_fp8_rows(rng):
     run_case(rng, [17, 129], [5, 70], 16, 64, cache_dtype="fp8_e4m3")
 

@@ -123,6 +123,8 @@ def test_rope_rows_from_16bit_and_fp8_pages(page_size):
         table[np.repeat([0, 2], [5, 9]), np.r_[np.arange(5), np.arange(9)] // page_size],
         np.r_[np.arange(5), np.arange(9)] % page_size])
     np.testing.assert_allclose(got8, want, rtol=2 ** -8)
+    bits = reference._bf16_bits(pages16.astype(np.float32))  # a bf16 cache's host copy: uint16 bit patterns
+    np.testing.assert_array_equal(reference.mla_rope_rows(bits, table, lengths), got8)
     assert got16.shape == (14, 64)
     with pytest.raises(ValueError, match="pages has shape"):
         reference.mla_rope_rows(np.zeros((2, 2, 512)), table, lengths)
