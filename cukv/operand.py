@@ -74,3 +74,9 @@ DEQUANT_ARGS = np.dtype([
     ("kv", KV_PARAMS),
     ("k_out", "u8"), ("v_out", "u8"), ("kv_offsets", "u8"), ("num_heads", "i8"),
 ], align=True)
+
+#: templates/mla_kv_producer.cuh MLAPrefillArgs: the up-projected k_nope / v rows of an MLA prefill (the rope source
+#: travels in PrefillArgs.kv)
+MLA_PREFILL_ARGS = np.dtype([
+    ("k_nope", "u8"), ("v", "u8"), ("kv_offsets", "u8"), ("kn_stride", "i8", (2,)), ("v_stride", "i8", (2,)),
+], align=True)

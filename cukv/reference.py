@@ -352,3 +352,103 @@ def mla_dequantize_fp8(rows):
     rope = rope_bits.astype(np.uint32).view(np.float32).astype(np.float64)
     out = np.concatenate([(vals * scale[..., None]).reshape(-1, 512), rope], axis=1)
     return out.reshape(lead + (MLA_DIM,))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MLA prefill (non-absorbed form): per head 192 = 128 nope + 64 rope query/key dims, 128 value dims; the
+# rope part of K (64 values per token) is shared by every head and read from the latent cache.
+
+MLA_QK_NOPE, MLA_V = 128, 128
+MLA_QK = MLA_QK_NOPE + MLA_ROPE  # 192
+
+
+def mla_rope_rows(pages, block_table, kv_lengths):
+    """The ``k_rope[Tk, 64]`` rows of a ragged batch, gathered from an MLA latent cache through its page table.
+
+    ``pages`` is the cache's host copy (``MLAKVCache.data.get()``): ``[num_pages, page_size, 576]`` values of a
+    16-bit cache (float16 or float values; ``uint16`` is read as bf16 bit patterns, as cukv stores bf16), or
+    ``uint8[num_pages, page_size, 656]`` FP8 rows (only their bf16 rope part, bytes 528..655, is read). ``block_table[B, max_pages]``, ``kv_lengths[B]``:
+    tokens ``0 .. kv_lengths[b] - 1`` of sequence b, in order. Returns float64 ``[sum(kv_lengths), 64]``,
+    sequence after sequence (the layout ``kv_offsets = [0, cumsum(kv_lengths)]`` describes)."""
+    pages = np.asarray(pages)
+    if pages.ndim != 3 or pages.shape[-1] not in (MLA_DIM, MLA_FP8_ROW_BYTES):
+        raise ValueError(f"pages has shape {pages.shape}; expected [num_pages, page_size, {MLA_DIM}] values or "
+                         f"[num_pages, page_size, {MLA_FP8_ROW_BYTES}] FP8 bytes")
+    if pages.shape[-1] == MLA_FP8_ROW_BYTES:
+        if pages.dtype != np.uint8:
+            raise ValueError(f"pages with {MLA_FP8_ROW_BYTES}-wide rows must be uint8 FP8 rows; got {pages.dtype}")
+        bits = np.ascontiguousarray(pages[..., 528:]).view("<u2").astype(np.uint32) << 16
+        rope = bits.view(np.float32).astype(np.float64)
+    elif pages.dtype == np.uint16:
+        rope = (pages[..., MLA_NOPE:].astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    else:
+        rope = pages[..., MLA_NOPE:].astype(np.float64)
+    ps = pages.shape[1]
+    table = np.asarray(block_table)
+    rows = []
+    for b, n in enumerate(np.asarray(kv_lengths, np.int64)):
+        pos = np.arange(int(n))
+        rows.append(rope[table[b][pos // ps], pos % ps])
+    return np.concatenate(rows) if rows else np.zeros((0, MLA_ROPE))
+
+
+def mla_prefill(q, q_offsets, k_nope, v, k_rope, kv_offsets, *, mask="causal", sink=None, softmax_scale=None):
+    """Non-absorbed MLA prefill over a ragged batch.
+
+    ``q[T, H, 192]`` (128 nope then 64 rope dims per head) with ``q_offsets[B+1]``; ``k_nope[Tk, H, 128]`` and
+    ``v[Tk, H, 128]`` (the caller's up-projection of the latent rows) with ``kv_offsets[B+1]``; ``k_rope[Tk, 64]``
+    shared by every head (:func:`mla_rope_rows` gathers it from a cache). Key j of sequence b is
+    ``[k_nope[j, h] | k_rope[j]]``. ``mask='causal'`` is bottom-right aligned: query i of sequence b sits at
+    position ``kv_len - q_len + i`` and sees keys ``<=`` it (so a cached prefix counts in ``kv_len``);
+    ``'none'`` sees every key. ``sink[H]`` joins the denominator only; ``softmax_scale`` defaults to
+    ``1/sqrt(192)``. Returns ``out[T, H, 128]`` and the natural-log ``lse[T, H]`` (without the sink); a query
+    that sees no key gets 0 and -inf.
+
+    >>> import numpy as np
+    >>> from cukv import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((3, 2, 192))
+    >>> k_nope, v, k_rope = rng.standard_normal((5, 2, 128)), rng.standard_normal((5, 2, 128)), rng.standard_normal((5, 64))
+    >>> out, lse = reference.mla_prefill(q, [0, 3], k_nope, v, k_rope, [0, 5])   # 2 cached keys, then 3 new
+    >>> k = np.concatenate([k_nope, np.broadcast_to(k_rope[:, None], (5, 2, 64))], axis=-1)
+    >>> want, want_lse = reference.prefill_contiguous(q, [0, 3], k, v, [0, 5], sm_scale=192 ** -0.5)
+    >>> bool(np.allclose(out, want) and np.allclose(lse, want_lse))
+    True
+    """
+    q, k_nope, v, k_rope = (np.asarray(x, np.float64) for x in (q, k_nope, v, k_rope))
+    if q.ndim != 3 or q.shape[-1] != MLA_QK:
+        raise ValueError(f"q has shape {q.shape}; expected [tokens, heads, {MLA_QK}]")
+    h = q.shape[1]
+    for name, x in (("k_nope", k_nope), ("v", v)):
+        if x.ndim != 3 or x.shape[1:] != (h, MLA_QK_NOPE if name == "k_nope" else MLA_V):
+            raise ValueError(f"{name} has shape {x.shape}; expected [kv_tokens, {h}, 128]")
+    if v.shape[0] != k_nope.shape[0] or k_rope.shape != (k_nope.shape[0], MLA_ROPE):
+        raise ValueError(f"k_nope {k_nope.shape}, v {v.shape} and k_rope {k_rope.shape} must share their "
+                         f"kv_tokens; k_rope is [kv_tokens, {MLA_ROPE}]")
+    qo = _offsets(q_offsets, "q_offsets", q.shape[0], "query tokens")
+    ko = _offsets(kv_offsets, "kv_offsets", k_nope.shape[0], "key tokens")
+    if ko.size != qo.size:
+        raise ValueError(f"kv_offsets has {ko.size} entries, q_offsets {qo.size}: both must be [batch + 1]")
+    _prefill_options(h, mask, None, None, sink)
+    scale = MLA_QK ** -0.5 if softmax_scale is None else float(softmax_scale)
+    out, lse = np.zeros((q.shape[0], h, MLA_V)), np.full((q.shape[0], h), -np.inf)
+    for b in range(qo.size - 1):
+        qb = q[qo[b]: qo[b + 1]]
+        kn, vb, kr = k_nope[ko[b]: ko[b + 1]], v[ko[b]: ko[b + 1]], k_rope[ko[b]: ko[b + 1]]
+        if qb.shape[0] == 0 or kn.shape[0] == 0:
+            continue
+        # the shared rope part scores once per (query, head): no per-head copy of k_rope
+        s = (np.einsum("thd,lhd->htl", qb[..., :MLA_QK_NOPE], kn) + np.einsum("thd,ld->htl", qb[..., MLA_QK_NOPE:], kr))
+        pos = kn.shape[0] - qb.shape[0] + np.arange(qb.shape[0])
+        vis = np.arange(kn.shape[0])[None, :] <= pos[:, None] if mask == "causal" else np.ones((qb.shape[0], kn.shape[0]), bool)
+        s = np.where(vis[None], s * scale, -np.inf)
+        m = s.max(-1, keepdims=True)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.where(vis[None], np.exp(s - m_safe), 0.0)
+        den = p.sum(-1, keepdims=True)
+        lse[qo[b]: qo[b + 1]] = np.where(den[..., 0] > 0, np.log(np.where(den[..., 0] > 0, den[..., 0], 1.0))
+                                         + m_safe[..., 0], -np.inf).T
+        if sink is not None:
+            den = den + np.exp(np.asarray(sink, np.float64)[:, None, None] - m_safe)
+        out[qo[b]: qo[b + 1]] = np.einsum("htl,lhd->thd", p / np.where(den > 0, den, 1.0), vb)
+    return out, lse

@@ -373,3 +373,59 @@ def attention_outputs(like, out, lse, rows: int, heads: int, return_lse: bool, s
     check_float("softcap", softcap, positive=True, none_ok=True, note="no soft-cap")
     return out, lse, sink
 
+
+
+# ----------------------------------------------------------------------------------------------
+# MLA prefill (cukv/ops/mla_prefill.py): the host checks, on shapes and host ints, so they run before any device work
+
+
+def mla_prefill_batch(q_offsets, kv_lengths, kv_offsets=None):
+    """``(q_offsets, kv_lengths, kv_offsets)`` as int64 host arrays, checked: ``q_offsets[B + 1]`` from 0 and never
+    decreasing, ``kv_lengths[B]`` non-negative, ``kv_offsets[B + 1]`` (default their running sum) whose differences
+    are ``kv_lengths``, and every row index below 2**31."""
+    qo, kl = host_ints("q_offsets", q_offsets, 1), host_ints("kv_lengths", kv_lengths, 1)
+    if qo.size < 2 or qo[0] != 0 or np.any(np.diff(qo) < 0):
+        raise ValueError(f"q_offsets={qo.tolist()[:8]} must be [batch + 1] (batch >= 1), start at 0 and never decrease")
+    b = qo.size - 1
+    if kl.shape != (b,) or np.any(kl < 0):
+        raise ValueError(f"kv_lengths has shape {kl.shape} / min {kl.min(initial=0)}; expected [{b}] non-negative")
+    if kv_offsets is None:
+        ko = np.concatenate([[0], np.cumsum(kl)])
+    else:
+        ko = host_ints("kv_offsets", kv_offsets, 1)
+        if ko.shape != (b + 1,):
+            raise ValueError(f"kv_offsets has shape {ko.shape}; expected [{b + 1}] (q_offsets' batch + 1)")
+        if ko[0] < 0:
+            raise ValueError(f"kv_offsets[0]={ko[0]} is negative")
+        bad = np.diff(ko) != kl
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"kv_offsets[{i + 1}] - kv_offsets[{i}] = {ko[i + 1] - ko[i]}, but kv_lengths[{i}]={kl[i]}: "
+                             "a sequence's k_nope / v rows are its kv_lengths keys")
+    if ko[-1] >= 2**31 or qo[-1] >= 2**31:
+        raise ValueError(f"kv_offsets reach {ko[-1]} rows, q_offsets {qo[-1]}; at most 2**31 - 1")
+    return qo, kl, ko
+
+
+def check_mla_prefill_shapes(num_heads: int, total_q: int, kv_rows: int, q, k_nope, v, k_rope=None) -> None:
+    """Shapes of an MLA prefill's operands: ``q[total_q, H, 192]``, ``k_nope`` and ``v`` ``[>= kv_rows, H, 128]``,
+    ``k_rope[>= kv_rows, 64]`` where given. A wrong width, head count or row count is a ValueError naming the
+    argument."""
+    widths = {"q": (192, "128 nope + 64 rope dims per head"), "k_nope": (128, "dims per head"),
+              "v": (128, "dims per head"), "k_rope": (64, "rope dims, shared by every head")}
+    for name, shape in (("q", q), ("k_nope", k_nope), ("v", v), ("k_rope", k_rope)):
+        if shape is None:
+            continue
+        shape = tuple(shape)
+        nd = 2 if name == "k_rope" else 3
+        if len(shape) != nd:
+            raise ValueError(f"{name} has shape {shape}; expected {nd} dimensions")
+        want, what = widths[name]
+        if shape[-1] != want:
+            raise ValueError(f"{name} has width {shape[-1]} (shape {shape}); MLA prefill takes {want} ({what})")
+        if nd == 3 and shape[1] != num_heads:
+            raise ValueError(f"{name} has {shape[1]} heads (shape {shape}); this MLA prefill has num_heads={num_heads}")
+        if name == "q" and shape[0] != total_q:
+            raise ValueError(f"q has {shape[0]} tokens (shape {shape}); plan() has total_q={total_q}")
+        if name != "q" and shape[0] < kv_rows:
+            raise ValueError(f"{name} has {shape[0]} rows (shape {shape}); the plan's kv_offsets reach {kv_rows}")

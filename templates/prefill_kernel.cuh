@@ -11,7 +11,8 @@ template <class Traits>
 struct PrefillKernel {
   // the rendered options (prefill_args.cuh describes each)
   typedef typename Traits::T T;
-  static constexpr int DEPTH = Traits::head_dim, BM = Traits::BM, BN = Traits::BN, BK = Traits::BK,
+  // DEPTH: Q's and K's width; DEPTH_V: V's and the output's (the MHA prefill's are equal; MLA prefill: 192 and 128)
+  static constexpr int DEPTH = Traits::head_dim, DEPTH_V = Traits::head_dim_v, BM = Traits::BM, BN = Traits::BN, BK = Traits::BK,
                        STAGES = Traits::stages, PAGE_SIZE = Traits::page_size, SCALE_BLOCK = Traits::scale_block,
                        TMA_ROWS = Traits::tma_rows, ONCE_PAGE = Traits::once_page;
   static constexpr bool QUANTIZED = Traits::quantized, FP8_SCORES = Traits::fp8_scores, PINGPONG = Traits::pingpong,
@@ -58,8 +59,8 @@ struct PrefillKernel {
   static_assert(kConsumerWGs == 1 || (kProducerRegs + kConsumerWGs * kConsumerRegs) <= (kConsumerWGs + 1) * kLaunchRegs,
                 "registers: the setmaxnreg split exceeds the launch allocation");
   static constexpr int kQAtoms = (DEPTH + 63) / 64;
-  static constexpr int kVCols = DEPTH < BK ? DEPTH : BK;       // V width one block accumulates (one element)
-  static constexpr int kVSlices = (DEPTH + kVCols - 1) / kVCols; // blocks per (tile, head) along V's dims
+  static constexpr int kVCols = DEPTH_V < BK ? DEPTH_V : BK;       // V width one block accumulates (one element)
+  static constexpr int kVSlices = (DEPTH_V + kVCols - 1) / kVCols; // blocks per (tile, head) along V's dims
   static constexpr int kKElems = Buf::num_k_tiles;
   static constexpr int kSRegs = BN / 2, kORegs = kVCols / 2;
   // Online softmax: a warp keeps its rows' running max, and skips the output rescale, until some row's tile max
@@ -142,6 +143,8 @@ struct PrefillKernel {
   static_assert(DEPTH % 16 == 0, "head dims are multiples of 16");
   static_assert(Buf::full_kv ? BK == kQAtoms * 64 : DEPTH % BK == 0, "BK covers the head, or divides it");
   static_assert(kVCols % 16 == 0 && kVCols <= 256, "one wgmma spans V's columns");
+  static_assert(DEPTH_V <= DEPTH && (DEPTH_V == DEPTH || (Buf::full_kv && !QUANTIZED && !kTma && !PERSISTENT)),
+                "a V narrower than K (MLA prefill): 16-bit, by cp.async, the whole head in one ring element");
   static_assert(STAGES >= kKElems + 1, "the ring holds a tile's K elements and the previous V element");
 
   // convert once: converting ahead stops when the block's ring feeder has fewer tiles left than this (0 and 1

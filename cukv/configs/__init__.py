@@ -6,7 +6,8 @@ from .decode import DecodeConfig
 from .dequant import DequantConfig
 from .merge import MergeConfig
 from .mla_decode import MLADecodeConfig
+from .mla_prefill import MLAPrefillConfig
 from .prefill import KVBufferConfig, PrefillConfig
 
 __all__ = ["AppendConfig", "DecodeConfig", "DequantConfig", "KVBufferConfig", "KernelConfig", "MergeConfig", "MLADecodeConfig",
-           "PrefillConfig"]
+           "MLAPrefillConfig", "PrefillConfig"]

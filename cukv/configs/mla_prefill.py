@@ -1,0 +1,181 @@
+"""The non-absorbed MLA prefill's kernel configuration: the template parameters of templates/mla_prefill.cu.j2 as a
+frozen dataclass, its validation and the seed's derived sizes (MAX's ``MLAKVProducerPipeline``). The kernel is the
+ragged prefill's consumers (192-deep S, 128-wide P V) beside the MLA producer; :mod:`cukv.ops.mla_prefill` plans
+and launches it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+
+from ..operand import MLA_PREFILL_ARGS, PREFILL_ARGS
+from .base import KernelConfig
+from .checks import CTYPES, SHORT, check_bool, check_in, check_range, check_rule
+from .prefill import SMEM_LIMIT, KVBufferConfig
+
+#: per head: 128 "nope" + 64 rope query/key dims, 128 value dims (DeepSeek-V2/V3, Kimi K2)
+K_NOPE_DIM, K_ROPE_DIM, V_DIM = 128, 64, 128
+QK_DIM = K_NOPE_DIM + K_ROPE_DIM
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAPrefillConfig(KernelConfig):
+    """Template parameters of one MLA prefill specialization (templates/mla_prefill.cu.j2).
+
+    ``BM`` query rows per block (64 per consumer warpgroup), ``BN`` keys per tile, ``stages`` ring elements (each
+    one tile's K, 192 deep, or its V), ``page_size`` the rope source's: 0 reads a contiguous ``k_rope[Tk, 64]``,
+    otherwise the MLA cache's pages through the page table (the bf16 rope part of FP8 rows reads the same way, by
+    its strides). ``pingpong`` and ``pv_wait`` are the MHA prefill consumer's switches (:class:`PrefillConfig`).
+
+    Examples
+    --------
+    >>> from cukv.configs.mla_prefill import MLAPrefillConfig
+    >>> cfg = MLAPrefillConfig("bfloat16", BM=128, BN=64, stages=4, page_size=64)
+    >>> cfg.k_nope_bytes, cfg.k_rope_bytes, cfg.k_bytes, cfg.v_bytes, cfg.num_qk_stages
+    (16384, 8192, 24576, 16384, 1)
+    >>> cfg.num_threads, cfg.smem_bytes <= 232448
+    (384, True)
+    >>> MLAPrefillConfig("bfloat16", BN=20)
+    Traceback (most recent call last):
+    ...
+    ValueError: MLAPrefillConfig.BN=20 is not valid; accepted: 16, 32, 48, 64, 80, 96, 112, 128
+    """
+
+    template = "mla_prefill.cu.j2"
+
+    dtype: str = "bfloat16"
+    BM: int = 128
+    BN: int = 64
+    stages: int = 4
+    #: the rope source: 0 a contiguous [Tk, 64] array, else tokens per page of the MLA cache
+    page_size: int = 64
+    pingpong: bool = False
+    pv_wait: bool = False
+
+    def __post_init__(self):
+        c = "MLAPrefillConfig"
+        check_in(c, "dtype", self.dtype, tuple(CTYPES))
+        check_in(c, "BM", self.BM, (64, 128, 192))
+        check_in(c, "BN", self.BN, tuple(range(16, 129, 16)))
+        check_range(c, "stages", self.stages, 2, 8)
+        check_range(c, "page_size", self.page_size, 0, 4096, "0 = a contiguous k_rope")
+        check_bool(c, "pingpong", self.pingpong)
+        check_bool(c, "pv_wait", self.pv_wait)
+        if self.pingpong:
+            check_rule(c, "pingpong", True, self.BM >= 128,
+                       f"needs two or more consumer warpgroups (BM >= 128, not {self.BM})")
+        # measured (ptxas, sm_90a), as for the MHA prefill's 192-deep elements: BM=128 with BN >= 96 spills at 3 stages
+        check_rule(c, "stages", self.stages,
+                   not (self.BM == 128 and self.BN >= 96) or self.stages == 4 or (self.stages == 2 and self.pv_wait),
+                   "must be 4, or 2 with pv_wait=True, when BM=128 and BN>=96 (other depths spill there)")
+        check_rule(c, "smem", self.smem_bytes, self.smem_bytes <= SMEM_LIMIT,
+                   f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
+        limit = self.consumer_registers - 24
+        check_rule(c, "BN", self.BN, self.register_estimate <= limit,
+                   f"S ({self.BN // 2}) + O ({V_DIM // 2})" + ("" if self.pv_wait else f" + P ({self.BN // 4})")
+                   + f" accumulator registers per thread = {self.register_estimate} would spill (limit {limit} with "
+                   f"BM={self.BM}); lower BN or BM" + ("" if self.pv_wait else ", or set pv_wait=True"))
+
+    # ---- the seed's derived sizes (MLAKVProducerPipeline; the rendered source re-checks each)
+    @property
+    def k_nope_elements(self) -> int:
+        return self.BN * K_NOPE_DIM
+
+    @property
+    def k_rope_elements(self) -> int:
+        return self.BN * K_ROPE_DIM
+
+    @property
+    def k_elements(self) -> int:
+        return self.k_nope_elements + self.k_rope_elements
+
+    @property
+    def v_elements(self) -> int:
+        return self.BN * V_DIM
+
+    @property
+    def k_nope_bytes(self) -> int:
+        return self.k_nope_elements * 2
+
+    @property
+    def k_rope_bytes(self) -> int:
+        return self.k_rope_elements * 2
+
+    @property
+    def k_bytes(self) -> int:
+        return self.k_nope_bytes + self.k_rope_bytes
+
+    @property
+    def v_bytes(self) -> int:
+        return self.v_elements * 2
+
+    @property
+    def num_kv_stages(self) -> int:
+        return self.stages
+
+    @property
+    def num_qk_stages(self) -> int:
+        """One: a ring element holds the whole 192-deep K."""
+        return 1
+
+    # ---- the kernel's layout (PrefillKernel's, with Q/K 192 deep and V 128 wide)
+    @cached_property
+    def kv_buffer(self) -> KVBufferConfig:
+        """The ring: elements of BN rows x 192 dims (K whole; V in the first 128)."""
+        return KVBufferConfig(self.dtype, self.BN, QK_DIM, QK_DIM, self.stages)
+
+    @property
+    def num_threads(self) -> int:
+        return (self.BM // 64 + 1) * 128  # a producer warpgroup + the consumer warpgroups
+
+    @property
+    def producer_registers(self) -> int:
+        """The 16-bit MHA prefill's split (:attr:`PrefillConfig.producer_registers`): 56, none with one consumer
+        warpgroup."""
+        return 0 if self.BM == 64 else 56
+
+    @property
+    def consumer_registers(self) -> int:
+        return 255 if self.BM == 64 else {2: 224, 3: 152}[self.BM // 64]
+
+    @property
+    def register_estimate(self) -> int:
+        """Accumulator registers per consumer thread at the peak: S, O and (unless ``pv_wait``) the P in flight."""
+        return self.BN // 2 + V_DIM // 2 + (0 if self.pv_wait else self.BN // 4)
+
+    @property
+    def q_bytes(self) -> int:
+        return self.BM * QK_DIM * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        barriers = 2 * self.stages + 1  # full/empty per element, the query's
+        return 1024 + self.q_bytes + self.stages * self.kv_buffer.stage_bytes + barriers * 8
+
+    @property
+    def name(self) -> str:
+        return (f"cukv_mla_prefill_{SHORT[self.dtype]}_p{self.page_size}_m{self.BM}_n{self.BN}_s{self.stages}"
+                + ("_pp" if self.pingpong else "") + ("_pvw" if self.pv_wait else ""))
+
+    def render_params(self) -> dict:
+        return dict(
+            name=self.name, ctype=CTYPES[self.dtype], BM=self.BM, BN=self.BN, stages=self.stages,
+            page_size=self.page_size, pingpong=self.pingpong, pv_wait=self.pv_wait,
+            producer_registers=self.producer_registers, consumer_registers=self.consumer_registers,
+            q_bytes=self.q_bytes, smem_bytes=self.smem_bytes, num_threads=self.num_threads,
+            k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes, k_bytes=self.k_bytes,
+            v_bytes=self.v_bytes, k_elements=self.k_elements, v_elements=self.v_elements,
+            num_kv_stages=self.num_kv_stages, num_qk_stages=self.num_qk_stages,
+            args_bytes=PREFILL_ARGS.itemsize, mla_args_bytes=MLA_PREFILL_ARGS.itemsize)
+
+
+#: rope sources the shipped kernels read: a contiguous k_rope (0), and the cache page sizes vLLM (16), FlashMLA (64)
+#: and a one-token page use
+SHIPPED_PAGE_SIZES = (0, 1, 16, 64)
+
+
+def shipped() -> list:
+    """The MLA prefill specializations cukv compiles ahead of time (cukv/specs.py): the default tile per dtype and
+    rope source."""
+    return [MLAPrefillConfig(dt, BM=128, BN=64, stages=4, page_size=ps)
+            for dt in CTYPES for ps in SHIPPED_PAGE_SIZES]

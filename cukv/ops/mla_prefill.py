@@ -1,0 +1,207 @@
+"""Non-absorbed MLA prefill (DeepSeek-V2/V3, Kimi K2): 192-wide query/key heads (128 "nope" + 64 rope), 128-wide
+values, the rope part of K read once per tile from the MLA latent cache and shared by every head. FlashInfer-style
+plan/run as :class:`cukv.ops.prefill.BatchPrefill`: ``plan`` fixes the batch and the work list on the host, ``run``
+reads only device buffers (graph-capturable).
+
+Built and compiled, not yet run on a GPU (docs/mla.md, "MLA prefill"); not exported from :mod:`cukv` until it has.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..configs.mla_prefill import QK_DIM, V_DIM, MLAPrefillConfig
+from ..device import check_same_device, current_device
+from ..mla_cache import NOPE, MLAKVCache
+from ..operand import KV_PARAMS, MLA_PREFILL_ARGS, PREFILL_ARGS, as_kernel_arg, ptr
+from ..validate import (attention_outputs, check_bool, check_choice, check_device_array, check_float, check_int,
+                        check_mla_prefill_shapes, check_planned, check_table, checked, mla_prefill_batch)
+from .prefill import _work_array, _work_list
+
+MASKS = ("none", "causal")
+#: byte offset of the bf16 rope values in a 656-byte FP8 MLA row (512 codes, 4 float32 scales)
+FP8_ROPE_BYTE = 528
+
+
+def mla_prefill_flops(batch: int, q_len: int, kv_len: int, num_heads: int, causal: bool = True) -> float:
+    """Floating-point operations of an MLA prefill: ``2 * B * H * Sq * Sk * (192 + 128)``, halved for the causal
+    half of a square (``q_len == kv_len``) problem; a causal chunk over a cached prefix counts the keys each query
+    sees."""
+    if not causal:
+        return 2.0 * batch * num_heads * q_len * kv_len * (QK_DIM + V_DIM)
+    pairs = q_len * (kv_len - q_len) + q_len * (q_len + 1) / 2 if kv_len >= q_len else q_len * kv_len / 2
+    return 2.0 * batch * num_heads * pairs * (QK_DIM + V_DIM)
+
+
+def default_config(dtype: str, page_size: int) -> MLAPrefillConfig:
+    """The MHA prefill's 192-deep tile (BM 128, BN 64, 4 stages; :data:`cukv.policy.prefill.DEFAULTS`), untuned for
+    MLA: the first GPU run measures the alternatives (docs/mla.md). The shipped kernels use it
+    (:func:`cukv.configs.mla_prefill.shipped`)."""
+    return MLAPrefillConfig(dtype, BM=128, BN=64, stages=4, page_size=page_size)
+
+
+class BatchMLAPrefill:
+    """Non-absorbed MLA prefill over a ragged batch.
+
+    Parameters
+    ----------
+    num_heads : int
+        Query heads (1..65535); ``k_nope`` and ``v`` have as many (no grouping: the up-projection is per head).
+    page_size : int or None
+        Tokens per page of the :class:`~cukv.MLAKVCache` the rope part comes from; ``None`` for a contiguous
+        ``k_rope[total_kv, 64]``.
+    dtype : {'bfloat16', 'float16'}
+        Query, ``k_nope``, ``v``, rope and output type (the bf16 rope of an FP8 cache needs 'bfloat16').
+    config : MLAPrefillConfig, optional
+        Tile shape (default: :func:`default_config`).
+
+    ``run(q[T, H, 192], k_nope[Tk, H, 128], v[Tk, H, 128], cache=..., block_table=...)`` (or ``k_rope=[Tk, 64]``)
+    returns ``out[T, H, 128]`` and, with ``return_lse``, the natural-log ``lse[T, H]``; query i of sequence b sits
+    at position ``kv_len - q_len + i`` (a cached prefix counts in ``kv_lengths``), as
+    :func:`cukv.reference.mla_prefill` defines.
+    """
+
+    def __init__(self, num_heads: int, page_size: int | None = 64, dtype="bfloat16",
+                 config: MLAPrefillConfig | None = None):
+        from ..arrays import canonical_dtype
+
+        self.num_heads = check_int("num_heads", num_heads, 1, 65535)  # the grid's y dimension
+        page_size = check_int("page_size", page_size, 1, 4096, none_ok=True, note="a contiguous k_rope")
+        self.dtype = canonical_dtype(dtype)
+        ps = 0 if page_size is None else int(page_size)
+        if config is None:
+            config = default_config(self.dtype, ps)
+        elif not isinstance(config, MLAPrefillConfig):
+            raise TypeError(f"config must be an MLAPrefillConfig, got {type(config).__name__}")
+        if (config.dtype, config.page_size) != (self.dtype, ps):
+            raise ValueError(f"config {config.name} does not match dtype={self.dtype}, page_size={ps}")
+        self.page_size, self.config = page_size, config
+        self._planned = False
+
+    def plan(self, q_offsets, kv_lengths, *, kv_offsets=None, mask: str = "causal") -> "BatchMLAPrefill":
+        """Fix the batch: host ``q_offsets[B + 1]`` and ``kv_lengths[B]`` (keys per sequence, cached prefix plus new
+        tokens). ``k_nope`` / ``v`` rows of sequence b start at ``kv_offsets[b]`` (host ints, default the running
+        sum of ``kv_lengths``; ``kv_offsets[b + 1] - kv_offsets[b]`` must equal ``kv_lengths[b]``). ``mask``:
+        'causal' (bottom-right) or 'none'. Compiles (or loads) the kernel."""
+        import cupy as cp
+
+        qo, kl, ko = mla_prefill_batch(q_offsets, kv_lengths, kv_offsets)
+        b = qo.size - 1
+        check_choice("mask", mask, MASKS)
+        cfg = self.config
+        self._work, self._num_work = _work_array(_work_list(np.diff(qo), kl, cfg, mask, None, None))
+        self.batch_size, self.total_q, self.kv_rows = b, int(qo[-1]), int(ko[-1])
+        self._host_lengths, self._mask = kl, mask
+        self._q_offsets = cp.asarray(qo.astype(np.int32))
+        self._kv_offsets = cp.asarray(ko.astype(np.int32))
+        self._kv_lengths = cp.asarray(kl.astype(np.int32))
+        self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
+        self._device = current_device()
+        self._planned = True
+        return self
+
+    def run(self, q, k_nope, v, *, cache: MLAKVCache | None = None, block_table=None, k_rope=None, out=None,
+            lse=None, return_lse: bool = False, sink=None, softmax_scale: float | None = None, stream=None,
+            check: bool | None = None):
+        """Attend ``q[total_q, H, 192]`` to ``[k_nope | k_rope]`` with values ``v``: ``k_nope`` and ``v``
+        ``[>= kv_rows, H, 128]`` (rows from the plan's ``kv_offsets``); the rope part from ``cache`` through
+        ``block_table[B, max_pages]`` (int32 device; columns 512..575 of a 16-bit cache, the bf16 rope of FP8 rows)
+        or, with ``page_size=None``, from ``k_rope[>= kv_rows, 64]``. ``sink[H]`` float32 joins the softmax
+        denominator; ``softmax_scale`` defaults to ``1/sqrt(192)``. ``check=True`` (or ``CUKV_CHECK=1``) copies
+        the table to the host and checks every page a length reaches (a sync; not graph-capturable)."""
+        import cupy as cp
+
+        check_planned(self, "plan(q_offsets, kv_lengths)")
+        check_same_device("BatchMLAPrefill", self._device)
+        check_float("softmax_scale", softmax_scale, positive=True, none_ok=True, note="1/sqrt(192)")
+        return_lse, check = check_bool("return_lse", return_lse), checked(check)
+        h, dt = self.num_heads, self.dtype
+        qd, _ = check_device_array("q", q, dtypes=(dt,), declared=dt, ndim=3, align=16)
+        kn, _ = check_device_array("k_nope", k_nope, dtypes=(dt,), declared=dt, ndim=3, align=16)
+        vv, _ = check_device_array("v", v, dtypes=(dt,), declared=dt, ndim=3, align=16)
+        check_mla_prefill_shapes(h, self.total_q, self.kv_rows, qd.shape, kn.shape, vv.shape)
+        for name, a in (("k_nope", kn), ("v", vv)):
+            _check_rows(name, a)
+        _check_rows("q", qd)
+        kv = self._rope_params(cache, block_table, k_rope, check)
+        out, lse, sink = attention_outputs(qd[:, :, :V_DIM], out, lse, self.total_q, h, return_lse, sink, None)
+        rec = np.zeros((), PREFILL_ARGS)
+        rec["kv"] = kv
+        rec["q"], rec["out"], rec["lse"], rec["sink"] = ptr(qd), ptr(out), ptr(lse), ptr(sink)
+        rec["q_offsets"], rec["work"] = ptr(self._q_offsets), ptr(self._work)
+        rec["q_stride"] = (qd.strides[0] // 2, qd.strides[1] // 2)
+        rec["o_stride"] = (out.strides[0] // 2, out.strides[1] // 2)
+        rec["sm_scale"] = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(QK_DIM)
+        rec["num_qo_heads"], rec["group"], rec["causal"] = h, 1, int(self._mask == "causal")
+        m = np.zeros((), MLA_PREFILL_ARGS)
+        m["k_nope"], m["v"], m["kv_offsets"] = ptr(kn), ptr(vv), ptr(self._kv_offsets)
+        m["kn_stride"] = (kn.strides[0] // 2, kn.strides[1] // 2)
+        m["v_stride"] = (vv.strides[0] // 2, vv.strides[1] // 2)
+        if self._num_work:
+            cfg = self.config
+            with (stream or cp.cuda.get_current_stream()):
+                self._fn((self._num_work, h, 1), (cfg.num_threads,), (as_kernel_arg(rec), as_kernel_arg(m)),
+                         shared_mem=cfg.smem_bytes)
+        return (out, lse) if return_lse else out
+
+    def _rope_params(self, cache, block_table, k_rope, check: bool) -> np.ndarray:
+        """The KVCacheParams record of the rope source (PrefillArgs.kv), validated."""
+        rec = np.zeros((), KV_PARAMS)
+        rec["batch_size"] = self.batch_size
+        if self.config.page_size == 0:
+            if cache is not None or block_table is not None:
+                raise ValueError("this BatchMLAPrefill reads a contiguous k_rope (page_size=None); pass k_rope=, not "
+                                 "cache= / block_table=")
+            if k_rope is None:
+                raise ValueError("k_rope is missing: page_size=None reads the rope part from k_rope[total_kv, 64]")
+            kr, _ = check_device_array("k_rope", k_rope, dtypes=(self.dtype,), declared=self.dtype, ndim=2, align=16)
+            check_mla_prefill_shapes(self.num_heads, self.total_q, self.kv_rows, None, None, None, kr.shape)
+            _check_rows("k_rope", kr)
+            rec["k"] = rec["v"] = ptr(kr)
+            rec["k_stride"] = rec["v_stride"] = (0, kr.strides[0] // 2, 0, 1)
+            rec["block_table"], rec["num_pages"] = ptr(self._kv_offsets), kr.shape[0]
+            self._keep = kr
+            return rec
+        if k_rope is not None:
+            raise ValueError(f"this BatchMLAPrefill reads the rope part from a paged cache (page_size="
+                             f"{self.page_size}); pass cache= and block_table=, not k_rope=")
+        if not isinstance(cache, MLAKVCache):
+            raise TypeError(f"cache must be an MLAKVCache, got {type(cache).__name__}")
+        if cache.page_size != self.config.page_size:
+            raise ValueError(f"cache.page_size={cache.page_size}; this BatchMLAPrefill was built for page_size="
+                             f"{self.config.page_size}")
+        if cache.quantized:
+            if self.dtype != "bfloat16":
+                raise TypeError(f"an FP8 cache's rope values are bf16; this BatchMLAPrefill was built for {self.dtype}")
+            base = cache.ptr + FP8_ROPE_BYTE
+        else:
+            if cache.dtype != self.dtype:
+                raise TypeError(f"cache is {cache.dtype}; this BatchMLAPrefill was built for {self.dtype}")
+            base = cache.ptr + 2 * NOPE
+        if cache.page_stride % 16 or cache.row_stride % 16:
+            raise ValueError(f"cache strides ({cache.page_stride}, {cache.row_stride}) bytes must be multiples of 16")
+        bt = check_device_array("block_table", block_table, dtypes=(np.int32,), ndim=2, unit_last_stride=True)
+        if bt.shape[0] < self.batch_size:
+            raise ValueError(f"block_table has {bt.shape[0]} rows; the plan has {self.batch_size} sequences")
+        need = -(-int(self._host_lengths.max(initial=0)) // cache.page_size)
+        if bt.shape[1] < need:
+            raise ValueError(f"block_table has {bt.shape[1]} pages per row ({bt.shape[1] * cache.page_size} tokens); "
+                             f"the plan's longest sequence needs {need}")
+        if check:
+            check_table(bt[: self.batch_size].get(), self._host_lengths, cache.page_size, cache.num_pages,
+                        ("block_table", "kv_lengths"))
+        rec["k"] = rec["v"] = base
+        rec["k_stride"] = rec["v_stride"] = (cache.page_stride // 2, cache.row_stride // 2, 0, 1)
+        rec["block_table"], rec["cache_lengths"] = ptr(bt), ptr(self._kv_lengths)
+        rec["bt_stride"], rec["max_pages_per_seq"] = bt.strides[0] // 4, bt.shape[1]
+        rec["num_pages"] = cache.num_pages
+        self._keep = (cache, bt)
+        return rec
+
+
+def _check_rows(name: str, a) -> None:
+    """16-byte copies of every row: a unit dim stride and 16-byte token (and head) strides."""
+    if a.strides[-1] != 2 or any(s % 16 for s in a.strides[:-1]):
+        raise ValueError(f"{name} must have a unit last stride and 16-byte aligned row strides; got strides "
+                         f"{a.strides} bytes")
