@@ -190,14 +190,15 @@ def test_mla_decode_q_split_and_repeat(rng):
     assert cp.array_equal(a, b) and cp.array_equal(a, c)
 
 
-def test_mla_decode_cuda_graph_replay(rng):
+@pytest.mark.parametrize("schedule", ["split", "alternate"])
+def test_mla_decode_cuda_graph_replay(rng, schedule):
     import cupy as cp
 
     from cukv.ops.mla_decode import BatchMLADecode
 
     lens1, lens2 = [4000, 30, 0], [100, 5000, 64]
     cache, table, q, qv, vals, table_h = make_problem(rng, [5000, 5000, 100], 1, 16, 64, garbage=False)
-    dec = BatchMLADecode(16).plan(lens1, 1)
+    dec = BatchMLADecode(16, schedule=schedule).plan(lens1, 1)
     out = cp.zeros((3, 1, 16, 512), cp.uint16)
     lse = cp.zeros((3, 1, 16), cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)

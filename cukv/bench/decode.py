@@ -8,7 +8,6 @@ same values laid out contiguously ``[B, H_kv, L, D]`` (their best case).
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import time
 import numpy as np
 
 from . import peer_torch
-from .timing import interleaved_medians  # also the probes' import (benchmarks/probe_*.py)
+from .timing import geomean, interleaved_medians  # also the probes' import (benchmarks/probe_*.py)
 
 GRID_BATCH = (1, 8, 32, 128)
 GRID_CTX = (512, 2048, 8192, 32768)
@@ -170,7 +169,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
                "launch_floor_us": floor_ms * 1e3, "kv_dtype": kv_dtype, "scale_granularity": scale_granularity if kv_dtype == "fp8_e4m3" else None}
     ratios = [r["ratio_cudnn"] for r in grid if "ratio_cudnn" in r]
     if ratios:
-        summary["geomean_ratio_cudnn"] = float(math.exp(np.mean(np.log(ratios))))
+        summary["geomean_ratio_cudnn"] = geomean(ratios)
         summary["min_ratio_cudnn"] = float(min(ratios))
     summary["load_ms"] = warm_load_ms()
     result = {"summary": summary, "rows": rows}

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from .timing import Timer, read_ceiling_tbs
+from .timing import Timer, geomean, read_ceiling_tbs
 
 PAGE = 64
 # (name, batch, heads, s_q, lengths or ctx)
@@ -189,11 +189,11 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
               "rows": rows}
     h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]
     if h128:
-        result["geomean_flashmla_over_cukv_h128"] = float(np.exp(np.mean(np.log(h128))))
+        result["geomean_flashmla_over_cukv_h128"] = geomean(h128)
     for c in configs[1:]:  # above 1: that config is faster than the first
         ratios = [r[f"{config_label(*c)}_over_cukv"] for r in rows]
         if ratios:
-            result[f"geomean_{config_label(*c)}_over_cukv"] = float(np.exp(np.mean(np.log(ratios))))
+            result[f"geomean_{config_label(*c)}_over_cukv"] = geomean(ratios)
     print(format_table(result))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)

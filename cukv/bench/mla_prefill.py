@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from .timing import Timer
+from .timing import Timer, geomean
 
 PAGE = 64
 # (name, batch, heads, new tokens, cached prefix, mask)
@@ -165,7 +165,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
     for peer in PEERS:
         ratios = [r[f"cukv_over_{peer}"] for r in rows if f"cukv_over_{peer}" in r]
         if ratios:
-            result[f"geomean_cukv_over_{peer}"] = float(np.exp(np.mean(np.log(ratios))))
+            result[f"geomean_cukv_over_{peer}"] = geomean(ratios)
             result[f"min_cukv_over_{peer}"] = float(min(ratios))
     print(format_table(result))
     if out_dir:

@@ -24,7 +24,6 @@ CPU tests work on a machine without a GPU. The probes' own helpers live in bench
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 
@@ -32,7 +31,7 @@ import numpy as np
 
 from ..ops.prefill import causal_flops  # noqa: F401 - the bench's flop count (FLOPS_FORMULA)
 from . import peer_torch
-from .timing import interleaved_rounds
+from .timing import geomean, interleaved_rounds
 
 #: (batch, seq_len, num_qo_heads, num_kv_heads, head_dim)
 SHAPES = (
@@ -316,7 +315,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None
     for p in PEERS:
         ratios = [r[f"ratio_{p}"] for r in rows if r[f"ratio_{p}"]]
         if ratios:
-            summary[f"geomean_ratio_{p}"] = float(math.exp(np.mean(np.log(ratios))))
+            summary[f"geomean_ratio_{p}"] = geomean(ratios)
     result = {"summary": summary, "rows": rows}
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)

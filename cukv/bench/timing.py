@@ -85,3 +85,10 @@ def read_ceiling_tbs(timer: Timer, nbytes: int = 4 << 30) -> float:
     ms = timer.median_ms(lambda: fn((sm_count() * 8,), (256,), (buf, n, out)), reps=10, warmup=3)
     del buf
     return nbytes / (ms * 1e-3) / 1e12
+
+
+def geomean(xs) -> float:
+    """Geometric mean of positive ratios (the benches' summary of time ratios)."""
+    import numpy as np
+
+    return float(np.exp(np.mean(np.log(np.asarray(list(xs), dtype=np.float64)))))
