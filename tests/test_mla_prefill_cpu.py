@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cukv import compiler, validate
-from cukv.configs.mla_prefill import SHIPPED_PAGE_SIZES, MLAPrefillConfig, shipped
+from cukv.configs.mla_prefill import MLAPrefillConfig
+from cukv.policy.mla_prefill import SHIPPED_PAGE_SIZES, shipped
 from cukv.configs.prefill import SMEM_LIMIT
 from cukv.ops.mla_prefill import BatchMLAPrefill, mla_prefill_flops
 

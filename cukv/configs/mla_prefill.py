@@ -167,15 +167,3 @@ class MLAPrefillConfig(KernelConfig):
             v_bytes=self.v_bytes, k_elements=self.k_elements, v_elements=self.v_elements,
             num_kv_stages=self.num_kv_stages, num_qk_stages=self.num_qk_stages,
             args_bytes=PREFILL_ARGS.itemsize, mla_args_bytes=MLA_PREFILL_ARGS.itemsize)
-
-
-#: rope sources the shipped kernels read: a contiguous k_rope (0), and the cache page sizes vLLM (16), FlashMLA (64)
-#: and a one-token page use
-SHIPPED_PAGE_SIZES = (0, 1, 16, 64)
-
-
-def shipped() -> list:
-    """The MLA prefill specializations cukv compiles ahead of time (cukv/specs.py): the default tile per dtype and
-    rope source."""
-    return [MLAPrefillConfig(dt, BM=128, BN=64, stages=4, page_size=ps)
-            for dt in CTYPES for ps in SHIPPED_PAGE_SIZES]

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..configs.mla_prefill import QK_DIM, V_DIM, MLAPrefillConfig
+from ..policy.mla_prefill import default_config
 from ..device import check_same_device, current_device
 from ..mla_cache import NOPE, MLAKVCache
 from ..operand import KV_PARAMS, MLA_PREFILL_ARGS, PREFILL_ARGS, as_kernel_arg, ptr
@@ -34,13 +35,6 @@ def mla_prefill_flops(batch: int, q_len: int, kv_len: int, num_heads: int, causa
     return 2.0 * batch * num_heads * pairs * (QK_DIM + V_DIM)
 
 
-def default_config(dtype: str, page_size: int) -> MLAPrefillConfig:
-    """The MHA prefill's 192-deep tile (BM 128, BN 64, 4 stages; :data:`cukv.policy.prefill.DEFAULTS`), untuned for
-    MLA: the first GPU run measures the alternatives (docs/mla.md). The shipped kernels use it
-    (:func:`cukv.configs.mla_prefill.shipped`)."""
-    return MLAPrefillConfig(dtype, BM=128, BN=64, stages=4, page_size=page_size)
-
-
 class BatchMLAPrefill:
     """Non-absorbed MLA prefill over a ragged batch.
 
@@ -54,7 +48,7 @@ class BatchMLAPrefill:
     dtype : {'bfloat16', 'float16'}
         Query, ``k_nope``, ``v``, rope and output type (the bf16 rope of an FP8 cache needs 'bfloat16').
     config : MLAPrefillConfig, optional
-        Tile shape (default: :func:`default_config`).
+        Tile shape (default: :func:`cukv.policy.mla_prefill.default_config`).
 
     ``run(q[T, H, 192], k_nope[Tk, H, 128], v[Tk, H, 128], cache=..., block_table=...)`` (or ``k_rope=[Tk, 64]``)
     returns ``out[T, H, 128]`` and, with ``return_lse``, the natural-log ``lse[T, H]``; query i of sequence b sits

@@ -1,0 +1,32 @@
+"""MLA prefill policy: the default tile of an :class:`~cukv.configs.mla_prefill.MLAPrefillConfig` and the
+specializations shipped. Measurements: docs/tuning.md ("MLA prefill").
+
+Examples
+--------
+>>> from cukv.policy.mla_prefill import default_config
+>>> default_config("bfloat16", page_size=64).name
+'cukv_mla_prefill_bf16_p64_m128_n128_s2_pp_pvw'
+"""
+from __future__ import annotations
+
+from ..configs.mla_prefill import MLAPrefillConfig
+
+#: (BM, BN, stages, pingpong, pv_wait): 128 keys in a ring of two tiles, S issued in warpgroup order, beat the
+#: 64-key ring by 9-18% on every bench shape (docs/tuning.md "MLA prefill")
+TILE = (128, 128, 2, True, True)
+#: rope sources the shipped kernels read: a contiguous k_rope (0), and the cache page sizes vLLM (16), FlashMLA (64)
+#: and a one-token page use
+SHIPPED_PAGE_SIZES = (0, 1, 16, 64)
+
+
+def default_config(dtype: str, page_size: int) -> MLAPrefillConfig:
+    """The default tile (:data:`TILE`) for ``dtype`` and a rope source of ``page_size`` (0: contiguous)."""
+    bm, bn, stages, pingpong, pv_wait = TILE
+    return MLAPrefillConfig(dtype, BM=bm, BN=bn, stages=stages, page_size=page_size, pingpong=pingpong,
+                            pv_wait=pv_wait)
+
+
+def shipped() -> list:
+    """The MLA prefill specializations cukv compiles ahead of time (cukv/specs.py): the default tile per dtype and
+    rope source."""
+    return [default_config(dt, ps) for dt in ("bfloat16", "float16") for ps in SHIPPED_PAGE_SIZES]
