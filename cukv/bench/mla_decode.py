@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from .timing import Timer, geomean, read_ceiling_tbs
+from .timing import Timer, geomean, read_ceiling
 
 PAGE = 64
 # (name, batch, heads, s_q, lengths or ctx)
@@ -120,7 +120,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
     configs = tuple((c[0], c[1], c[2] if len(c) > 2 else "split") for c in configs)
 
     timer = Timer()
-    ceiling = read_ceiling_tbs(timer)
+    ceiling, ceiling_variants = read_ceiling(timer)
     fm, torch, why = _flash_mla()
     rows = []
     for name, batch, heads, s_q, ctx in SHAPES:
@@ -185,7 +185,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
         fns = cache = table = q = out = lse = dec = decs = fcache = fdec = None  # free this shape's buffers
         cp.get_default_memory_pool().free_all_blocks()
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
-              "flashmla": why or "imported", "cukv": mla_decode_config("bfloat16", None, *configs[0]).name,
+              "read_ceiling_variants": ceiling_variants, "flashmla": why or "imported", "cukv": mla_decode_config("bfloat16", None, *configs[0]).name,
               "rows": rows}
     h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]
     if h128:
