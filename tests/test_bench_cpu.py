@@ -8,6 +8,7 @@ import pytest
 
 from cukv import cli
 from cukv.bench import prefill as bp
+from cukv.bench.timing import CEILING_VARIANTS
 
 
 def test_causal_flops_counts_the_causal_half():
@@ -265,7 +266,7 @@ def test_spin_kernel_compiles_without_spills():
     assert rep.spill_stores == 0 and rep.registers <= 64, rep
 
 
-@pytest.mark.parametrize("variant", __import__("cukv.bench.timing", fromlist=["x"]).CEILING_VARIANTS, ids=str)
+@pytest.mark.parametrize("variant", CEILING_VARIANTS, ids=str)
 def test_read_ceiling_kernels_compile_without_spills(variant):
     """Every read-ceiling variant builds off the GPU, within its launch's registers and shared memory."""
     from cukv.bench.timing import ceiling_kernel
