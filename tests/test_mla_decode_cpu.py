@@ -6,14 +6,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cukv import compiler, reference
-from cukv.configs import mla_append, mla_decode
+from cukv.configs import mla_append
 from cukv.configs.mla_append import MLAAppendConfig
 from cukv.configs.mla_decode import MLADecodeConfig
 from cukv.ops.mla_decode import BatchMLADecode
-from cukv.policy.mla_decode import DEFAULT_BLOCK_N, DEFAULT_STAGES, mla_decode_config, plan_items
+from cukv.policy import mla_decode as mla_decode_policy
+from cukv.policy.mla_decode import DEFAULT_BLOCK_N, DEFAULT_STAGES, DEFAULT_TMA, mla_decode_config, plan_items
 
 ARCH = "sm_90a"
-SHIPPED = mla_decode.shipped() + mla_append.shipped()
+SHIPPED = mla_decode_policy.shipped() + mla_append.shipped()
 
 
 @pytest.mark.parametrize("cfg", SHIPPED, ids=lambda c: c.name)
@@ -142,9 +143,10 @@ def test_named_errors_without_gpu():
 
 def test_policy_defaults_are_the_configs():
     """BatchMLADecode takes its tile from the policy; the config's own defaults agree with it."""
-    assert mla_decode_config() == MLADecodeConfig() == BatchMLADecode(16).config
+    assert mla_decode_config() == MLADecodeConfig(tma=DEFAULT_TMA) == BatchMLADecode(16).config
     assert (MLADecodeConfig().block_n, MLADecodeConfig().num_kv_stages) == (DEFAULT_BLOCK_N, DEFAULT_STAGES)
-    assert BatchMLADecode(16, block_n=32, num_kv_stages=4).config == MLADecodeConfig("bfloat16", 32, 4)
+    assert BatchMLADecode(16, block_n=32, num_kv_stages=4).config == MLADecodeConfig("bfloat16", 32, 4, tma=DEFAULT_TMA)
+    assert not BatchMLADecode(16, kv_dtype="fp8_e4m3").config.tma  # FP8 rows go through the dequantizing producer
 
 
 def test_mla_configs_share_the_base():
@@ -179,5 +181,5 @@ def test_schedule_rules():
     with pytest.raises(ValueError, match=r"^schedule='alternate' is not offered with kv_dtype='fp8_e4m3'"):
         BatchMLADecode(16, kv_dtype="fp8_e4m3", schedule="alternate")
     assert BatchMLADecode(16, kv_dtype="fp8_e4m3").config.schedule == "split"
-    assert BatchMLADecode(16, schedule="alternate").config == MLADecodeConfig(schedule="alternate")
+    assert BatchMLADecode(16, schedule="alternate").config == MLADecodeConfig(schedule="alternate", tma=DEFAULT_TMA)
     assert mla_decode_config().schedule == "split"

@@ -155,11 +155,6 @@ class MLADecodeConfig(KernelConfig):
             consumer_regs=FP8_CONSUMER_REGS if self.kv_dtype else CONSUMER_REGS)
 
 
-def shipped() -> list[MLADecodeConfig]:
-    """The MLA decode specializations compiled ahead of time."""
-    return [MLADecodeConfig(dt) for dt in ("bfloat16", "float16")] + [MLADecodeConfig(kv_dtype="fp8_e4m3")]
-
-
 def tma_box_rows(page_size: int, block_n: int) -> int:
     """Rows per tensor copy of a ``tma`` kernel for this page size: a box never crosses a page or a tile, and boxes
     of fewer than 8 rows are not worth their issue cost (0: every tile by cp.async).
