@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: doctor, compile, GPU tests, the demo, benchmarks (decode, prefill, MLA decode). Logs and
+# One call on a GPU machine: doctor, compile, GPU tests, the demo, benchmarks (decode, prefill, MLA decode and prefill). Logs and
 # JSON land in $1 (default $OUT or ./out); a short table is printed last.
 #   STAGE=tests | bench | all (default all): run only the tests or only the benchmarks (two calls fit the device
 #   tool's 10-minute limit). With two or more GPUs the prefill test files run on GPU 1 beside the rest on GPU 0,
 #   then tests/test_multi_gpu.py uses both; benchmarks always run alone on GPU 0.
 #   SLOW=1 adds the tests marked slow (long sweeps; a call of their own); PYTEST_ARGS replaces the test selection; BENCH_ARGS goes to `bench decode`, BENCH_PREFILL_ARGS (e.g. --quick) to
-#   `bench prefill`, BENCH_MLA_ARGS to `bench mla-decode`; a .peers kit beside the tree adds FlashMLA to the MLA bench.
+#   `bench prefill`, BENCH_MLA_ARGS to `bench mla-decode`; a .peers kit beside the tree adds FlashMLA and FlashInfer to the MLA benches.
 set -u
 out=${1:-${OUT:-out}}
 mkdir -p "$out"
@@ -40,11 +40,8 @@ if [ "$stage" != tests ]; then
   export CUDA_VISIBLE_DEVICES=0
   python3 -m cukv bench decode --out "$out" ${BENCH_ARGS:-} > "$out/bench_decode.log" 2>&1
   python3 -m cukv bench prefill --out "$out" ${BENCH_PREFILL_ARGS:-} > "$out/bench_prefill.log" 2>&1
-  if [ -f .peers/activate.sh ]; then
-    (source .peers/activate.sh .peers >/dev/null 2>&1; python3 -m cukv bench mla-decode --out "$out" ${BENCH_MLA_ARGS:-}) \
-      > "$out/bench_mla_decode.log" 2>&1
-  else
-    python3 -m cukv bench mla-decode --out "$out" ${BENCH_MLA_ARGS:-} > "$out/bench_mla_decode.log" 2>&1
-  fi
-  for f in bench_decode bench_prefill bench_mla_decode; do echo "=== $f"; tail -${TAIL:-16} "$out/$f.log"; done
+  peers() { if [ -f .peers/activate.sh ]; then (source .peers/activate.sh .peers >/dev/null 2>&1; "$@"); else "$@"; fi; }
+  peers python3 -m cukv bench mla-decode --out "$out" ${BENCH_MLA_ARGS:-} > "$out/bench_mla_decode.log" 2>&1
+  peers python3 -m cukv bench mla-prefill --out "$out" > "$out/bench_mla_prefill.log" 2>&1
+  for f in bench_decode bench_prefill bench_mla_decode bench_mla_prefill; do echo "=== $f"; tail -${TAIL:-16} "$out/$f.log"; done
 fi

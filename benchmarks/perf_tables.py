@@ -4,7 +4,7 @@
 
 To refresh the page after a GPU run: copy `$OUT/bench_*.json` (and the PNGs) from `make gpu-check OUT=out` into
 docs/perf/ under a name that ends in the device (`bench_prefill_h100.json`), then run this script. One table per
-JSON file: decode (`bench decode`, bf16 or FP8), prefill (`bench prefill`), FP8 prefill (`--kv-dtype fp8_e4m3`), MLA decode (`bench mla-decode`).
+JSON file: decode (`bench decode`, bf16 or FP8), prefill (`bench prefill`), FP8 prefill (`--kv-dtype fp8_e4m3`), MLA decode (`bench mla-decode`), MLA prefill (`bench mla-prefill`).
 The script reads nothing but the JSON, so the page always says what the files hold.
 """
 from __future__ import annotations
@@ -123,10 +123,28 @@ def mla_decode_table(name, d):
     return out
 
 
+def mla_prefill_table(name, d):
+    """``bench mla-prefill``: cukv beside cuDNN and FlashInfer's FA3 kernel (same call)."""
+    out = [f"### `{name}`", "", f"{d['device']}, {d.get('date', '2026-11-27')}; {d.get('cukv', 'cukv')} beside cuDNN "
+           "(SDPA, K materialized with the broadcast rope; the kernel alone timed) and FlashInfer's ragged FA3 prefill "
+           "(same call).", "",
+           "| shape | cukv ms | TFLOP/s | cuDNN TFLOP/s | FA3 TFLOP/s | cuDNN/cukv | FA3/cukv |",
+           "|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        out.append(f"| {r['shape']} | {_f(r['cukv_ms'])} | {_f(r['cukv_tflops'], 0)} | {_f(r.get('cudnn_tflops'), 0)} | "
+                   f"{_f(r.get('flashinfer_tflops'), 0)} | {_f(r.get('cukv_over_cudnn'), 2)} | "
+                   f"{_f(r.get('cukv_over_flashinfer'), 2)} |")
+    out += ["", f"Geomean cuDNN/cukv {_f(d.get('geomean_cukv_over_cudnn'))}, FA3/cukv "
+            f"{_f(d.get('geomean_cukv_over_flashinfer'))} (time ratios; above 1: cukv faster)."]
+    return out
+
+
 def table(path):
     name = os.path.basename(path)
     d = json.load(open(path))
     row = d["rows"][0]
+    if name.startswith("bench_mla_prefill"):
+        return "mlap", mla_prefill_table(name, d)
     if "flashmla_over_cukv" in row or name.startswith("bench_mla_decode"):
         return "mla", mla_decode_table(name, d)
     if "ctx" in row:
@@ -150,7 +168,8 @@ limit moves a few percent between calls.
 """
 
 SECTIONS = {"decode": "## Decode", "prefill": "## Prefill (16-bit cache)", "fp8": "## Prefill (FP8 e4m3 cache)",
-            "mla": "## MLA decode (absorbed, bf16 latent cache)"}
+            "mla": "## MLA decode (absorbed, bf16 latent cache)",
+            "mlap": "## MLA prefill (non-absorbed, 192/128, bf16, rope from a page-64 cache)"}
 
 
 def render(perf_dir):

@@ -31,9 +31,12 @@ from .mla_cache import MLAKVCache
 from .configs.mla_decode import MLADecodeConfig
 from .ops.mla_append import append_mla
 from .ops.mla_decode import BatchMLADecode, mla_decode
+from .configs.mla_prefill import MLAPrefillConfig
+from .ops.mla_prefill import BatchMLAPrefill, mla_prefill
 
 __all__ = [
     "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",
     "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "DequantConfig", "dequantize_kv", "MergeConfig", "merge_states", "merge_states_n", "CompileError", "CompileForbidden", "CukvError", "NoGPUError", "NotPlannedError",
-    "MLAKVCache", "append_mla", "MLADecodeConfig", "BatchMLADecode", "mla_decode",
+    "MLAKVCache", "append_mla", "MLADecodeConfig", "BatchMLADecode", "mla_decode", "MLAPrefillConfig", "BatchMLAPrefill",
+    "mla_prefill",
 ]

@@ -117,7 +117,7 @@ def _bench(args) -> int:
         run_mla(out_dir=args.out, quick=args.quick, configs=cfgs, fp8=args.kv_dtype == "fp8_e4m3",
                 **({"reps": args.reps} if args.reps else {}))
         return 0
-    if args.what == "mla-prefill":  # built, not yet run on a GPU (docs/mla.md)
+    if args.what == "mla-prefill":
         from .bench.mla_prefill import run as run_mla_prefill
 
         require_gpu("cukv bench")

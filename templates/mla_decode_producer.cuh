@@ -20,6 +20,14 @@ __device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// The cache as a TMA tensor (cukv/ops/mla_decode.py encodes it): bytes [pages][page_size][1][row], boxes of 128
+// bytes (64 values, one swizzle atom column) x box_rows tokens of one page. box_rows 0: every tile by cp.async.
+struct alignas(64) MLACacheMap {
+  CUtensorMap map;
+  int box_rows;
+  int pad[15];
+};
+
 template <typename T, int BN_, int STAGES_, bool FP8_ = false>
 struct MLAKVProducerPipeline {
   static constexpr bool fp8 = FP8_;
@@ -167,21 +175,66 @@ struct MLAKVProducerPipeline {
     mbar_arrive_cp_async(full(s));
   }
 
+  // TMA: lane g < BN / box_rows of warp 0 looks up the page of box g of tile `it` (rows g * box_rows ..): its page
+  // id, or -1 (read as zeros: outside the table or the cache), and the box's first token in the page.
+  __device__ __forceinline__ int2 lookup_box(const MLADecodeParams& a, const MLAWorkItem& w, int it, int box_rows,
+                                             int lane) const {
+    if (lane * box_rows >= BN) return make_int2(-1, 0);
+    const int t = w.begin + it * BN + lane * box_rows;
+    const int pi = t / a.page_size, off = t - pi * a.page_size;
+    if (pi >= a.table_width) return make_int2(-1, off);
+    const int page = a.block_table[w.batch * a.table_stride + pi];
+    return make_int2(page < 0 || page >= a.num_pages ? -1 : page, off);
+  }
+
+  // A full tile into stage s by tensor copies: warp 0's lanes issue the BN / box_rows x 9 boxes (box g, 64-column
+  // slice c lands in atom column c at row g * box_rows, the ring's swizzled layout); every producer thread arrives.
+  __device__ __forceinline__ void load_tile_tma(const MLACacheMap& m, int2 box, int s, int warp, int lane) const {
+    if (warp == 0) {
+      const int boxes = BN / m.box_rows;
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        const int op = lane + 32 * j, g = op / 9, c = op - 9 * g;
+        const int page = __shfl_sync(0xffffffffu, box.x, g % 32), off = __shfl_sync(0xffffffffu, box.y, g % 32);
+        if (op < boxes * 9) {
+          mbar_expect_tx(full(s), m.box_rows * kAtomRowBytes);
+          tma_load_4d(stage(s) + (u32)(c * atom_col_bytes + g * m.box_rows * kAtomRowBytes), &m.map,
+                      c * kAtomRowBytes, 0, off, page, full(s));
+        }
+      }
+    }
+    mbar_arrive(full(s));
+  }
+
   // The query block, then the tiles through the ring. Each tile's page lookups (a dependent load of the block
-  // table) are issued one tile ahead, so their latency hides behind the wait for a free stage.
-  __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
-    const char* next = n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;
+  // table) are issued one tile ahead, so their latency hides behind the wait for a free stage. kTma: full tiles by
+  // tensor copies where the page size allows (m.box_rows > 0), the rest by cp.async.
+  template <bool kTma = false>
+  __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane,
+                          const MLACacheMap* m = nullptr) const {
+    const int box_rows = kTma ? m->box_rows : 0;
+    const int full_tiles = box_rows > 0 ? (w.end - w.begin) / BN : 0;  // tiles wholly inside the chunk
+    const char* next = full_tiles == 0 && n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;
+    int2 next_box = full_tiles > 0 ? lookup_box(a, w, 0, box_rows, lane) : make_int2(-1, 0);
     load_q(a, w, warp, lane);
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
       const int s = it % num_kv_stages;
       const char* cur = next;
-      if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
+      const int2 box = next_box;
+      if (it + 1 < full_tiles)
+        next_box = lookup_box(a, w, it + 1, box_rows, lane);
+      else if (it + 1 < n_tiles)
+        next = lookup(a, w, it + 1, warp, lane);
       if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
-      if constexpr (FP8_)
+      if constexpr (FP8_) {
         load_tile_fp8(a, cur, s, warp, lane);
-      else
-        load_tile(a, cur, s, warp, lane);
+      } else {
+        if (kTma && it < full_tiles)
+          load_tile_tma(*m, box, s, warp, lane);
+        else
+          load_tile(a, cur, s, warp, lane);
+      }
     }
     cp_async_wait<0>();
   }

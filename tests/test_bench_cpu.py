@@ -8,6 +8,7 @@ import pytest
 
 from cukv import cli
 from cukv.bench import prefill as bp
+from cukv.bench.timing import CEILING_VARIANTS
 
 
 def test_causal_flops_counts_the_causal_half():
@@ -256,22 +257,33 @@ def test_importing_the_harness_pulls_in_no_gpu_library():
     assert r.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("template, name", [("spin.cu.j2", "cukv_spin"), ("read_ceiling.cu.j2", "cukv_read_ceiling")])
-def test_timing_helper_kernels_compile_without_spills(template, name):
-    """The Timer's spin kernel (it covers a timed call's host work, cukv/bench/timing.py) and the read-ceiling
-    kernel build through the one compile path, off the GPU."""
+def test_spin_kernel_compiles_without_spills():
+    """The Timer's spin kernel (it covers a timed call's host work, cukv/bench/timing.py) builds through the one
+    compile path, off the GPU."""
     from cukv import compiler
 
-    rep = compiler.build(template, name, name=name).functions[name]
+    rep = compiler.build("spin.cu.j2", "cukv_spin", name="cukv_spin").functions["cukv_spin"]
     assert rep.spill_stores == 0 and rep.registers <= 64, rep
+
+
+@pytest.mark.parametrize("variant", CEILING_VARIANTS, ids=str)
+def test_read_ceiling_kernels_compile_without_spills(variant):
+    """Every read-ceiling variant builds off the GPU, within its launch's registers and shared memory."""
+    from cukv.bench.timing import ceiling_kernel
+
+    name, mod, block, smem = ceiling_kernel(variant)
+    rep = mod.functions[name]
+    assert rep.spill_stores == 0 and rep.registers <= 65536 // block and smem <= 227 * 1024, rep
 
 
 def test_mla_configs_parse_both_schedules():
     from cukv.bench.mla_decode import config_label, parse_mla_configs
 
-    assert parse_mla_configs("64x2") == ((64, 2, "split"),)
-    assert parse_mla_configs("64x2:alternate, 32x4") == ((64, 2, "alternate"), (32, 4, "split"))
+    assert parse_mla_configs("64x2") == ((64, 2, "split", False),)
+    assert parse_mla_configs("64x2:alternate, 32x4") == ((64, 2, "alternate", False), (32, 4, "split", False))
+    assert parse_mla_configs("64x2:tma,64x2:tma:alternate") == ((64, 2, "split", True), (64, 2, "alternate", True))
     assert config_label(64, 2, "alternate") == "cukv_n64s2_alternate" and config_label(32, 4) == "cukv_n32s4"
+    assert config_label(64, 2, "split", True) == "cukv_n64s2_tma"
     for bad in ("64", "64x2:alt", "ax2"):
         with pytest.raises(ValueError, match="--mla-configs entry"):
             parse_mla_configs(bad)

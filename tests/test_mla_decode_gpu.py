@@ -106,6 +106,24 @@ def test_mla_decode_other_tiles(rng, lens, s_q, heads):
     run_check(rng, lens, s_q, heads, 16, block_n=32, num_kv_stages=4, sink=True)
 
 
+TMA_GRID = GRID + [([700, 64, 3], 1, 16, 128), ([333, 64], 2, 16, 32), ([100, 8], 1, 8, 8)]
+
+
+@pytest.mark.parametrize("lens,s_q,heads,page_size", TMA_GRID, ids=lambda x: str(x)[:20])
+def test_mla_decode_tma(rng, lens, s_q, heads, page_size):
+    """Full tiles by tensor copies (page sizes 8..128), tails and pages of 1 or 48 tokens by cp.async; NaN in unused
+    slots and garbage table entries past each row's end, as for the cp.async kernel."""
+    run_check(rng, lens, s_q, heads, page_size, tma=True)
+
+
+@pytest.mark.parametrize("dtype,block_n,schedule", [("float16", 64, "split"), ("bfloat16", 32, "split"),
+                                                    ("bfloat16", 64, "alternate")])
+def test_mla_decode_tma_variants(rng, dtype, block_n, schedule):
+    kw = {"num_kv_stages": 4} if block_n == 32 else {}
+    run_check(rng, [3000, 0, 65], 2, 16, 64, dtype=dtype, sink=True, tma=True, block_n=block_n, schedule=schedule,
+              **kw)
+
+
 def test_mla_decode_many_chunks(rng):
     """One tile per chunk asked for: 40000 tokens would be 625 chunks, over the combine kernel's 512, so plan
     doubles the chunk; every partial merges through the combine kernel."""

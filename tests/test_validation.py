@@ -139,6 +139,19 @@ def _append_mla(**kw):
     return cukv.append_mla(args.pop("cache"), args.pop("kv_c"), args.pop("k_pe"), args.pop("slots"), **args)
 
 
+def _mlap_ctor(**kw):
+    return cukv.BatchMLAPrefill(**{**dict(num_heads=16, page_size=64), **kw})
+
+
+def _mlap_plan(**kw):
+    args = {**dict(q_offsets=np.array([0, 3, 5]), kv_lengths=np.array([20, 5])), **kw}
+    return _mlap_ctor().plan(args.pop("q_offsets"), args.pop("kv_lengths"), **args)
+
+
+def _mlap_run(**kw):
+    return _mlap_ctor().run(None, None, None, **kw)
+
+
 SCALARS = {
     "BatchDecode": (_decode_ctor, {"num_qo_heads": POSITIVE_INT, "num_kv_heads": POSITIVE_INT, "head_dim": POSITIVE_INT,
                                    "page_size": POSITIVE_INT, "num_warps": POSITIVE_INT, "stages": OPTIONAL_NONNEG_INT,
@@ -178,9 +191,14 @@ SCALARS = {
                                         "seq_lens": HOST_INTS}),
     "BatchMLADecode.run": (_mla_run, {"softmax_scale": OPTIONAL_POSITIVE_FLOAT, "return_lse": BOOL,
                                       "check": OPTIONAL_BOOL}),
+    "BatchMLAPrefill": (_mlap_ctor, {"num_heads": POSITIVE_INT, "page_size": OPTIONAL_POSITIVE_INT}),
+    "BatchMLAPrefill.plan": (_mlap_plan, {"mask": [("Causal", ValueError), (True, ValueError), (None, ValueError)],
+                                          "q_offsets": HOST_INTS, "kv_lengths": HOST_INTS}),
+    "BatchMLAPrefill.run": (_mlap_run, {"softmax_scale": OPTIONAL_POSITIVE_FLOAT, "return_lse": BOOL,
+                                       "check": OPTIONAL_BOOL}),
 }
 # None is no bad value where the argument takes None
-OPTIONAL = {("BatchPrefill", "page_size")}
+OPTIONAL = {("BatchPrefill", "page_size"), ("BatchMLAPrefill", "page_size")}
 
 
 def _scalar_cases():
@@ -215,6 +233,7 @@ DEVICE_ENTRIES = {
     "MLAKVCache.from_arrays": ("x", lambda x: cukv.MLAKVCache.from_arrays(x)),
     "append_mla": ("kv_c", lambda x: cukv.append_mla(None, x, x, x)),
     "mla_decode": ("q", lambda x: cukv.mla_decode(x, None, None, [1])),
+    "mla_prefill": ("q", lambda x: cukv.mla_prefill(x, None, None, [0, 1], [1])),
     "check_device_array": ("x", lambda x: validate.check_device_array("x", x)),
     "check_per_head": ("sink", lambda x: validate.check_per_head("sink", x, 8)),
 }
@@ -236,7 +255,8 @@ def test_cpu_tensor_message_says_host():
 
 @pytest.mark.parametrize("obj,how", [(lambda: _decode_ctor(), "plan(batch_size, max_kv_len)"),
                                      (lambda: _prefill_ctor(), "plan(q_offsets, kv_lengths)"),
-                                     (lambda: _mla_ctor(), "plan(seq_lens, s_q)")])
+                                     (lambda: _mla_ctor(), "plan(seq_lens, s_q)"),
+                                     (lambda: _mlap_ctor(), "plan(q_offsets, kv_lengths)")])
 def test_run_before_plan(obj, how):
     o = obj()
     with pytest.raises(NotPlannedError, match=re.escape(f"call {how} first")) as e:

@@ -103,12 +103,12 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
     import cupy as cp
 
     import cukv
-    from .timing import Timer, read_ceiling_tbs
+    from .timing import Timer, read_ceiling
 
     torch = _torch()
     hq, hkv, d, ps = 32, 8, 128, 16
     timer = Timer()
-    ceiling = read_ceiling_tbs(timer)
+    ceiling, ceiling_variants = read_ceiling(timer)
     tiny = cp.empty(4096, cp.uint16)
     floor_ms = timer.median_ms(lambda: tiny.fill(0), reps=reps)  # one tiny kernel: the harness's own floor
     cells = [(b, c) for b in GRID_BATCH for c in GRID_CTX] + list(EXTRA)
@@ -166,7 +166,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
         print(_fmt_row(row), flush=True)
     grid = [r for r in rows if (r["batch"], r["ctx"]) not in EXTRA or (r["batch"] in GRID_BATCH and r["ctx"] in GRID_CTX)]
     summary = {"device": _device_name(), "date": time.strftime("%Y-%m-%d"), "read_ceiling_tbs": ceiling,
-               "launch_floor_us": floor_ms * 1e3, "kv_dtype": kv_dtype, "scale_granularity": scale_granularity if kv_dtype == "fp8_e4m3" else None}
+               "read_ceiling_variants": ceiling_variants, "launch_floor_us": floor_ms * 1e3, "kv_dtype": kv_dtype, "scale_granularity": scale_granularity if kv_dtype == "fp8_e4m3" else None}
     ratios = [r["ratio_cudnn"] for r in grid if "ratio_cudnn" in r]
     if ratios:
         summary["geomean_ratio_cudnn"] = geomean(ratios)

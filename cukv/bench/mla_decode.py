@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from .timing import Timer, geomean, read_ceiling_tbs
+from .timing import Timer, geomean, read_ceiling
 
 PAGE = 64
 # (name, batch, heads, s_q, lengths or ctx)
@@ -81,35 +81,37 @@ def _fp8_copy(cache):
 
 
 def parse_mla_configs(text: str) -> tuple:
-    """``--mla-configs``: comma-separated ``BNxS`` or ``BNxS:schedule`` (``64x2``, ``64x2:alternate``) ->
-    ``((block_n, num_kv_stages, schedule), ...)``; a malformed entry is a ValueError naming it.
+    """``--mla-configs``: comma-separated ``BNxS`` with optional ``:schedule`` and ``:tma`` (``64x2``,
+    ``64x2:alternate``, ``64x2:tma``) -> ``((block_n, num_kv_stages, schedule, tma), ...)``; a malformed entry is a
+    ValueError naming it.
 
     >>> from cukv.bench.mla_decode import parse_mla_configs
-    >>> parse_mla_configs("64x2,64x2:alternate")
-    ((64, 2, 'split'), (64, 2, 'alternate'))
+    >>> parse_mla_configs("64x2,64x2:alternate:tma")
+    ((64, 2, 'split', False), (64, 2, 'alternate', True))
     """
     from ..configs.mla_decode import SCHEDULES
 
     out = []
     for entry in text.split(","):
-        tile, _, schedule = entry.strip().partition(":")
+        tile, *flags = entry.strip().split(":")
         bn, _, st = tile.partition("x")
-        schedule = schedule or "split"
-        if not (bn.isdigit() and st.isdigit()) or schedule not in SCHEDULES:
-            raise ValueError(f"--mla-configs entry {entry!r} is not valid; expected BNxS or BNxS:schedule "
-                             f"(schedule one of {', '.join(SCHEDULES)}), e.g. 64x2,64x2:alternate")
-        out.append((int(bn), int(st), schedule))
+        schedules = [f for f in flags if f in SCHEDULES]
+        if not (bn.isdigit() and st.isdigit()) or len(schedules) > 1 or any(f not in SCHEDULES + ("tma",)
+                                                                            for f in flags):
+            raise ValueError(f"--mla-configs entry {entry!r} is not valid; expected BNxS with optional :schedule "
+                             f"(one of {', '.join(SCHEDULES)}) and :tma, e.g. 64x2,64x2:alternate,64x2:tma")
+        out.append((int(bn), int(st), schedules[0] if schedules else "split", "tma" in flags))
     return tuple(out)
 
 
-def config_label(block_n: int, num_kv_stages: int, schedule: str = "split") -> str:
-    """The bench's name for a cukv config other than the first: ``cukv_n64s2``, ``cukv_n64s2_alternate``."""
-    return f"cukv_n{block_n}s{num_kv_stages}" + ("" if schedule == "split" else f"_{schedule}")
+def config_label(block_n: int, num_kv_stages: int, schedule: str = "split", tma: bool = False) -> str:
+    """The bench's name for a cukv config other than the first: ``cukv_n64s2``, ``cukv_n64s2_alternate_tma``."""
+    return f"cukv_n{block_n}s{num_kv_stages}" + ("" if schedule == "split" else f"_{schedule}") + ("_tma" if tma else "")
 
 
 def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: bool = True,
-        configs=((64, 2, "split"),), fp8: bool = False) -> dict:
-    """Time every shape; ``configs`` lists (block_n, num_kv_stages[, schedule]) of cukv to time in one process
+        configs=((64, 2, "split", False),), fp8: bool = False) -> dict:
+    """Time every shape; ``configs`` lists (block_n, num_kv_stages[, schedule[, tma]]) of cukv to time in one process
     (the first is the one FlashMLA is compared with, reported as ``cukv``; the others as ``config_label(...)``,
     each with its largest difference from the first's output)."""
     import cupy as cp
@@ -117,10 +119,11 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
     from ..ops.mla_decode import BatchMLADecode
     from ..policy.mla_decode import mla_decode_config
 
-    configs = tuple((c[0], c[1], c[2] if len(c) > 2 else "split") for c in configs)
+    configs = tuple((c[0], c[1], c[2] if len(c) > 2 else "split", bool(c[3]) if len(c) > 3 else False)
+                    for c in configs)
 
     timer = Timer()
-    ceiling = read_ceiling_tbs(timer)
+    ceiling, ceiling_variants = read_ceiling(timer)
     fm, torch, why = _flash_mla()
     rows = []
     for name, batch, heads, s_q, ctx in SHAPES:
@@ -128,8 +131,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
             continue
         lens = _lengths(batch, ctx)
         cache, table, q = _problem(batch, heads, s_q, lens)
-        decs = [BatchMLADecode(heads, block_n=bn, num_kv_stages=st, schedule=sc).plan(lens, s_q)
-                for bn, st, sc in configs]
+        decs = [BatchMLADecode(heads, block_n=bn, num_kv_stages=st, schedule=sc, tma=tm).plan(lens, s_q)
+                for bn, st, sc, tm in configs]
         dec = decs[0]
         out = cp.empty((batch, s_q, heads, 512), cp.uint16)
         lse = cp.empty((batch, s_q, heads), cp.float32)
@@ -185,7 +188,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
         fns = cache = table = q = out = lse = dec = decs = fcache = fdec = None  # free this shape's buffers
         cp.get_default_memory_pool().free_all_blocks()
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
-              "flashmla": why or "imported", "cukv": mla_decode_config("bfloat16", None, *configs[0]).name,
+              "read_ceiling_variants": ceiling_variants, "flashmla": why or "imported", "cukv": mla_decode_config("bfloat16", None, *configs[0]).name,
               "rows": rows}
     h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]
     if h128:

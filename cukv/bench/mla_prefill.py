@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 
@@ -160,8 +161,10 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
         print(_fmt(r), flush=True)
         q = k_nope = v = cache = table = out = pf = fn = mine = None  # free this shape's buffers
         cp.get_default_memory_pool().free_all_blocks()
+    from ..policy.mla_prefill import default_config
+
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "peers": why or "imported",
-              "rows": rows}
+              "date": time.strftime("%Y-%m-%d"), "cukv": default_config("bfloat16", PAGE).name, "rows": rows}
     for peer in PEERS:
         ratios = [r[f"cukv_over_{peer}"] for r in rows if f"cukv_over_{peer}" in r]
         if ratios:

@@ -70,21 +70,52 @@ def interleaved_medians(timer, fns: dict, reps: int, rounds: int = 3) -> dict:
     return {k: float(np.median(v)) for k, v in interleaved_rounds(timer, fns, reps, rounds).items()}
 
 
-def read_ceiling_tbs(timer: Timer, nbytes: int = 4 << 30) -> float:
-    """TB/s of a kernel that reads nbytes once with 16-byte streaming loads."""
+#: the read-ceiling variants: ("ldg", threads, loads in flight per thread, blocks per SM) and ("bulk", bytes per
+#: copy, copies in flight per block, blocks per SM); the ceiling is the fastest (docs/tuning.md "read ceiling")
+CEILING_VARIANTS = (("ldg", 256, 4, 8), ("ldg", 256, 8, 8), ("ldg", 512, 8, 4), ("ldg", 256, 16, 4),
+                    ("ldg", 1024, 4, 2), ("bulk", 16384, 8, 1), ("bulk", 32768, 6, 1), ("bulk", 16384, 6, 2),
+                    ("bulk", 8192, 8, 3))
+
+
+def ceiling_kernel(variant) -> tuple:
+    """One :data:`CEILING_VARIANTS` entry's kernel: ``(entry name, compiled module, threads per block, dynamic
+    shared memory bytes)`` (compiles without a GPU)."""
+    from .. import compiler
+
+    kind, a, b, _ = variant
+    if kind == "ldg":
+        name, params, block, smem = f"cukv_read_ceiling_ldg_t{a}_u{b}", dict(threads=a, unroll=b), a, 0
+    else:
+        name, params, block, smem = f"cukv_read_ceiling_bulk_c{a}_s{b}", dict(chunk=a, stages=b), 32, a * b
+    params = {**dict(threads=0, unroll=0, chunk=0, stages=0), **params}
+    return name, compiler.build("read_ceiling.cu.j2", name, name=name, kind=kind, **params), block, smem
+
+
+def read_ceiling(timer: Timer, nbytes: int = 4 << 30, variants=CEILING_VARIANTS) -> tuple:
+    """The GPU's read ceiling: TB/s of the fastest of ``variants``, kernels that read ``nbytes`` once (16-byte
+    streaming loads with more or fewer in flight, or bulk copies into shared memory). Returns ``(best TB/s,
+    {variant name: TB/s})``."""
     import cupy as cp
 
-    from .. import compiler
     from ..device import sm_count
 
-    mod = compiler.build("read_ceiling.cu.j2", "cukv_read_ceiling", name="cukv_read_ceiling")
-    fn = mod.function("cukv_read_ceiling")
     buf = cp.ones(nbytes // 4, cp.int32)
     out = cp.zeros(1, cp.uint32)
     n = np.int64(nbytes // 16)
-    ms = timer.median_ms(lambda: fn((sm_count() * 8,), (256,), (buf, n, out)), reps=10, warmup=3)
+    got = {}
+    for v in variants:
+        name, mod, block, smem = ceiling_kernel(v)
+        f = mod.function(name, smem)
+        ms = timer.median_ms(lambda: f((sm_count() * v[3],), (block,), (buf, n, out), shared_mem=smem), reps=10,
+                             warmup=3)
+        got[f"{name}_x{v[3]}"] = nbytes / (ms * 1e-3) / 1e12
     del buf
-    return nbytes / (ms * 1e-3) / 1e12
+    return max(got.values()), got
+
+
+def read_ceiling_tbs(timer: Timer, nbytes: int = 4 << 30) -> float:
+    """TB/s of the fastest read-ceiling kernel (:func:`read_ceiling`)."""
+    return read_ceiling(timer, nbytes)[0]
 
 
 def geomean(xs) -> float:

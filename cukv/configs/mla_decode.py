@@ -69,6 +69,10 @@ class MLADecodeConfig(KernelConfig):
     #: the consumer warpgroups' schedule (``SCHEDULES``): "split" halves every tile between them, "alternate" gives
     #: each every other tile (docs/mla.md, "Schedules")
     schedule: str = "split"
+    #: full tiles of a 16-bit cache by TMA tensor copies (9 boxes of 64 columns per page run) instead of cp.async;
+    #: the page size then decides at run time (``tma_box_rows``): pages of 1-4 tokens, and a tile that ends past
+    #: its chunk, still go by cp.async
+    tma: bool = False
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -80,6 +84,8 @@ class MLADecodeConfig(KernelConfig):
         check_rule(c, "schedule", self.schedule, self.schedule == "split" or self.kv_dtype is None,
                    "the alternating consumers need more than the 200 registers an FP8 producer leaves them "
                    "(they spill): use schedule='split' with kv_dtype='fp8_e4m3'")
+        check_rule(c, "tma", self.tma, not (self.tma and self.kv_dtype), "tensor copies feed 16-bit tiles only: "
+                   "an FP8 cache's rows are dequantized by the producer; use tma=False with kv_dtype='fp8_e4m3'")
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
@@ -135,7 +141,8 @@ class MLADecodeConfig(KernelConfig):
     def name(self) -> str:
         kv = "_e4m3" if self.kv_dtype else ""
         alt = "_alt" if self.schedule == "alternate" else ""
-        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}"
+        tma = "_tma" if self.tma else ""
+        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{tma}"
 
     def render_params(self) -> dict:
         return dict(
@@ -143,7 +150,7 @@ class MLADecodeConfig(KernelConfig):
             num_kv_stages=self.num_kv_stages, k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes,
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
             args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
-            schedule=self.schedule, consumer=CONSUMERS[self.schedule],
+            schedule=self.schedule, consumer=CONSUMERS[self.schedule], tma=self.tma,
             producer_regs=FP8_PRODUCER_REGS if self.kv_dtype else PRODUCER_REGS,
             consumer_regs=FP8_CONSUMER_REGS if self.kv_dtype else CONSUMER_REGS)
 
@@ -151,3 +158,16 @@ class MLADecodeConfig(KernelConfig):
 def shipped() -> list[MLADecodeConfig]:
     """The MLA decode specializations compiled ahead of time."""
     return [MLADecodeConfig(dt) for dt in ("bfloat16", "float16")] + [MLADecodeConfig(kv_dtype="fp8_e4m3")]
+
+
+def tma_box_rows(page_size: int, block_n: int) -> int:
+    """Rows per tensor copy of a ``tma`` kernel for this page size: a box never crosses a page or a tile, and boxes
+    of fewer than 8 rows are not worth their issue cost (0: every tile by cp.async).
+
+    >>> from cukv.configs.mla_decode import tma_box_rows
+    >>> tma_box_rows(64, 64), tma_box_rows(128, 64), tma_box_rows(16, 64), tma_box_rows(48, 64), tma_box_rows(1, 64)
+    (64, 64, 16, 0, 0)
+    """
+    if page_size % block_n == 0:
+        return block_n
+    return page_size if block_n % page_size == 0 and page_size >= 8 else 0

@@ -13,10 +13,11 @@ chunks of a split sequence write float32 partials that one combine kernel merges
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
-from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NOPE, PARAMS, ROPE, SCHEDULES
+from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NOPE, PARAMS, ROPE, SCHEDULES, tma_box_rows
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
@@ -77,13 +78,14 @@ class BatchMLADecode:
     """
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
-                 num_kv_stages: int | None = None, schedule: str | None = None):
+                 num_kv_stages: int | None = None, schedule: str | None = None, tma: bool | None = None):
         from ..arrays import canonical_dtype, canonical_kv_dtype
 
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
         schedule = check_choice("schedule", schedule, (None,) + SCHEDULES)
+        tma = check_bool("tma", tma) if tma is not None else None
         dt = canonical_dtype(dtype)
         kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
         if kvd not in (None, "fp8_e4m3"):
@@ -97,7 +99,10 @@ class BatchMLADecode:
         if kvd is not None and schedule == "alternate":
             raise ValueError("schedule='alternate' is not offered with kv_dtype='fp8_e4m3' (its consumers would "
                              "spill); use schedule='split' or None")
-        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule)
+        if kvd is not None and tma:
+            raise ValueError("tma=True is not offered with kv_dtype='fp8_e4m3' (the producer dequantizes FP8 rows "
+                             "itself); use tma=None or False")
+        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, tma)
         self.dtype = self.config.dtype
         self._planned = False
         self._device = None
@@ -254,8 +259,9 @@ class BatchMLADecode:
         rec["batch"], rec["s_q"], rec["heads"], rec["rows"] = b, s_q, h, s_q * h
         rec["row_blocks"], rec["scale_log2"] = self.row_blocks, scale * math.log2(math.e)
         arg = as_kernel_arg(rec)
+        args = (arg, _cache_map(cache, self.config.block_n)) if self.config.tma else (arg,)
         with (stream or cp.cuda.get_current_stream()):
-            self._fn((self._cap,), (self.config.num_threads,), (arg,), shared_mem=self.config.smem_bytes)
+            self._fn((self._cap,), (self.config.num_threads,), args, shared_mem=self.config.smem_bytes)
             self._combine((s_q * h, b), (128,), (arg,))
         return (out, lse) if return_lse else out
 
@@ -285,3 +291,25 @@ def mla_decode(q, cache: MLAKVCache, block_table, seq_lens, *, kv_dtype=None, **
     kvd = kv_dtype if kv_dtype is not None else ("fp8_e4m3" if cache.quantized else None)
     dec = BatchMLADecode(qa.shape[2], dt, kv_dtype=kvd).plan(seq_lens, qa.shape[1])
     return dec.run(q, cache, block_table, **kwargs)
+
+
+class _RowBytes:
+    """A 16-bit MLA cache's rows as the byte tensor ``[pages][page_size][1][1152]`` :func:`cukv.tma.encode_pages`
+    reads (``shape``, ``strides``, ``data.ptr``)."""
+
+    def __init__(self, cache: MLAKVCache):
+        row = DIM * 2
+        self.shape = (cache.num_pages, cache.page_size, 1, row)
+        self.strides = (cache.page_stride, cache.row_stride, row, 1)
+        self.data = SimpleNamespace(ptr=cache.ptr)
+
+
+def _cache_map(cache: MLAKVCache, block_n: int):
+    """The ``MLACacheMap`` kernel argument of a ``tma`` config (templates/mla_decode_producer.cuh): the cache's
+    tensor map with boxes of 64 values x :func:`~cukv.configs.mla_decode.tma_box_rows` tokens and the 128-byte
+    swizzle of the ring, then the box rows (0: the page size does not suit tensor copies; every tile by cp.async)."""
+    from .. import tma
+
+    rows = tma_box_rows(cache.page_size, block_n)
+    desc = tma.encode_pages("cache", _RowBytes(cache), 128, rows, tma.SWIZZLE_128B) if rows else bytes(tma.MAP_BYTES)
+    return as_kernel_arg(np.frombuffer(desc + np.array([rows] + [0] * 15, np.int32).tobytes(), np.uint8))

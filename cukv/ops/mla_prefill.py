@@ -3,7 +3,7 @@ values, the rope part of K read once per tile from the MLA latent cache and shar
 plan/run as :class:`cukv.ops.prefill.BatchPrefill`: ``plan`` fixes the batch and the work list on the host, ``run``
 reads only device buffers (graph-capturable).
 
-Built and compiled, not yet run on a GPU (docs/mla.md, "MLA prefill"); not exported from :mod:`cukv` until it has.
+The kernel, its tile and its measurements: docs/mla.md ("MLA prefill"), docs/tuning.md ("MLA prefill").
 """
 from __future__ import annotations
 
@@ -56,6 +56,27 @@ class BatchMLAPrefill:
     returns ``out[T, H, 128]`` and, with ``return_lse``, the natural-log ``lse[T, H]``; query i of sequence b sits
     at position ``kv_len - q_len + i`` (a cached prefix counts in ``kv_lengths``), as
     :func:`cukv.reference.mla_prefill` defines.
+
+    Examples
+    --------
+    Two sequences of 40 and 7 keys (a cached prefix and 5 and 7 new tokens), the rope part from a page-16 cache:
+
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv import reference
+    >>> from cukv.testing import assert_close
+    >>> rng = np.random.default_rng(0)
+    >>> cache = cukv.MLAKVCache(num_pages=4, page_size=16, dtype="float16", fill="nan")
+    >>> rows = rng.standard_normal((64, 576)).astype(np.float16)
+    >>> cukv.append_mla(cache, cp.asarray(rows[:, :512]), cp.asarray(rows[:, 512:]), cp.arange(64))
+    >>> table = np.array([[0, 1, 2], [3, 0, 0]], np.int32)               # sequence 1 starts at page 3
+    >>> q = rng.standard_normal((12, 4, 192)).astype(np.float16)         # 5 + 7 new tokens, 4 heads
+    >>> k_nope, v = (rng.standard_normal((47, 4, 128)).astype(np.float16) for _ in range(2))
+    >>> pf = cukv.BatchMLAPrefill(num_heads=4, page_size=16, dtype="float16").plan([0, 5, 12], [40, 7])
+    >>> out = pf.run(cp.asarray(q), cp.asarray(k_nope), cp.asarray(v), cache=cache, block_table=cp.asarray(table))
+    >>> k_rope = reference.mla_rope_rows(cache.data.get(), table, [40, 7])
+    >>> want, _ = reference.mla_prefill(q, [0, 5, 12], k_nope, v, k_rope, [0, 40, 47])
+    >>> assert_close(out.get(), want, "float16") < 0.01
+    True
     """
 
     def __init__(self, num_heads: int, page_size: int | None = 64, dtype="bfloat16",
@@ -112,10 +133,10 @@ class BatchMLAPrefill:
         the table to the host and checks every page a length reaches (a sync; not graph-capturable)."""
         import cupy as cp
 
-        check_planned(self, "plan(q_offsets, kv_lengths)")
-        check_same_device("BatchMLAPrefill", self._device)
         check_float("softmax_scale", softmax_scale, positive=True, none_ok=True, note="1/sqrt(192)")
         return_lse, check = check_bool("return_lse", return_lse), checked(check)
+        check_planned(self, "plan(q_offsets, kv_lengths)")
+        check_same_device("BatchMLAPrefill", self._device)
         h, dt = self.num_heads, self.dtype
         qd, _ = check_device_array("q", q, dtypes=(dt,), declared=dt, ndim=3, align=16)
         kn, _ = check_device_array("k_nope", k_nope, dtypes=(dt,), declared=dt, ndim=3, align=16)
@@ -248,3 +269,33 @@ def _check_rows(name: str, a) -> None:
     if a.strides[-1] != 2 or any(s % 16 for s in a.strides[:-1]):
         raise ValueError(f"{name} must have a unit last stride and 16-byte aligned row strides; got strides "
                          f"{a.strides} bytes")
+
+
+def mla_prefill(q, k_nope, v, q_offsets, kv_lengths, *, cache: MLAKVCache | None = None, block_table=None,
+                k_rope=None, kv_offsets=None, mask: str = "causal", **kwargs):
+    """One-shot convenience: plan for this batch and run (use :class:`BatchMLAPrefill` when the batch repeats:
+    ``plan`` costs host work and a device copy). The rope part comes from ``cache`` through ``block_table`` or from
+    a contiguous ``k_rope[Tk, 64]``; ``kwargs`` go to :meth:`BatchMLAPrefill.run` (``return_lse``, ``sink``,
+    ``softmax_scale``, ``out``, ``check``).
+
+    Examples
+    --------
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv import reference
+    >>> from cukv.testing import assert_close
+    >>> rng = np.random.default_rng(1)
+    >>> q = rng.standard_normal((9, 2, 192)).astype(np.float16)
+    >>> k_nope, v = (rng.standard_normal((9, 2, 128)).astype(np.float16) for _ in range(2))
+    >>> k_rope = rng.standard_normal((9, 64)).astype(np.float16)
+    >>> out = cukv.mla_prefill(*(cp.asarray(x) for x in (q, k_nope, v)), [0, 9], [9], k_rope=cp.asarray(k_rope))
+    >>> want, _ = reference.mla_prefill(q, [0, 9], k_nope, v, k_rope, [0, 9])
+    >>> assert_close(out.get(), want, "float16") < 0.01
+    True
+    """
+    qa, dt = check_device_array("q", q, dtypes=("bfloat16", "float16"), ndim=3)
+    if cache is not None and not isinstance(cache, MLAKVCache):
+        raise TypeError(f"cache must be an MLAKVCache; got {type(cache).__name__}")
+    page_size = cache.page_size if cache is not None else None
+    pf = BatchMLAPrefill(qa.shape[1], page_size, dt)
+    pf.plan(q_offsets, kv_lengths, kv_offsets=kv_offsets, mask=mask)
+    return pf.run(q, k_nope, v, cache=cache, block_table=block_table, k_rope=k_rope, **kwargs)

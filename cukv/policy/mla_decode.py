@@ -23,6 +23,8 @@ DEFAULT_STAGES = 2
 #: the consumers' schedule: "alternate" (each warpgroup scores every other tile whole) measured 5-8% slower
 #: (docs/tuning.md "MLA decode")
 DEFAULT_SCHEDULE = "split"
+#: full tiles of a 16-bit cache by TMA tensor copies (page sizes from 8 that tile 64; docs/tuning.md "MLA decode")
+DEFAULT_TMA = False
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
 ITEM_OVERHEAD_TILES = 8.0
@@ -77,10 +79,13 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
 
 
 def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
-                      num_kv_stages: int | None = None, schedule: str | None = None) -> MLADecodeConfig:
+                      num_kv_stages: int | None = None, schedule: str | None = None,
+                      tma: bool | None = None) -> MLADecodeConfig:
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
-    cache keeps the "split" schedule, the only one it compiles without spills)."""
+    cache keeps the "split" schedule, the only one it compiles without spills, and cp.async)."""
     if schedule is None:
         schedule = DEFAULT_SCHEDULE if kv_dtype is None else "split"
+    if tma is None:
+        tma = DEFAULT_TMA and kv_dtype is None
     return MLADecodeConfig(dtype, DEFAULT_BLOCK_N if block_n is None else block_n,
-                           DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype, schedule)
+                           DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype, schedule, tma)
