@@ -82,16 +82,17 @@ def test_shipped_compiles_without_spills(cfg):
     assert f.spills == 0 and f.stack_frame == 0, f
 
 
-@pytest.mark.parametrize("persistent,tma", [(True, False), (False, True), (True, True)], ids=["pers", "tma", "pers_tma"])
+@pytest.mark.parametrize("persistent,tma,stages", [(True, False, 2), (False, True, 2), (True, True, 2), (True, True, 3)],
+                         ids=["pers", "tma", "pers_tma", "pers_tma_s3"])
 @pytest.mark.parametrize("page_size", SHIPPED_PAGE_SIZES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_grid_and_tma_variants_compile_without_spills(dtype, page_size, persistent, tma):
+def test_grid_and_tma_variants_compile_without_spills(dtype, page_size, persistent, tma, stages):
     """The persistent grid and the tensor-copy producer over the default tile, every shipped rope source."""
     import dataclasses
 
     from cukv.policy.mla_prefill import default_config
 
-    cfg = dataclasses.replace(default_config(dtype, page_size), persistent=persistent, tma=tma)
+    cfg = dataclasses.replace(default_config(dtype, page_size), persistent=persistent, tma=tma, stages=stages)
     f = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a").functions[cfg.name]
     assert f.spills == 0 and f.stack_frame == 0, f
 
@@ -108,6 +109,10 @@ def test_persistent_and_tma_errors():
     cfg = MLAPrefillConfig("bfloat16", BN=128, stages=2, pv_wait=True, page_size=48, tma=True)
     assert (cfg.tma_rows, cfg.rope_tma_rows) == (32, 16)
     assert MLAPrefillConfig("bfloat16", BN=128, stages=2, pv_wait=True, page_size=1, tma=True).rope_tma_rows == 0
+    # three stages of 128 keys: on the persistent grid only
+    MLAPrefillConfig("bfloat16", BN=128, stages=3, pv_wait=True, pingpong=True, persistent=True)
+    with pytest.raises(ValueError, match=r"MLAPrefillConfig\.stages=3 .*off the persistent grid"):
+        MLAPrefillConfig("bfloat16", BN=128, stages=3, pv_wait=True, pingpong=True, tma=True)
 
 
 # ---- BatchMLAPrefill: errors before any device work

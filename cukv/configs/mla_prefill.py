@@ -82,9 +82,12 @@ a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32
             check_rule(c, "tma", True, self.BN % 32 == 0,
                        f"boxes of BN / 4 rows in whole 8-row swizzle groups need BN a multiple of 32, not {self.BN}")
         # measured (ptxas, sm_90a), as for the MHA prefill's 192-deep elements: BM=128 with BN >= 96 spills at 3 stages
+        # (20-40 bytes) beside one block per item, not on the persistent grid (docs/tuning.md, "MLA prefill")
         check_rule(c, "stages", self.stages,
-                   not (self.BM == 128 and self.BN >= 96) or self.stages == 4 or (self.stages == 2 and self.pv_wait),
-                   "must be 4, or 2 with pv_wait=True, when BM=128 and BN>=96 (other depths spill there)")
+                   not (self.BM == 128 and self.BN >= 96) or self.persistent or self.stages == 4
+                   or (self.stages == 2 and self.pv_wait),
+                   "must be 4, or 2 with pv_wait=True, when BM=128 and BN>=96 off the persistent grid (other depths "
+                   "spill there)")
         check_rule(c, "smem", self.smem_bytes, self.smem_bytes <= SMEM_LIMIT,
                    f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
         limit = self.consumer_registers - 24
