@@ -25,18 +25,7 @@ __device__ void PrefillKernel<Traits>::run(const PrefillArgs& a, const PrefillMa
   const Cache cache(a.kv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(sm.full + 8 * s, 128);  // every producer lane arrives when its copies land
-      mbar_init(sm.empty + 8 * s, kConsumerWGs * 4);
-    }
-    // every producer lane's query copies (PERSISTENT: warp 0's lane 0 with the item and its tensor copies)
-    mbar_init(sm.q_full, PERSISTENT ? 1 : 128);
-    if constexpr (PERSISTENT) mbar_init(sm.q_empty, kConsumerWGs * 4);
-    if constexpr (kTma && QUANTIZED) {
-      for (int s = 0; s < 2; ++s) mbar_init(sm.raw_full + 8 * s, 128);  // every producer lane arrives
-    }
-  }
+  init_barriers(sm);
   if constexpr (kKsMma) {
     // the fixed A of the K-scale wgmma (see kKsMma): row r weighs the first or the second three terms by 0.5
     if (threadIdx.x < 64) {
@@ -67,24 +56,7 @@ __device__ void PrefillKernel<Traits>::run(const PrefillArgs& a, const PrefillMa
         convert_persistent(a, *once, sm, buf, cache, raw_quarter(sm, warp), lane);
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kConsumerRegs));
-      Ring ring{0};
-      for (int i = 0;; ++i) {
-        const u64 tq0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
-        mbar_wait(sm.q_full, i & 1);
-        if (CUKV_ONCE_STATS && i > 0 && warp == 4 && lane == 0)  // [16]: the first warpgroup's query waits
-          atomicAdd(once->flags - 32 + 16, (int)((globaltimer_ns() - tq0) >> 6));
-        const Item t = load_item(sm.item);
-        if (t.b < 0) {
-          if (CUKV_ONCE_STATS && warp == 4 && lane == 0) {
-            const unsigned long long now = globaltimer_ns();
-            atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 12), now);
-            atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 14), ~now);
-          }
-          return;
-        }
-        consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, 0,
-                warp - 4, lane, ring, i & 1, once);
-      }
+      consume_persistent(a, sm, buf, cache, warp, lane, once);
     }
     return;
   }
@@ -108,6 +80,48 @@ __device__ void PrefillKernel<Traits>::run(const PrefillArgs& a, const PrefillMa
     Ring ring{0};
     consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, vslice,
             warp - 4, lane, ring, 0, once);
+  }
+}
+
+// thread 0: the ring's barriers, the query's, and the persistent grid's and FP8 TMA raw slots' where they exist (the
+// block synchronizes before any use)
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::init_barriers(const Smem& sm) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(sm.full + 8 * s, 128);  // every producer lane arrives when its copies land
+      mbar_init(sm.empty + 8 * s, kConsumerWGs * 4);
+    }
+    // every producer lane's query copies (PERSISTENT: warp 0's lane 0 with the item and its tensor copies)
+    mbar_init(sm.q_full, PERSISTENT ? 1 : 128);
+    if constexpr (PERSISTENT) mbar_init(sm.q_empty, kConsumerWGs * 4);
+    if constexpr (kTma && QUANTIZED) {
+      for (int s = 0; s < 2; ++s) mbar_init(sm.raw_full + 8 * s, 128);  // every producer lane arrives
+    }
+  }
+}
+
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::consume_persistent(const PrefillArgs& a, const Smem& sm,
+                                                                          const Buf& buf, const Cache& cache, int warp,
+                                                                          int lane, const OnceArgs* once) {
+  Ring ring{0};
+  for (int i = 0;; ++i) {
+    const u64 tq0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
+    mbar_wait(sm.q_full, i & 1);
+    if (CUKV_ONCE_STATS && i > 0 && warp == 4 && lane == 0)  // [16]: the first warpgroup's query waits
+      atomicAdd(once->flags - 32 + 16, (int)((globaltimer_ns() - tq0) >> 6));
+    const Item t = load_item(sm.item);
+    if (t.b < 0) {
+      if (CUKV_ONCE_STATS && warp == 4 && lane == 0) {
+        const unsigned long long now = globaltimer_ns();
+        atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 12), now);
+        atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 14), ~now);
+      }
+      return;
+    }
+    consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, 0,
+            warp - 4, lane, ring, i & 1, once);
   }
 }
 

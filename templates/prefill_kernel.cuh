@@ -39,9 +39,9 @@ struct PrefillKernel {
                 "convert once: a contiguous 16-bit workspace by TMA, one box per tile and atom, the whole head in one "
                 "element");
   typedef KVCacheOperand<unsigned char, (ONCE_PAGE > 0 ? ONCE_PAGE : 1), true> Fp8Cache;
-  static_assert(!PERSISTENT || kOnce || (!QUANTIZED && kTma && Buf::full_kv && kConsumerWGs > 1),
-                "the persistent grid: convert-once's, or a 16-bit cache's by tensor copies, the whole head in one "
-                "element, beside a producer warpgroup");
+  static_assert(!PERSISTENT || kOnce || (!QUANTIZED && (kTma || DEPTH_V < DEPTH) && Buf::full_kv && kConsumerWGs > 1),
+                "the persistent grid: convert-once's, or a 16-bit cache's by tensor copies (the MLA producer: either), "
+                "the whole head in one element, beside a producer warpgroup");
   static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg), decided by
@@ -143,8 +143,9 @@ struct PrefillKernel {
   static_assert(DEPTH % 16 == 0, "head dims are multiples of 16");
   static_assert(Buf::full_kv ? BK == kQAtoms * 64 : DEPTH % BK == 0, "BK covers the head, or divides it");
   static_assert(kVCols % 16 == 0 && kVCols <= 256, "one wgmma spans V's columns");
-  static_assert(DEPTH_V <= DEPTH && (DEPTH_V == DEPTH || (Buf::full_kv && !QUANTIZED && !kTma && !PERSISTENT)),
-                "a V narrower than K (MLA prefill): 16-bit, by cp.async, the whole head in one ring element");
+  static_assert(DEPTH_V <= DEPTH && (DEPTH_V == DEPTH || (Buf::full_kv && !QUANTIZED && !kTma)),
+                "a V narrower than K (MLA prefill): 16-bit, the whole head in one ring element, fed by the MLA "
+                "producer (its own tensor copies: kTma describes the MHA producer's)");
   static_assert(STAGES >= kKElems + 1, "the ring holds a tile's K elements and the previous V element");
 
   // convert once: converting ahead stops when the block's ring feeder has fewer tiles left than this (0 and 1
@@ -194,6 +195,11 @@ struct PrefillKernel {
   // ---- the kernel (prefill.cuh): barriers, register split, roles
   static __device__ void run(const PrefillArgs& a, const PrefillMaps* maps, const OnceArgs* once = nullptr,
                              const CUtensorMap* qmap = nullptr);
+  static __device__ __forceinline__ void init_barriers(const Smem& sm);
+  // PERSISTENT: a consumer warp's walk over the items the producer stages (sm.item), until one with b < 0
+  static __device__ __forceinline__ void consume_persistent(const PrefillArgs& a, const Smem& sm, const Buf& buf,
+                                                            const Cache& cache, int warp, int lane,
+                                                            const OnceArgs* once);
 
   // ---- producer (prefill_producer.cuh): the query and the K/V ring, by cp.async or TMA (16-bit and FP8 caches)
   static __device__ __forceinline__ void load_query(const PrefillArgs& a, const Smem& sm, int head, int q_begin, int q0,
@@ -213,6 +219,11 @@ struct PrefillKernel {
                                                     const Buf& buf, const Cache& cache, int b, int kv_head, int kv_len,
                                                     int n_first, int n_tiles, int vslice, int pw, int lane,
                                                     i64 key_next, const KVT* kbase, const KVT* vbase, Ring& ring);
+  // PERSISTENT (16-bit): the producer warpgroup's walk over the work items; produce_item(t) issues item t's tiles
+  template <class ProduceItem>
+  static __device__ __forceinline__ void feed_items(const PrefillArgs& a, const OnceArgs& o, const CUtensorMap* qmap,
+                                                    const Smem& sm, const Cache& cache, int pw, int lane,
+                                                    ProduceItem&& produce_item);
   static __device__ __forceinline__ void feed_persistent_16(const PrefillArgs& a, const PrefillMaps* maps,
                                                             const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm,
                                                             const Buf& buf, const Cache& cache, int pw, int lane);

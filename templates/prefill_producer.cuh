@@ -413,8 +413,22 @@ __device__ __forceinline__ void PrefillKernel<Traits>::produce_16(const PrefillA
 template <class Traits>
 __device__ __forceinline__ void PrefillKernel<Traits>::feed_persistent_16(const PrefillArgs& a, const PrefillMaps* maps,
     const OnceArgs& o, const CUtensorMap* qmap, const Smem& sm, const Buf& buf, const Cache& cache, int pw, int lane) {
-  const int total = o.num_work * a.num_qo_heads;
   Ring ring{0};
+  feed_items(a, o, qmap, sm, cache, pw, lane, [&](const Item& t) {
+    produce(a, maps, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.n_first,
+            t.n_tiles, 0, pw, lane, ring);
+  });
+}
+
+// The walk itself (feed_persistent_16's, and the MLA prefill's with its own producer): item by item from the
+// counter, each staged for the consumers by warp 0, then produce_item(t) by all four producer warps.
+template <class Traits>
+template <class ProduceItem>
+__device__ __forceinline__ void PrefillKernel<Traits>::feed_items(const PrefillArgs& a, const OnceArgs& o,
+                                                                  const CUtensorMap* qmap, const Smem& sm,
+                                                                  const Cache& cache, int pw, int lane,
+                                                                  ProduceItem&& produce_item) {
+  const int total = o.num_work * a.num_qo_heads;
   int idx = blockIdx.x;
   for (int i = 0;; ++i) {
     Item t;
@@ -425,8 +439,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::feed_persistent_16(const 
       if (lane == 0) stage_item(sm, qmap, t);
     }
     if (t.b < 0) break;
-    produce(a, maps, sm, buf, cache, t.b, t.kv_head, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.n_first,
-            t.n_tiles, 0, pw, lane, ring);
+    produce_item(t);
     const u32 slot = sm.next + (u32)(4 * (i & 1));
     if (pw == 0 && lane == 0)
       asm volatile("st.shared.u32 [%0], %1;" :: "r"(slot), "r"((int)gridDim.x + atomicAdd(o.flags - 2, 1)) : "memory");

@@ -15,7 +15,7 @@ from cukv.configs.prefill import SMEM_LIMIT
 from cukv.ops.mla_prefill import BatchMLAPrefill, mla_prefill_flops
 
 FIELD_RE = re.compile(r"MLAPrefillConfig\.(\w+)=")
-FIELDS = ("dtype", "BM", "BN", "stages", "page_size", "pingpong", "pv_wait", "smem")
+FIELDS = ("dtype", "BM", "BN", "stages", "page_size", "pingpong", "pv_wait", "persistent", "tma", "smem")
 
 
 def config_args():
@@ -28,6 +28,8 @@ def config_args():
         "page_size": st.sampled_from((-1, 0, 1, 16, 48, 64, 4096, 4097)),
         "pingpong": st.booleans(),
         "pv_wait": st.booleans(),
+        "persistent": st.sampled_from((False, True, 1)),
+        "tma": st.sampled_from((False, True, None)),
     })
 
 
@@ -48,6 +50,15 @@ def test_every_point_raises_naming_a_field_or_renders(a):
     assert cfg.smem_bytes <= SMEM_LIMIT and cfg.num_threads == (cfg.BM // 64 + 1) * 128
     for key in ("k_nope_bytes", "k_rope_bytes", "k_bytes", "v_bytes", "k_elements", "v_elements", "num_kv_stages"):
         assert f"== {getattr(cfg, key)}, \"{key}\"" in src
+    assert ("_pers" in cfg.name) == cfg.persistent and ("OnceArgs once" in src) == cfg.persistent
+    assert ("_tma" in cfg.name) == cfg.tma and ("MLAPrefillMaps maps" in src) == cfg.tma
+    assert not cfg.persistent or cfg.BM >= 128
+    if cfg.tma:  # boxes of whole 8-row swizzle groups, the rope's within a page (0: by cp.async)
+        assert cfg.tma_rows == cfg.BN // 4 and cfg.tma_rows % 8 == 0
+        r = cfg.rope_tma_rows
+        assert r == 0 or (r % 8 == 0 and cfg.tma_rows % r == 0 and (cfg.page_size == 0 or cfg.page_size % r == 0))
+    else:
+        assert cfg.tma_rows == cfg.rope_tma_rows == 0
 
 
 @given(config_args(), config_args())
@@ -69,6 +80,39 @@ def test_shipped_compiles_without_spills(cfg):
     mod = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a")
     f = mod.functions[cfg.name]
     assert f.spills == 0 and f.stack_frame == 0, f
+
+
+@pytest.mark.parametrize("persistent,tma,stages", [(True, False, 2), (False, True, 2), (True, True, 2), (True, True, 3)],
+                         ids=["pers", "tma", "pers_tma", "pers_tma_s3"])
+@pytest.mark.parametrize("page_size", SHIPPED_PAGE_SIZES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_grid_and_tma_variants_compile_without_spills(dtype, page_size, persistent, tma, stages):
+    """The persistent grid and the tensor-copy producer over the default tile, every shipped rope source."""
+    import dataclasses
+
+    from cukv.policy.mla_prefill import default_config
+
+    cfg = dataclasses.replace(default_config(dtype, page_size), persistent=persistent, tma=tma, stages=stages)
+    f = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a").functions[cfg.name]
+    assert f.spills == 0 and f.stack_frame == 0, f
+
+
+def test_persistent_and_tma_errors():
+    with pytest.raises(ValueError, match=r"MLAPrefillConfig\.persistent=True .*BM >= 128, not 64"):
+        MLAPrefillConfig("bfloat16", BM=64, persistent=True)
+    with pytest.raises(ValueError, match=r"MLAPrefillConfig\.tma=True .*multiple of 32, not 48"):
+        MLAPrefillConfig("bfloat16", BN=48, tma=True)
+    with pytest.raises(ValueError, match=r"MLAPrefillConfig\.tma=1"):
+        MLAPrefillConfig("bfloat16", tma=1)
+    with pytest.raises(ValueError, match="max_blocks"):
+        BatchMLAPrefill(16, max_blocks=0)
+    cfg = MLAPrefillConfig("bfloat16", BN=128, stages=2, pv_wait=True, page_size=48, tma=True)
+    assert (cfg.tma_rows, cfg.rope_tma_rows) == (32, 16)
+    assert MLAPrefillConfig("bfloat16", BN=128, stages=2, pv_wait=True, page_size=1, tma=True).rope_tma_rows == 0
+    # three stages of 128 keys: on the persistent grid only
+    MLAPrefillConfig("bfloat16", BN=128, stages=3, pv_wait=True, pingpong=True, persistent=True)
+    with pytest.raises(ValueError, match=r"MLAPrefillConfig\.stages=3 .*off the persistent grid"):
+        MLAPrefillConfig("bfloat16", BN=128, stages=3, pv_wait=True, pingpong=True, tma=True)
 
 
 # ---- BatchMLAPrefill: errors before any device work

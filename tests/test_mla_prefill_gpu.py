@@ -5,6 +5,8 @@ past the ends of k_nope / v) or a contiguous k_rope, both masks, sink, graph rep
 The default subset runs in about a minute; the issue's full grid (q lengths up to 4099 over prefixes up to 3000, up
 to 128 heads) is marked ``slow``. Long sequences are checked on sampled query rows (the float64 reference of every
 row would take minutes)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,23 @@ pytestmark = pytest.mark.gpu
 
 #: every row of a sequence up to this many queries is checked; longer ones on FULL_ROWS sampled rows
 FULL_ROWS = 160
+#: the kernel variants (MLAPrefillConfig.persistent, .tma) the correctness tests run over the default tile
+VARIANTS = {"base": (False, False), "pers": (True, False), "tma": (False, True), "pers_tma": (True, True)}
+#: a persistent grid this small walks several items per block in the tests' small batches
+TEST_BLOCKS = 5
+
+
+def variant(name, dtype="bfloat16", page_size=None):
+    """(config, max_blocks) of variant ``name`` over the default tile."""
+    from cukv.policy.mla_prefill import default_config
+
+    persistent, tma = VARIANTS[name]
+    cfg = dataclasses.replace(default_config(dtype, 0 if page_size is None else page_size), persistent=persistent,
+                              tma=tma)
+    return cfg, (TEST_BLOCKS if persistent else None)
+
+
+each_variant = pytest.mark.parametrize("var", list(VARIANTS))
 
 
 def _to_dev(x, dtype):
@@ -133,15 +152,16 @@ def check(p, out, lse, want, dtype):
 
 
 def run_case(rng, q_lens, prefixes, heads, page_size, dtype="bfloat16", cache_dtype=None, mask="causal", sink=False,
-             scale=None, config=None):
+             scale=None, var="base"):
     import cupy as cp
 
     from cukv.ops.mla_prefill import BatchMLAPrefill
 
     p = make_problem(rng, q_lens, prefixes, heads, page_size, dtype, cache_dtype)
     sk = rng.standard_normal(heads).astype(np.float32) if sink else None
-    pf = BatchMLAPrefill(heads, page_size, dtype, config=config).plan(p["q_offsets"], p["kv_lengths"],
-                                                                      kv_offsets=p["kv_offsets"], mask=mask)
+    config, blocks = variant(var, dtype, page_size)
+    pf = BatchMLAPrefill(heads, page_size, dtype, config=config, max_blocks=blocks).plan(
+        p["q_offsets"], p["kv_lengths"], kv_offsets=p["kv_offsets"], mask=mask)
     src = dict(k_rope=p["dkr"]) if page_size is None else dict(cache=p["cache"], block_table=p["table"])
     out, lse = pf.run(p["dq"], p["dkn"], p["dv"], **src, return_lse=True, softmax_scale=scale, check=True,
                       sink=None if sk is None else cp.asarray(sk))
@@ -151,15 +171,17 @@ def run_case(rng, q_lens, prefixes, heads, page_size, dtype="bfloat16", cache_dt
 
 # ---- the default subset (time-bounded)
 
+@each_variant
 @pytest.mark.parametrize("page_size", [None, 1, 16, 64])
 @pytest.mark.parametrize("mask", ["causal", "none"])
-def test_small_ragged_batch(rng, page_size, mask):
-    run_case(rng, [1, 17, 128], [0, 5, 40], 16, page_size, mask=mask)
+def test_small_ragged_batch(rng, page_size, mask, var):
+    run_case(rng, [1, 17, 128, 300], [0, 5, 40, 200], 16, page_size, mask=mask, var=var)
 
 
+@each_variant
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_dtypes_and_sink(rng, dtype):
-    run_case(rng, [17, 64], [5, 0], 4, 16, dtype=dtype, sink=True, scale=0.05)
+def test_dtypes_and_sink(rng, dtype, var):
+    run_case(rng, [17, 64], [5, 0], 4, 16, dtype=dtype, sink=True, scale=0.05, var=var)
 
 
 @pytest.mark.parametrize("cache_dtype", ["bfloat16", "fp8_e4m3"])
@@ -171,20 +193,24 @@ def test_rope_rows_helper_reads_the_cache_the_kernel_reads(rng, cache_dtype):
     np.testing.assert_array_equal(got, p["k_rope"][ko[0]: ko[-1]])
 
 
-def test_rope_from_fp8_rows(rng):
-    run_case(rng, [17, 129], [5, 70], 16, 64, cache_dtype="fp8_e4m3")
+@each_variant
+def test_rope_from_fp8_rows(rng, var):
+    run_case(rng, [17, 129], [5, 270], 16, 64, cache_dtype="fp8_e4m3", var=var)
 
 
-def test_page_size_48_compiles_on_demand(rng):
-    run_case(rng, [100], [60], 2, 48)
+@each_variant
+def test_page_size_48_compiles_on_demand(rng, var):
+    run_case(rng, [100], [260], 2, 48, var=var)
 
 
+@pytest.mark.parametrize("var", ["base", "pers_tma"])
 @pytest.mark.parametrize("heads", [1, 32, 128])
-def test_head_counts(rng, heads):
-    run_case(rng, [33, 7], [0, 100], heads, 64)
+def test_head_counts(rng, heads, var):
+    run_case(rng, [33, 7], [0, 300], heads, 64, var=var)
 
 
-def test_fully_masked_rows_and_empty_sequences(rng):
+@each_variant
+def test_fully_masked_rows_and_empty_sequences(rng, var):
     """Causal rows of a sequence with fewer keys than queries see nothing: 0 and -inf; a sequence with no queries
     is skipped."""
     import cupy as cp
@@ -196,7 +222,8 @@ def test_fully_masked_rows_and_empty_sequences(rng):
     kl = p["kv_lengths"].copy()
     kl[0] = 2
     ko = np.concatenate([[p["kv_offsets"][0]], p["kv_offsets"][0] + np.cumsum(kl)])
-    pf = BatchMLAPrefill(2, None).plan(p["q_offsets"], kl, kv_offsets=ko)
+    cfg, blocks = variant(var)
+    pf = BatchMLAPrefill(2, None, config=cfg, max_blocks=blocks).plan(p["q_offsets"], kl, kv_offsets=ko)
     out, lse = pf.run(p["dq"], p["dkn"], p["dv"], k_rope=p["dkr"], return_lse=True)
     o, lh = _to_host(out, "bfloat16"), lse.get()
     assert (o[:4] == 0).all() and np.isneginf(lh[:4]).all()
@@ -204,21 +231,25 @@ def test_fully_masked_rows_and_empty_sequences(rng):
     cp.cuda.Stream.null.synchronize()
 
 
-def test_repeat_runs_are_bit_identical(rng):
-    pf, p, src, out, lse = run_case(rng, [300, 40], [100, 0], 16, 16)
+@each_variant
+def test_repeat_runs_are_bit_identical(rng, var):
+    pf, p, src, out, lse = run_case(rng, [300, 40], [100, 0], 16, 16, var=var)
     for _ in range(3):
         o2, l2 = pf.run(p["dq"], p["dkn"], p["dv"], **src, return_lse=True)
         assert (o2 == out).all() and (l2 == lse).all()
 
 
-def test_graph_replay(rng):
+@each_variant
+def test_graph_replay(rng, var):
     """run is capturable: replays read the new contents of the same buffers."""
     import cupy as cp
 
     from cukv.ops.mla_prefill import BatchMLAPrefill
 
     p = make_problem(rng, [70, 9], [30, 0], 8, 16)
-    pf = BatchMLAPrefill(8, 16).plan(p["q_offsets"], p["kv_lengths"], kv_offsets=p["kv_offsets"])
+    cfg, blocks = variant(var, page_size=16)
+    pf = BatchMLAPrefill(8, 16, config=cfg, max_blocks=blocks).plan(p["q_offsets"], p["kv_lengths"],
+                                                                     kv_offsets=p["kv_offsets"])
     out = cp.empty((p["dq"].shape[0], 8, 128), p["dq"].dtype)
     lse = cp.empty((p["dq"].shape[0], 8), cp.float32)
     src = dict(cache=p["cache"], block_table=p["table"])

@@ -6,9 +6,11 @@ and launches it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import cached_property
 
-from ..operand import MLA_PREFILL_ARGS, PREFILL_ARGS
+from ..operand import MLA_PREFILL_ARGS, ONCE_ARGS, PREFILL_ARGS
+from ..tma import MAP_BYTES
 from .base import KernelConfig
 from .checks import CTYPES, SHORT, check_bool, check_in, check_range, check_rule
 from .prefill import SMEM_LIMIT, KVBufferConfig
@@ -26,6 +28,9 @@ class MLAPrefillConfig(KernelConfig):
     one tile's K, 192 deep, or its V), ``page_size`` the rope source's: 0 reads a contiguous ``k_rope[Tk, 64]``,
     otherwise the MLA cache's pages through the page table (the bf16 rope part of FP8 rows reads the same way, by
     its strides). ``pingpong`` and ``pv_wait`` are the MHA prefill consumer's switches (:class:`PrefillConfig`).
+``persistent``: one block per SM walks the work items (the MHA prefill's persistent grid; BM >= 128). ``tma``: the
+tiles wholly inside a sequence come by tensor copies (k_nope / v boxes of BN / 4 tokens; the rope rows' boxes within
+a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32.
 
     Examples
     --------
@@ -51,6 +56,10 @@ class MLAPrefillConfig(KernelConfig):
     page_size: int = 64
     pingpong: bool = False
     pv_wait: bool = False
+    #: one block per SM walking the work items (PrefillKernel's persistent scheduler)
+    persistent: bool = False
+    #: k_nope / v (and the rope rows where a page holds 8 or more) of tiles inside the sequence by TMA
+    tma: bool = False
 
     def __post_init__(self):
         c = "MLAPrefillConfig"
@@ -61,13 +70,24 @@ class MLAPrefillConfig(KernelConfig):
         check_range(c, "page_size", self.page_size, 0, 4096, "0 = a contiguous k_rope")
         check_bool(c, "pingpong", self.pingpong)
         check_bool(c, "pv_wait", self.pv_wait)
+        check_bool(c, "persistent", self.persistent)
+        check_bool(c, "tma", self.tma)
         if self.pingpong:
             check_rule(c, "pingpong", True, self.BM >= 128,
                        f"needs two or more consumer warpgroups (BM >= 128, not {self.BM})")
+        if self.persistent:
+            check_rule(c, "persistent", True, self.BM >= 128,
+                       f"needs a producer warpgroup beside two or more consumer warpgroups (BM >= 128, not {self.BM})")
+        if self.tma:
+            check_rule(c, "tma", True, self.BN % 32 == 0,
+                       f"boxes of BN / 4 rows in whole 8-row swizzle groups need BN a multiple of 32, not {self.BN}")
         # measured (ptxas, sm_90a), as for the MHA prefill's 192-deep elements: BM=128 with BN >= 96 spills at 3 stages
+        # (20-40 bytes) beside one block per item, not on the persistent grid (docs/tuning.md, "MLA prefill")
         check_rule(c, "stages", self.stages,
-                   not (self.BM == 128 and self.BN >= 96) or self.stages == 4 or (self.stages == 2 and self.pv_wait),
-                   "must be 4, or 2 with pv_wait=True, when BM=128 and BN>=96 (other depths spill there)")
+                   not (self.BM == 128 and self.BN >= 96) or self.persistent or self.stages == 4
+                   or (self.stages == 2 and self.pv_wait),
+                   "must be 4, or 2 with pv_wait=True, when BM=128 and BN>=96 off the persistent grid (other depths "
+                   "spill there)")
         check_rule(c, "smem", self.smem_bytes, self.smem_bytes <= SMEM_LIMIT,
                    f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
         limit = self.consumer_registers - 24
@@ -131,12 +151,18 @@ class MLAPrefillConfig(KernelConfig):
     @property
     def producer_registers(self) -> int:
         """The 16-bit MHA prefill's split (:attr:`PrefillConfig.producer_registers`): 56, none with one consumer
-        warpgroup."""
-        return 0 if self.BM == 64 else 56
+        warpgroup; 72 on the persistent grid (ptxas, sm_90a: its item walk spills 8-16 bytes in 56 and, with
+        ``tma``, in 64)."""
+        if self.BM == 64:
+            return 0
+        return 72 if self.persistent else 56
 
     @property
     def consumer_registers(self) -> int:
-        return 255 if self.BM == 64 else {2: 224, 3: 152}[self.BM // 64]
+        """224 beside two consumer warpgroups, 152 beside three, 8 fewer where the producer takes 72."""
+        if self.BM == 64:
+            return 255
+        return {2: 224, 3: 152}[self.BM // 64] - (8 if self.producer_registers > 56 else 0)
 
     @property
     def register_estimate(self) -> int:
@@ -144,23 +170,42 @@ class MLAPrefillConfig(KernelConfig):
         return self.BN // 2 + V_DIM // 2 + (0 if self.pv_wait else self.BN // 4)
 
     @property
+    def tma_rows(self) -> int:
+        """Tokens per k_nope / v box (a producer warp's rows of the tile); 0 without ``tma``."""
+        return self.BN // 4 if self.tma else 0
+
+    @property
+    def rope_tma_rows(self) -> int:
+        """Tokens per rope box: the largest whole swizzle groups dividing both :attr:`tma_rows` and the page (a
+        contiguous k_rope: :attr:`tma_rows`); 0 (the rope rows by cp.async) without ``tma`` or where a page holds
+        fewer than 8 rows in such groups."""
+        if not self.tma:
+            return 0
+        g = self.tma_rows if self.page_size == 0 else math.gcd(self.tma_rows, self.page_size)
+        return g if g % 8 == 0 else 0
+
+    @property
     def q_bytes(self) -> int:
         return self.BM * QK_DIM * 2
 
     @property
     def smem_bytes(self) -> int:
-        barriers = 2 * self.stages + 1  # full/empty per element, the query's
+        # full/empty per element, the query's; persistent: q_empty, the staged item (10 ints) and two next-item slots
+        barriers = 2 * self.stages + 1 + (7 if self.persistent else 0)
         return 1024 + self.q_bytes + self.stages * self.kv_buffer.stage_bytes + barriers * 8
 
     @property
     def name(self) -> str:
         return (f"cukv_mla_prefill_{SHORT[self.dtype]}_p{self.page_size}_m{self.BM}_n{self.BN}_s{self.stages}"
-                + ("_pp" if self.pingpong else "") + ("_pvw" if self.pv_wait else ""))
+                + ("_pp" if self.pingpong else "") + ("_pvw" if self.pv_wait else "")
+                + ("_pers" if self.persistent else "") + ("_tma" if self.tma else ""))
 
     def render_params(self) -> dict:
         return dict(
             name=self.name, ctype=CTYPES[self.dtype], BM=self.BM, BN=self.BN, stages=self.stages,
-            page_size=self.page_size, pingpong=self.pingpong, pv_wait=self.pv_wait,
+            page_size=self.page_size, pingpong=self.pingpong, pv_wait=self.pv_wait, persistent=self.persistent,
+            tma=self.tma, tma_rows=self.tma_rows, rope_tma_rows=self.rope_tma_rows, maps_bytes=3 * MAP_BYTES,
+            once_args_bytes=ONCE_ARGS.itemsize,
             producer_registers=self.producer_registers, consumer_registers=self.consumer_registers,
             q_bytes=self.q_bytes, smem_bytes=self.smem_bytes, num_threads=self.num_threads,
             k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes, k_bytes=self.k_bytes,

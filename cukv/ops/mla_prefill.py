@@ -13,12 +13,12 @@ import numpy as np
 
 from ..configs.mla_prefill import QK_DIM, V_DIM, MLAPrefillConfig
 from ..policy.mla_prefill import default_config
-from ..device import check_same_device, current_device
+from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import NOPE, MLAKVCache
-from ..operand import KV_PARAMS, MLA_PREFILL_ARGS, PREFILL_ARGS, as_kernel_arg, ptr
+from ..operand import KV_PARAMS, MLA_PREFILL_ARGS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, ptr
 from ..validate import (attention_outputs, check_bool, check_choice, check_device_array, check_float, check_int,
                         check_mla_prefill_shapes, check_planned, check_table, checked, mla_prefill_batch)
-from .prefill import _work_array, _work_list
+from .prefill import _query_map, _work_array, _work_list
 
 MASKS = ("none", "causal")
 #: byte offset of the bf16 rope values in a 656-byte FP8 MLA row (512 codes, 4 float32 scales)
@@ -49,6 +49,8 @@ class BatchMLAPrefill:
         Query, ``k_nope``, ``v``, rope and output type (the bf16 rope of an FP8 cache needs 'bfloat16').
     config : MLAPrefillConfig, optional
         Tile shape (default: :func:`cukv.policy.mla_prefill.default_config`).
+    max_blocks : int, optional
+        Caps the blocks of a persistent grid (``config.persistent``; default one per SM).
 
     ``run(q[T, H, 192], k_nope[Tk, H, 128], v[Tk, H, 128], cache=..., block_table=...)`` (or ``k_rope=[Tk, 64]``)
     returns ``out[T, H, 128]`` and, with ``return_lse``, the natural-log ``lse[T, H]``; query i of sequence b sits
@@ -78,7 +80,7 @@ class BatchMLAPrefill:
     """
 
     def __init__(self, num_heads: int, page_size: int | None = 64, dtype="bfloat16",
-                 config: MLAPrefillConfig | None = None):
+                 config: MLAPrefillConfig | None = None, max_blocks: int | None = None):
         from ..arrays import canonical_dtype
 
         self.num_heads = check_int("num_heads", num_heads, 1, 65535)  # the grid's y dimension
@@ -92,6 +94,7 @@ class BatchMLAPrefill:
         if (config.dtype, config.page_size) != (self.dtype, ps):
             raise ValueError(f"config {config.name} does not match dtype={self.dtype}, page_size={ps}")
         self.page_size, self.config = page_size, config
+        self._max_blocks = check_int("max_blocks", max_blocks, 1, 1 << 20, none_ok=True, note="one block per SM")
         self._planned = False
 
     def plan(self, q_offsets, kv_lengths, *, kv_offsets=None, mask: str = "causal") -> "BatchMLAPrefill":
@@ -112,6 +115,9 @@ class BatchMLAPrefill:
         self._kv_offsets = cp.asarray(ko.astype(np.int32))
         self._kv_lengths = cp.asarray(kl.astype(np.int32))
         self._fn = cfg.compiled.function(cfg.name, cfg.smem_bytes)
+        # the persistent grid's item counter and finished-block count (OnceArgs.flags[-2], [-3]): zero between
+        # launches, the kernel's last block resets them
+        self._counters = cp.zeros(32, cp.int32) if cfg.persistent else None
         self._device = current_device()
         self._planned = True
         return self
@@ -153,12 +159,46 @@ class BatchMLAPrefill:
         m["k_nope"], m["v"], m["kv_offsets"] = ptr(kn), ptr(vv), ptr(self._kv_offsets)
         m["kn_stride"] = (kn.strides[0] // 2, kn.strides[1] // 2)
         m["v_stride"] = (vv.strides[0] // 2, vv.strides[1] // 2)
+        cfg = self.config
+        args = (as_kernel_arg(rec), as_kernel_arg(m))
+        if cfg.tma:
+            args += (self._tma_maps(kn, vv, cache),)
+        grid = (self._num_work, h, 1)
+        if cfg.persistent:
+            once = np.zeros((), ONCE_ARGS)
+            once["flags"], once["num_work"] = ptr(self._counters) + 128, self._num_work
+            args += (as_kernel_arg(once), _query_map(qd, cfg.BM))
+            grid = (min(self._max_blocks or sm_count(), self._num_work * h), 1, 1)
         if self._num_work:
-            cfg = self.config
             with (stream or cp.cuda.get_current_stream()):
-                self._fn((self._num_work, h, 1), (cfg.num_threads,), (as_kernel_arg(rec), as_kernel_arg(m)),
-                         shared_mem=cfg.smem_bytes)
+                self._fn(grid, (cfg.num_threads,), args, shared_mem=cfg.smem_bytes)
         return (out, lse) if return_lse else out
+
+    def _tma_maps(self, kn, vv, cache):
+        """The MLAPrefillMaps argument (cukv/tma.py): k_nope and v as bytes [1, Tk, H, 256] in boxes of
+        ``tma_rows`` tokens of one head, the rope rows as [pages, page_size, 1, 128] (a contiguous k_rope: one page)
+        in boxes of ``rope_tma_rows`` tokens (none when 0: those rows come by cp.async), 128-byte swizzle."""
+        import cupy as cp
+
+        from .. import tma
+
+        cfg = self.config
+        maps = [tma.encode_pages(n, tma.OnePage(a.view(cp.uint8)), 128, cfg.tma_rows, tma.SWIZZLE_128B)
+                for n, a in (("k_nope", kn), ("v", vv))]
+        if not cfg.rope_tma_rows:
+            maps.append(bytes(tma.MAP_BYTES))
+        elif cfg.page_size == 0:
+            k_rope = self._keep  # the k_rope _rope_params checked
+            s = int(k_rope.strides[0])
+            maps.append(tma.encode_pages("k_rope", _Rows((1, k_rope.shape[0], 1, 128), (k_rope.shape[0] * s, s, s, 1),
+                                                         int(k_rope.data.ptr)), 128, cfg.rope_tma_rows,
+                                         tma.SWIZZLE_128B))
+        else:
+            base = cache.ptr + (FP8_ROPE_BYTE if cache.quantized else 2 * NOPE)
+            rows = _Rows((cache.num_pages, cache.page_size, 1, 128),
+                         (cache.page_stride, cache.row_stride, cache.row_stride, 1), base)
+            maps.append(tma.encode_pages("cache", rows, 128, cfg.rope_tma_rows, tma.SWIZZLE_128B))
+        return tma.as_maps_arg(*maps)
 
     def _rope_params(self, cache, block_table, k_rope, check: bool) -> np.ndarray:
         """The KVCacheParams record of the rope source (PrefillArgs.kv), validated."""
@@ -213,6 +253,15 @@ class BatchMLAPrefill:
         rec["num_pages"] = cache.num_pages
         self._keep = (cache, bt)
         return rec
+
+
+class _Rows:
+    """Byte rows at a device address as :func:`cukv.tma.encode_pages` reads an array: ``shape`` [pages, page_size,
+    heads, bytes], ``strides`` (bytes), ``data.ptr``."""
+
+    def __init__(self, shape, strides, ptr_):
+        self.shape, self.strides = tuple(int(n) for n in shape), tuple(int(x) for x in strides)
+        self.data = type("Ptr", (), {"ptr": int(ptr_)})()
 
 
 def _check_rows(name: str, a) -> None:
