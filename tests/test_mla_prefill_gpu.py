@@ -17,8 +17,9 @@ pytestmark = pytest.mark.gpu
 
 #: every row of a sequence up to this many queries is checked; longer ones on FULL_ROWS sampled rows
 FULL_ROWS = 160
-#: the kernel variants (MLAPrefillConfig.persistent, .tma) the correctness tests run over the default tile
-VARIANTS = {"base": (False, False), "pers": (True, False), "tma": (False, True), "pers_tma": (True, True)}
+#: the kernel variants (MLAPrefillConfig.persistent, .tma, .stages) the correctness tests run over the default tile
+#: (3 stages only on the persistent grid: one block per item spills there)
+VARIANTS = {"base": (False, False, 2), "pers": (True, False, 3), "tma": (False, True, 2), "pers_tma": (True, True, 3)}
 #: a persistent grid this small walks several items per block in the tests' small batches
 TEST_BLOCKS = 5
 
@@ -27,9 +28,9 @@ def variant(name, dtype="bfloat16", page_size=None):
     """(config, max_blocks) of variant ``name`` over the default tile."""
     from cukv.policy.mla_prefill import default_config
 
-    persistent, tma = VARIANTS[name]
+    persistent, tma, stages = VARIANTS[name]
     cfg = dataclasses.replace(default_config(dtype, 0 if page_size is None else page_size), persistent=persistent,
-                              tma=tma)
+                              tma=tma, stages=stages)
     return cfg, (TEST_BLOCKS if persistent else None)
 
 

@@ -5,25 +5,30 @@ Examples
 --------
 >>> from cukv.policy.mla_prefill import default_config
 >>> default_config("bfloat16", page_size=64).name
-'cukv_mla_prefill_bf16_p64_m128_n128_s2_pp_pvw'
+'cukv_mla_prefill_bf16_p64_m128_n128_s3_pp_pvw_pers_tma'
 """
 from __future__ import annotations
 
 from ..configs.mla_prefill import MLAPrefillConfig
 
-#: (BM, BN, stages, pingpong, pv_wait): 128 keys in a ring of two tiles, S issued in warpgroup order, beat the
-#: 64-key ring by 9-18% on every bench shape (docs/tuning.md "MLA prefill")
-TILE = (128, 128, 2, True, True)
+#: (BM, BN, stages, pingpong, pv_wait): 128 keys per tile, S issued in warpgroup order, S and P never live together;
+#: 128 x 128 x 2 beat the 64-key ring by 9-18% on every bench shape, 3 stages (on the persistent grid only: off it
+#: they spill) another 1.7% (docs/tuning.md "MLA prefill")
+TILE = (128, 128, 3, True, True)
+#: one block per SM walking the work items, and full tiles by TMA tensor copies: together 1.15-1.16x over one block
+#: per item with cp.async (TMA alone 1.13x, the persistent grid alone 1.01x; docs/tuning.md "MLA prefill")
+PERSISTENT, TMA = True, True
 #: rope sources the shipped kernels read: a contiguous k_rope (0), and the cache page sizes vLLM (16), FlashMLA (64)
 #: and a one-token page use
 SHIPPED_PAGE_SIZES = (0, 1, 16, 64)
 
 
 def default_config(dtype: str, page_size: int) -> MLAPrefillConfig:
-    """The default tile (:data:`TILE`) for ``dtype`` and a rope source of ``page_size`` (0: contiguous)."""
+    """The default tile (:data:`TILE`, :data:`PERSISTENT`, :data:`TMA`) for ``dtype`` and a rope source of
+    ``page_size`` (0: contiguous)."""
     bm, bn, stages, pingpong, pv_wait = TILE
     return MLAPrefillConfig(dtype, BM=bm, BN=bn, stages=stages, page_size=page_size, pingpong=pingpong,
-                            pv_wait=pv_wait)
+                            pv_wait=pv_wait, persistent=PERSISTENT, tma=TMA)
 
 
 def shipped() -> list:
