@@ -235,7 +235,7 @@ def sparse_mla_prefill(q, kv, indices, *, topk_lengths=None, sink=None, softmax_
     >>> from cukv.testing import assert_close
     >>> rng = np.random.default_rng(1)
     >>> cache = cukv.MLAKVCache(num_pages=4, page_size=64, dtype="float16", fill="nan")   # NaN: unused rows
-    >>> rows = rng.standard_normal((256, 576)).astype(np.float16)
+    >>> rows = rng.standard_normal((200, 576)).astype(np.float16)
     >>> cukv.append_mla(cache, cp.asarray(rows[:, :512]), cp.asarray(rows[:, 512:]), cp.arange(200))
     >>> idx = rng.integers(0, 200, (3, 64)).astype(np.int32)
     >>> idx[1, 10:] = -1                                      # token 1 sees its first 10 keys only
