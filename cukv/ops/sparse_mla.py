@@ -257,7 +257,32 @@ def sparse_mla_decode(q, cache, indices, *, topk_lengths=None, sink=None, softma
     ``topk_lengths`` int32 ``[B, s_q]`` (per token) or ``[B]`` (per request, shared by its ``s_q`` tokens).
     Returns ``(out[B, s_q, H, 512], lse[B, s_q, H], max_logits[B, s_q, H])``. The tokens are planned as a sparse
     prefill of ``B * s_q`` tokens (long lists split over the SMs); keep a :class:`SparseMLA` planned for ``B *
-    s_q`` tokens and pass the flattened arrays to capture it in a CUDA graph."""
+    s_q`` tokens and pass the flattened arrays to capture it in a CUDA graph.
+
+    Examples
+    --------
+    >>> import cupy as cp, numpy as np, cukv
+    >>> from cukv import reference
+    >>> from cukv.dtypes import from_storage, to_storage
+    >>> from cukv.testing import assert_close
+    >>> rng = np.random.default_rng(0)
+    >>> cache = cukv.MLAKVCache(num_pages=8, page_size=64, dtype="bfloat16")
+    >>> rows = to_storage(rng.standard_normal((512, 576)), "bfloat16")              # bf16 bits on the host
+    >>> cukv.append_mla(cache, cp.asarray(rows[:, :512]), cp.asarray(rows[:, 512:]), cp.arange(512))
+    >>> table = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int32)      # two requests of 256 tokens
+    >>> pos = rng.integers(0, 256, (2, 2, 128))                       # an indexer's picks [B, s_q, topk]
+    >>> idx = cukv.sparse_indices(pos, table, page_size=64)           # -> page * 64 + offset
+    >>> q = to_storage(rng.standard_normal((2, 2, 16, 576)), "bfloat16")
+    >>> lens = cp.asarray([128, 50], np.int32)                         # per request: request 1 reads 50 keys
+    >>> out, lse, mx = cukv.sparse_mla_decode(cp.asarray(q), cache, cp.asarray(idx), topk_lengths=lens)
+    >>> out.shape, lse.shape, mx.shape
+    ((2, 2, 16, 512), (2, 2, 16), (2, 2, 16))
+    >>> want, _, _ = reference.sparse_mla(from_storage(q, "bfloat16").reshape(4, 16, 576),
+    ...                                   from_storage(cache.data.get(), "bfloat16").reshape(-1, 576),
+    ...                                   idx.reshape(4, 128), [128, 128, 50, 50])
+    >>> assert_close(from_storage(out.get(), "bfloat16").reshape(4, 16, 512), want, "bfloat16") < 0.01
+    True
+    """
     qa, dt = check_device_array("q", q, dtypes=FLOAT16, shape=(None, None, None, DIM))
     b, s_q, h = qa.shape[:3]
     ia = check_device_array("indices", indices, dtypes=(np.int32, np.uint32), shape=(b, s_q, None))
