@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from cukv import compiler, reference
 from cukv.configs.sparse_mla import SparseMLAConfig, shipped
-from cukv.ops.sparse_mla import SparseMLA, sparse_indices
+from cukv.ops.sparse_mla import MAX_COMBINE_TOKENS, SparseMLA, plan_work, sparse_indices
 
 ARCH = "sm_90a"
 
@@ -95,3 +95,29 @@ def test_named_errors_before_any_gpu_work():
         SparseMLA(16, block_n=128)
     with pytest.raises(TypeError, match="dtype"):
         SparseMLA(16, "float32")
+
+
+@given(tokens=st.integers(1, 300), topk=st.integers(1, 16384), nrb=st.integers(1, 2), sms=st.sampled_from([8, 132]),
+       block_n=st.sampled_from([32, 64]))
+def test_plan_work_covers_every_list_once(tokens, topk, nrb, sms, block_n):
+    items, indptr, slots, c = plan_work(tokens, topk, nrb, block_n, sms)
+    spans = {}
+    for b, rb, begin, end, part in items[:, :5].tolist():
+        spans.setdefault((b, rb), []).append((begin, end, part))
+    assert set(spans) == {(b, rb) for b in range(tokens) for rb in range(nrb)}
+    for (b, rb), sp in spans.items():
+        sp.sort()
+        assert sp[0][0] == 0 and sp[-1][1] == topk and all(x[1] == y[0] for x, y in zip(sp, sp[1:]))
+        assert all(s[0] % block_n == 0 for s in sp)
+        k = b * nrb + rb
+        if len(sp) == 1:  # written directly: no partial, nothing for the combine
+            assert sp[0][2] == -1 and indptr[k + 1] == indptr[k]
+        else:
+            assert sorted(slots[indptr[k]:indptr[k + 1]].tolist()) == sorted(s[2] for s in sp)
+    assert sorted(slots.tolist()) == list(range(len(slots)))  # compact partial slots, each once
+    assert indptr[-1] == len(slots) and (np.diff(indptr) >= 0).all()
+
+
+def test_plan_work_never_splits_past_the_combine_grid():
+    items, indptr, slots, c = plan_work(MAX_COMBINE_TOKENS + 1, 128, 1, 64, 132)
+    assert slots.size == 0 and (items[:, 4] == -1).all() and len(items) == MAX_COMBINE_TOKENS + 1

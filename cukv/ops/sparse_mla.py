@@ -42,6 +42,44 @@ def _as_cache(kv) -> MLAKVCache:
     return MLAKVCache.from_arrays(a[None])
 
 
+def plan_work(num_tokens: int, topk: int, row_blocks: int, block_n: int, num_sms: int,
+              chunk_tiles: int | None = None):
+    """The host side of :meth:`SparseMLA.plan`: every token's list of ``topk`` keys cut into chunks as the MLA decode
+    cuts a sequence (:func:`~cukv.policy.mla_decode.plan_items`; whole lists, no combine, past
+    ``MAX_COMBINE_TOKENS`` tokens). Returns ``items[n, 8]`` int32 (token, row block, first key, end key, partial
+    slot or -1), ``rb_indptr[num_tokens * row_blocks + 1]`` and ``rb_slots`` int32 (the partial slots of each split
+    (token, row block), numbered 0.. in a compact range), and the chunk length in tiles.
+
+    Examples
+    --------
+    >>> from cukv.ops.sparse_mla import plan_work
+    >>> items, indptr, slots, c = plan_work(num_tokens=2, topk=2048, row_blocks=1, block_n=64, num_sms=132)
+    >>> c, len(items), len(slots), items[0, :5].tolist()      # 2 lists of 32 tiles over 132 SMs: split
+    (1, 64, 64, [0, 0, 0, 64, 0])
+    >>> plan_work(num_tokens=4096, topk=2048, row_blocks=2, block_n=64, num_sms=132)[2].size   # prefill: none
+    0
+    """
+    if num_tokens > MAX_COMBINE_TOKENS:
+        chunk_tiles = -(-topk // block_n)  # whole lists: the combine's grid.y holds the tokens
+    items, chunk = plan_items(np.full(num_tokens, topk), row_blocks, block_n, num_sms, chunk_tiles)
+    host = np.zeros((len(items), 8), np.int32)
+    per_rb = {}
+    n_parts = 0
+    for i, (b, rb, begin, end, n_chunks) in enumerate(items):
+        part = -1
+        if n_chunks > 1:
+            part, n_parts = n_parts, n_parts + 1
+            per_rb.setdefault(b * row_blocks + rb, []).append(part)
+        host[i, :5] = (b, rb, begin, end, part)
+    counts = np.zeros(num_tokens * row_blocks, np.int64)
+    for k, v in per_rb.items():
+        counts[k] = len(v)
+    indptr = np.zeros(num_tokens * row_blocks + 1, np.int32)
+    indptr[1:] = np.cumsum(counts)
+    slots = np.array([p for k in sorted(per_rb) for p in per_rb[k]], np.int32)
+    return host, indptr, slots, chunk
+
+
 class SparseMLA:
     """Sparse MLA over a cache (plan/run; :meth:`run` launches only, so it can be captured in a CUDA graph).
 
@@ -110,36 +148,17 @@ class SparseMLA:
         chunk_tiles = check_int("chunk_tiles", chunk_tiles, 1, none_ok=True, note="the plan's choice")
         bn = self.config.block_n
         nrb = -(-self.num_heads // BLOCK_M)
-        if t_n > MAX_COMBINE_TOKENS:
-            chunk_tiles = -(-topk // bn)  # whole lists: no combine
-        items, self.chunk_tiles = plan_items(np.full(t_n, topk), nrb, bn, sm_count(), chunk_tiles)
-        host = np.zeros((len(items), 8), np.int32)
-        per_rb = {}
-        n_parts = 0
-        for i, (b, rb, begin, end, n_chunks) in enumerate(items):
-            part = -1
-            if n_chunks > 1:
-                part, n_parts = n_parts, n_parts + 1
-                per_rb.setdefault(b * nrb + rb, []).append(part)
-            host[i, :5] = (b, rb, begin, end, part)
-        indptr = np.zeros(t_n * nrb + 1, np.int64)
-        slots = []
-        if n_parts:
-            counts = np.zeros(t_n * nrb, np.int64)
-            for k, v in per_rb.items():
-                counts[k] = len(v)
-            indptr[1:] = np.cumsum(counts)
-            for k in sorted(per_rb):
-                slots.extend(per_rb[k])
+        host, indptr, slots, self.chunk_tiles = plan_work(t_n, topk, nrb, bn, sm_count(), chunk_tiles)
+        n_parts = len(slots)
         self._items = cp.asarray(host)
-        self._num_items = cp.asarray(np.array([len(items)], np.int32))
-        self._rb_indptr = cp.asarray(indptr.astype(np.int32)) if n_parts else None
-        self._rb_slots = cp.asarray(np.array(slots, np.int32)) if n_parts else None
+        self._num_items = cp.asarray(np.array([len(host)], np.int32))
+        self._rb_indptr = cp.asarray(indptr) if n_parts else None
+        self._rb_slots = cp.asarray(slots) if n_parts else None
         self._part_o = cp.empty((n_parts, BLOCK_M, NOPE), cp.float32) if n_parts else None
         self._part_lse = cp.empty((n_parts, BLOCK_M), cp.float32) if n_parts else None
         self._part_max = cp.empty((n_parts, BLOCK_M), cp.float32) if n_parts else None
         self.num_tokens, self.topk, self.row_blocks = t_n, topk, nrb
-        self.num_items, self.num_parts = len(items), n_parts
+        self.num_items, self.num_parts = len(host), n_parts
         mod = self.config.compiled
         self._fn = mod.function(self.config.name, self.config.smem_bytes)
         self._combine = mod.function(self.config.name + "_combine")
