@@ -204,3 +204,44 @@ def test_sparse_graph_capture_replays(rng):
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 def test_sparse_prefill_full_grid(rng, heads, s_kv, topk, t_n, dtype):
     check(rng, heads, s_kv, topk, t_n=t_n, dtype=dtype, cut=bool(t_n % 2 == 0), sink="finite")
+
+
+def test_named_errors_before_launch(rng):
+    import cupy as cp
+
+    from cukv.errors import NotPlannedError
+    from cukv.mla_cache import MLAKVCache
+    from cukv.ops.sparse_mla import SparseMLA, sparse_mla_decode, sparse_mla_prefill
+
+    kv = cp.zeros((100, 576), cp.uint16)
+    q = cp.zeros((3, 16, 576), cp.uint16)
+    idx = cp.zeros((3, 64), cp.int32)
+    with pytest.raises(NotPlannedError):
+        SparseMLA(16).run(q, kv, idx)
+    att = SparseMLA(16).plan(3, 64)
+    cases = [
+        (dict(q=cp.zeros((3, 8, 576), cp.uint16)), ValueError, "q has shape"),
+        (dict(q=cp.zeros((3, 16, 576), cp.float32)), TypeError, "q has dtype float32"),
+        (dict(q=cp.zeros((3, 16, 576), cp.float16)), TypeError, "q is float16"),
+        (dict(indices=cp.zeros((3, 64), cp.int64)), TypeError, "indices has dtype"),
+        (dict(indices=cp.zeros((3, 32), cp.int32)), ValueError, "topk=64"),
+        (dict(indices=cp.zeros((4, 64), cp.int32)), ValueError, "indices has shape"),
+        (dict(topk_lengths=cp.zeros((3,), cp.int64)), TypeError, "topk_lengths"),
+        (dict(topk_lengths=cp.zeros((2,), cp.int32)), ValueError, "topk_lengths"),
+        (dict(sink=cp.zeros((8,), cp.float32)), ValueError, "sink"),
+        (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+        (dict(kv=cp.zeros((100, 576), cp.float16)), TypeError, "kv holds"),
+        (dict(kv=MLAKVCache(2, 64, "fp8_e4m3")), TypeError, "kv holds"),
+        (dict(out=cp.zeros((3, 16, 256), cp.uint16)), ValueError, "out has shape"),
+    ]
+    for change, exc, text in cases:
+        args = dict(q=q, kv=kv, indices=idx)
+        args.update(change)
+        with pytest.raises(exc, match=text):
+            att.run(args.pop("q"), args.pop("kv"), args.pop("indices"), **args)
+    with pytest.raises(ValueError, match="topk_lengths has shape"):
+        sparse_mla_decode(q.reshape(3, 1, 16, 576), kv, idx.reshape(3, 1, 64), topk_lengths=cp.zeros((2,), cp.int32))
+    with pytest.raises(ValueError, match="indices_stride"):
+        sparse_mla_prefill(q, kv, cp.zeros((100,), cp.int32), indices_stride=64)
+    out, _, _ = sparse_mla_prefill(q, kv, cp.zeros((200,), cp.int32), indices_stride=64, topk=16)  # a flat buffer
+    assert out.shape == (3, 16, 512)
