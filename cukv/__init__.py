@@ -33,10 +33,11 @@ from .ops.mla_append import append_mla
 from .ops.mla_decode import BatchMLADecode, mla_decode
 from .configs.mla_prefill import MLAPrefillConfig
 from .ops.mla_prefill import BatchMLAPrefill, mla_prefill
+from .ops.sparse_mla import SparseMLA, sparse_indices, sparse_mla_decode, sparse_mla_prefill
 
 __all__ = [
     "__version__", "AppendConfig", "append_kv", "PageAllocator", "PagedKVCache", "PageTable", "SequenceTable",
     "BatchDecode", "DecodeConfig", "decode", "BatchPrefill", "KVBufferConfig", "PrefillConfig", "prefill", "DequantConfig", "dequantize_kv", "MergeConfig", "merge_states", "merge_states_n", "CompileError", "CompileForbidden", "CukvError", "NoGPUError", "NotPlannedError",
     "MLAKVCache", "append_mla", "MLADecodeConfig", "BatchMLADecode", "mla_decode", "MLAPrefillConfig", "BatchMLAPrefill",
-    "mla_prefill",
+    "mla_prefill", "SparseMLA", "sparse_mla_prefill", "sparse_mla_decode", "sparse_indices",
 ]

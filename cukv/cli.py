@@ -117,6 +117,12 @@ def _bench(args) -> int:
         run_mla(out_dir=args.out, quick=args.quick, configs=cfgs, fp8=args.kv_dtype == "fp8_e4m3",
                 **({"reps": args.reps} if args.reps else {}))
         return 0
+    if args.what == "sparse-mla":
+        from .bench.sparse_mla import run as run_sparse
+
+        require_gpu("cukv bench")
+        run_sparse(out_dir=args.out, quick=args.quick, **({"reps": args.reps} if args.reps else {}))
+        return 0
     if args.what == "mla-prefill":
         from .bench.mla_prefill import run as run_mla_prefill
 
@@ -250,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--filter", default=None, help="only names containing this")
     c.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
     b = sub.add_parser("bench", help="side-by-side timings against PyTorch SDPA")
-    b.add_argument("what", choices=["decode", "prefill", "mla-decode", "mla-prefill"])
+    b.add_argument("what", choices=["decode", "prefill", "mla-decode", "mla-prefill", "sparse-mla"])
     b.add_argument("--out", default=os.environ.get("OUT"), help="directory for JSON and PNG")
     b.add_argument("--quick", action="store_true",
                    help="decode: four cells instead of the full grid; prefill: two shapes, fewer repetitions")

@@ -285,6 +285,54 @@ def mla_decode(q, pages, block_table, seq_lens, *, softmax_scale=None, sink=None
     return out, lse
 
 
+def sparse_mla(q, rows, indices, topk_lengths=None, sink=None, softmax_scale=None):
+    """Sparse MLA (absorbed, DeepSeek-V3.2 DSA): query token ``t`` attends to the cache rows ``indices[t, j]``.
+    ``q[T, H, d]`` (d = 576, or 512 for a no-rope variant: the first d columns of each row), ``rows[N, 576]``
+    (float values: the cache viewed as ``[num_pages * page_size]`` rows, an FP8 cache dequantized), ``indices[T,
+    topk]`` (``page * page_size + offset``), ``topk_lengths[T]`` (None: topk), ``sink[H]`` (joins the denominator
+    only). Key ``j`` of token ``t`` is valid when ``0 <= indices[t, j] < N`` and ``j < topk_lengths[t]``; others
+    are never read (a repeated valid index counts as often as it appears). Returns ``out[T, H, 512]`` (V = the
+    first 512 columns), ``lse[T, H]`` (natural log, without the sink) and ``max_logits[T, H]`` (the largest
+    ``q . k * softmax_scale`` over valid keys); a token with no valid key gives 0, -inf and -inf.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from cukv import reference
+    >>> rng = np.random.default_rng(0)
+    >>> rows, q = rng.standard_normal((10, 576)), rng.standard_normal((2, 3, 576))
+    >>> out, lse, mx = reference.sparse_mla(q, rows, [[4, -1, 9], [10, 2, 3]], topk_lengths=[3, 1])
+    >>> want, _ = reference.mla_decode(q[:1, None], rows[None, [4, 9]], [[0, 1]], [2])   # token 0: rows 4 and 9
+    >>> bool(np.allclose(out[0], want[0, 0])), bool(np.isinf(lse[1]).all() and (out[1] == 0).all())
+    (True, True)
+    """
+    q = np.asarray(q, np.float64)
+    rows = np.asarray(rows, np.float64)
+    idx = np.asarray(indices, np.int64)
+    t_n, h, d = q.shape
+    n_rows, topk = rows.shape[0], idx.shape[1]
+    scale = 1.0 / np.sqrt(MLA_DIM) if softmax_scale is None else float(softmax_scale)
+    lens = np.full(t_n, topk) if topk_lengths is None else np.asarray(topk_lengths, np.int64).reshape(t_n)
+    out = np.zeros((t_n, h, MLA_NOPE))
+    lse = np.full((t_n, h), -np.inf)
+    mx = np.full((t_n, h), -np.inf)
+    for t in range(t_n):
+        j = np.arange(topk)
+        ok = (idx[t] >= 0) & (idx[t] < n_rows) & (j < lens[t])
+        if not ok.any():
+            continue
+        kv = rows[idx[t][ok]]  # [n, 576]
+        s = q[t] @ kv[:, :d].T * scale  # [H, n]
+        m = s.max(-1)
+        p = np.exp(s - m[:, None])
+        den = p.sum(-1)
+        lse[t], mx[t] = np.log(den) + m, m
+        if sink is not None:
+            den = den + np.exp(np.asarray(sink, np.float64) - m)
+        out[t] = (p / den[:, None]) @ kv[:, :MLA_NOPE]
+    return out, lse, mx
+
+
 def _e4m3_round(x):
     """float32 -> nearest e4m3 value (ties to even, saturating to +-448) as float64."""
     x = np.asarray(x, np.float32).astype(np.float64)

@@ -429,3 +429,30 @@ def check_mla_prefill_shapes(num_heads: int, total_q: int, kv_rows: int, q, k_no
             raise ValueError(f"q has {shape[0]} tokens (shape {shape}); plan() has total_q={total_q}")
         if name != "q" and shape[0] < kv_rows:
             raise ValueError(f"{name} has {shape[0]} rows (shape {shape}); the plan's kv_offsets reach {kv_rows}")
+
+
+def check_sparse_indices(indices, tokens: int, topk: int | None, indices_stride: int | None = None):
+    """Sparse MLA's key lists: ``(array, topk, stride in elements)``. ``indices`` is int32 (or uint32) ``[tokens,
+    >= topk]`` with a dense last axis (a column slice of a wider buffer reads in place), or, with
+    ``indices_stride``, any dense buffer holding ``(tokens - 1) * indices_stride + topk`` elements. ``topk``
+    None takes the list width (``indices.shape[1]``, or ``indices_stride``)."""
+    a = check_device_array("indices", indices, dtypes=(np.int32, np.uint32), align=4)
+    if indices_stride is None:
+        if a.ndim != 2 or a.shape[0] != tokens:
+            raise ValueError(f"indices has shape {tuple(a.shape)}; expected [{tokens}, topk] (one list per token)")
+        if a.shape[1] > 1 and a.strides[1] != 4:
+            raise ValueError(f"indices must be dense along its last axis (strides {a.strides})")
+        width, stride = int(a.shape[1]), int(a.strides[0]) // 4
+        if a.strides[0] % 4 or stride < 0:
+            raise ValueError(f"indices has row stride {a.strides[0]} bytes; it must be a non-negative multiple of 4")
+    else:
+        stride = check_int("indices_stride", indices_stride, 1)
+        check_contiguous(a, "indices")
+        width = stride
+    topk = width if topk is None else check_int("topk", topk, 1)
+    if topk > width or topk < 1:
+        raise ValueError(f"topk={topk} must be in 1..{width} (the width of each token's list in indices)")
+    if indices_stride is not None and a.size < (tokens - 1) * stride + topk:
+        raise ValueError(f"indices holds {a.size} elements; {tokens} lists of {topk} at indices_stride={stride} need "
+                         f"{(tokens - 1) * stride + topk}")
+    return a, topk, stride

@@ -37,11 +37,27 @@ struct MLADecodeParams {
   int num_pages, page_size, table_width, batch;
   int s_q, heads, rows, row_blocks;
   float scale_log2, pad;
+  // sparse MLA (MLAPrefillSparse, sparse_mla.cu.j2); the dense kernels never read these. "Sequence" b is query
+  // token b (s_q = 1) and its key j is cache row indices[b * indices_stride + j] = page * page_size + offset.
+  const int* indices;       // int32 (or uint32: the same test) row numbers; valid when 0 <= idx < num_rows
+  const int* topk_lengths;  // [tokens / lengths_div] valid prefix of each list, or null (all topk)
+  float* max_logits;        // [tokens, H] max scaled logit over valid keys (natural units), or null
+  float* part_max;          // [parts, 64] per split item
+  long long indices_stride;  // elements between consecutive tokens' lists
+  int num_rows, topk, lengths_div, pad2;
 };
 
 struct MLAWorkItem {
   int batch, row_block, begin, end, part;
 };
+
+// Sparse: the item's keys stop at the token's valid prefix (topk_lengths, clamped to topk), so tiles wholly
+// past it are neither loaded nor scored.
+__device__ __forceinline__ int mla_sparse_end(const MLADecodeParams& a, const MLAWorkItem& w) {
+  int len = a.topk_lengths != nullptr ? a.topk_lengths[w.batch / a.lengths_div] : a.topk;
+  len = len < w.end ? len : w.end;
+  return len > w.begin ? len : w.begin;
+}
 
 __device__ __forceinline__ MLAWorkItem mla_load_item(const MLADecodeParams& a, int idx) {
   const int* p = a.items + 8 * idx;

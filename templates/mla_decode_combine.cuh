@@ -24,7 +24,8 @@ __device__ __forceinline__ float mla_block_reduce(float v, float* red, bool is_m
   return v;
 }
 
-template <typename T>
+// Sparse (SPARSE = true) also merges the chunks' max logits into max_logits.
+template <typename T, bool SPARSE = false>
 __device__ void mla_decode_combine(const MLADecodeParams& a) {
   __shared__ float s_w[kMlaMaxChunks];
   __shared__ int s_slot[kMlaMaxChunks];
@@ -46,6 +47,12 @@ __device__ void mla_decode_combine(const MLADecodeParams& a) {
   mx = mla_block_reduce(mx, s_red, true);
   const int i = R / a.heads, h = R - i * a.heads;
   const long long orow = ((long long)b * a.s_q + i) * a.heads + h;
+  if constexpr (SPARSE) {
+    float ml = -CUKV_INF;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) ml = fmaxf(ml, a.part_max[s_slot[j] * kMlaBlockM + row]);
+    ml = mla_block_reduce(ml, s_red, true);
+    if (a.max_logits != nullptr && threadIdx.x == 0) a.max_logits[orow] = ml;
+  }
   T* out = reinterpret_cast<T*>(a.out) + orow * kMlaNope + 4 * threadIdx.x;
   if (mx == -CUKV_INF) {
     *reinterpret_cast<uint2*>(out) = make_uint2(0u, 0u);

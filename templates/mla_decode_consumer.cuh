@@ -10,9 +10,9 @@
 
 namespace cukv {
 
-template <typename T, int BN, int STAGES, bool FP8 = false>
+template <typename T, int BN, int STAGES, bool FP8 = false, bool SPARSE = false>
 struct MLADecodeConsumer {
-  typedef MLAKVProducerPipeline<T, BN, STAGES, FP8> Pipe;
+  typedef MLAKVProducerPipeline<T, BN, STAGES, FP8, SPARSE> Pipe;
   static constexpr int kHalf = Pipe::half;
   static constexpr int kSRegs = kHalf / 2, kPWords = kHalf / 4, kORegs = 128;
   static constexpr int kQSteps = kMlaDim / 16;  // k16 steps of S = Q K^T
@@ -41,8 +41,10 @@ struct MLADecodeConsumer {
   }
 
   // S for this warpgroup's tokens of stage s, scaled to log2 units and masked: token columns at or past a row's
-  // limit become -inf (selected, never multiplied).
-  __device__ __forceinline__ void scores(float (&s)[kSRegs], int stage, int tok0, int lim0, int lim1, float sl2) {
+  // limit become -inf (selected, never multiplied). Sparse: so do the columns whose row the producer left
+  // zero (bit c of `valid` for this half's column c).
+  __device__ __forceinline__ void scores(float (&s)[kSRegs], int stage, int tok0, int lim0, int lim1, float sl2,
+                                         u32 valid = 0u) {
     const u64 qd = sw128_desc(pipe.q(), 1, 1024);
     const u64 kd = sw128_desc(pipe.stage(stage) + (u32)(g * kHalf * kAtomRowBytes), 1, 1024);
     wgmma_fence();
@@ -59,8 +61,14 @@ struct MLADecodeConsumer {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = c0 + 8 * j + e;
-        s[4 * j + e] = col < lim0 ? s[4 * j + e] * sl2 : -CUKV_INF;
-        s[4 * j + 2 + e] = col < lim1 ? s[4 * j + 2 + e] * sl2 : -CUKV_INF;
+        if constexpr (SPARSE) {  // one key list per block: lim0 == lim1, and `valid` already stops there
+          const bool ok = (valid >> (2 * (lane & 3) + 8 * j + e)) & 1u;
+          s[4 * j + e] = ok ? s[4 * j + e] * sl2 : -CUKV_INF;
+          s[4 * j + 2 + e] = ok ? s[4 * j + 2 + e] * sl2 : -CUKV_INF;
+        } else {
+          s[4 * j + e] = col < lim0 ? s[4 * j + e] * sl2 : -CUKV_INF;
+          s[4 * j + 2 + e] = col < lim1 ? s[4 * j + 2 + e] * sl2 : -CUKV_INF;
+        }
       }
     }
   }
@@ -137,7 +145,7 @@ struct MLADecodeConsumer {
   __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles) {
     const int warp = t >> 5;
     const int r0 = warp * 16 + (lane >> 2);
-    const int len = a.seq_lens[w.batch];
+    const int len = SPARSE ? w.end : a.seq_lens[w.batch];
     const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
     mbar_wait(pipe.q_full(), 0);
@@ -148,7 +156,12 @@ struct MLADecodeConsumer {
       mbar_wait(pipe.full(stage), (it / STAGES) & 1);
       fence_proxy_async();
       float s[kSRegs];
-      scores(s, stage, w.begin + it * BN, lim0, lim1, a.scale_log2);
+      u32 valid = 0u;
+      if constexpr (SPARSE) {  // this half's rows: producer warps 2g and 2g + 1
+        const u32* vw = pipe.valid_words(stage);
+        valid = vw[2 * g] | (vw[2 * g + 1] << (BN / 4));
+      }
+      scores(s, stage, w.begin + it * BN, lim0, lim1, a.scale_log2, valid);
       u32 p[kPWords];
       softmax(s, p);
       accumulate(p, stage);
@@ -185,12 +198,16 @@ struct MLADecodeConsumer {
         for (int j = 0; j < kORegs / 4; ++j)
           *reinterpret_cast<u32*>(out + col0 + 8 * j) = ElemTraits<T>::pack(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
         if (a.lse != nullptr && g == 0 && (lane & 3) == 0) a.lse[orow] = lse;
+        if constexpr (SPARSE)
+          if (a.max_logits != nullptr && g == 0 && (lane & 3) == 0) a.max_logits[orow] = m[r] * kLn2;
       } else {
         float* po = a.part_o + ((long long)w.part * kMlaBlockM + row) * kMlaNope;
 #pragma unroll
         for (int j = 0; j < kORegs / 4; ++j)
           *reinterpret_cast<float2*>(po + col0 + 8 * j) = make_float2(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
         if (g == 0 && (lane & 3) == 0) a.part_lse[w.part * kMlaBlockM + row] = lse;
+        if constexpr (SPARSE)
+          if (g == 0 && (lane & 3) == 0) a.part_max[w.part * kMlaBlockM + row] = m[r] * kLn2;
       }
     }
   }

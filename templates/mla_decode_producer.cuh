@@ -10,6 +10,11 @@
 // bf16 tiles: each lane loads 16 codes and their scale of 8 rows at a time into registers, dequantizes them
 // (e4m3 -> f16 is exact; the product with the scale is rounded once to bf16, exactly when the scale is a power of
 // two) and stores them; the rope values are copied as they are with cp.async.
+//
+// Sparse MLA (SPARSE = true, MLAPrefillSparse): key j of "sequence" b (one query token) is cache row
+// indices[b][j]; an index outside 0 .. num_rows reads as a zero row like a key past the end. Zero rows score 0,
+// not -inf, so the producer also publishes which rows of each stage are real (kv_valid_producer: one ballot word
+// per producer warp beside the barriers) and the consumers mask the others to -inf.
 #pragma once
 #include "mla_decode.cuh"
 #include "fp8.cuh"
@@ -28,9 +33,9 @@ struct alignas(64) MLACacheMap {
   int pad[15];
 };
 
-template <typename T, int BN_, int STAGES_, bool FP8_ = false>
+template <typename T, int BN_, int STAGES_, bool FP8_ = false, bool SPARSE_ = false>
 struct MLAKVProducerPipeline {
-  static constexpr bool fp8 = FP8_;
+  static constexpr bool fp8 = FP8_, sparse = SPARSE_;
   static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
   static constexpr int k_nope_elements = BN * kMlaNope, k_rope_elements = BN * kMlaRope;
@@ -52,7 +57,9 @@ struct MLAKVProducerPipeline {
   static constexpr int p_offset = ring_offset + num_kv_stages * k_bytes;
   static constexpr int stats_offset = p_offset + p_bytes;
   static constexpr int barrier_offset = stats_offset + stats_bytes;
-  static constexpr int smem_bytes = barrier_offset + barrier_bytes;
+  static constexpr int valid_offset = barrier_offset + barrier_bytes;         // sparse: 4 words per stage
+  static constexpr int valid_bytes = SPARSE_ ? (16 * num_kv_stages + 63) / 64 * 64 : 0;
+  static constexpr int smem_bytes = valid_offset + valid_bytes;
   static_assert(sizeof(T) == 2, "16-bit tiles");
   static_assert(!FP8_ || sizeof(T) == 2, "FP8 rows dequantize into 16-bit tiles");
   static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
@@ -71,7 +78,8 @@ struct MLAKVProducerPipeline {
   __device__ __forceinline__ void init_barriers() const {
     mbar_init(q_full(), 128);  // every producer thread arrives when its copies land
     for (int s = 0; s < num_kv_stages; ++s) {
-      mbar_init(full(s), FP8_ ? 256 : 128);  // FP8: each producer thread arrives for its stores and its copies
+      // FP8: each producer thread arrives for its stores and its copies; sparse: for its validity word and copies
+      mbar_init(full(s), FP8_ || SPARSE_ ? 256 : 128);
       mbar_init(empty(s), 8);  // lane 0 of each consumer warp, once its wgmmas on the stage are done
     }
   }
@@ -107,6 +115,12 @@ struct MLAKVProducerPipeline {
   // Address of token t's row, or null where it must read as zeros.
   static __device__ __forceinline__ const char* row_ptr(const MLADecodeParams& a, const MLAWorkItem& w, int t) {
     if (t >= w.end) return nullptr;
+    if constexpr (SPARSE_) {  // w.end already stops at the token's valid prefix (mla_sparse_end)
+      const int idx = a.indices[w.batch * a.indices_stride + t];
+      if ((unsigned)idx >= (unsigned)a.num_rows) return nullptr;  // negatives and uint32 >= 2^31 included
+      const int page = idx / a.page_size, off = idx - page * a.page_size;
+      return a.cache + page * a.page_stride + off * a.row_stride;
+    }
     const int pi = t / a.page_size, off = t - pi * a.page_size;
     if (pi >= a.table_width) return nullptr;
     const int page = a.block_table[w.batch * a.table_stride + pi];
@@ -122,10 +136,17 @@ struct MLAKVProducerPipeline {
     return row_ptr(a, w, w.begin + it * BN + warp * kRowsPerWarp + lane);
   }
 
+  // Sparse: stage s's rows w * BN/4 + j (j < BN/4) are real keys where bit j of word w is set.
+  __device__ __forceinline__ u32* valid_words(int s) const {
+    extern __shared__ __align__(1024) char smem[];
+    return reinterpret_cast<u32*>(smem + valid_offset) + 4 * s;
+  }
+
   // A tile into stage s: warp w copies rows w * BN/4 .. (w + 1) * BN/4 - 1, their addresses broadcast from `mine`.
   __device__ __forceinline__ void load_tile(const MLADecodeParams& a, const char* mine, int s, int warp, int lane) const {
     constexpr int kRowsPerWarp = BN / 4;
     const u32 dst = stage(s);
+    if constexpr (SPARSE_) mbar_arrive(full(s));  // releases the validity word written before (produce)
 #pragma unroll 4
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
       const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, rr);
@@ -227,6 +248,11 @@ struct MLAKVProducerPipeline {
       else if (it + 1 < n_tiles)
         next = lookup(a, w, it + 1, warp, lane);
       if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
+      if constexpr (SPARSE_) {  // kv_valid_producer: published before this thread's arrivals on full(s)
+        const u32 bits = __ballot_sync(0xffffffffu, cur != nullptr);
+        if (lane == 0) valid_words(s)[warp] = bits;
+        __syncwarp();
+      }
       if constexpr (FP8_) {
         load_tile_fp8(a, cur, s, warp, lane);
       } else {

@@ -29,7 +29,8 @@ ENV = ("CUKV_NO_COMPILE", "CUKV_DEFINES", "CUKV_DUMP_SOURCE", "CUKV_CHECK", "CUK
 PUBLIC = ("BatchDecode", "BatchPrefill", "PagedKVCache", "SequenceTable", "PageTable", "PageAllocator", "append_kv",
           "merge_states", "merge_states_n", "dequantize_kv", "decode", "prefill", "DecodeConfig", "PrefillConfig",
           "KVBufferConfig", "AppendConfig", "MergeConfig", "DequantConfig", "MLAKVCache", "append_mla", "BatchMLADecode",
-          "mla_decode", "MLADecodeConfig", "BatchMLAPrefill", "mla_prefill", "MLAPrefillConfig")
+          "mla_decode", "MLADecodeConfig", "BatchMLAPrefill", "mla_prefill", "MLAPrefillConfig", "SparseMLA",
+          "sparse_mla_prefill", "sparse_mla_decode", "sparse_indices")
 
 
 def _modules():

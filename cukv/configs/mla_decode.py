@@ -36,7 +36,10 @@ PARAMS = np.dtype([
     ("page_stride", "<i8"), ("row_stride", "<i8"), ("table_stride", "<i8"),
     ("num_pages", "<i4"), ("page_size", "<i4"), ("table_width", "<i4"), ("batch", "<i4"),
     ("s_q", "<i4"), ("heads", "<i4"), ("rows", "<i4"), ("row_blocks", "<i4"),
-    ("scale_log2", "<f4"), ("pad", "<f4")])
+    ("scale_log2", "<f4"), ("pad", "<f4"),
+    # sparse MLA only (cukv/configs/sparse_mla.py); the dense kernels never read them
+    ("indices", "<u8"), ("topk_lengths", "<u8"), ("max_logits", "<u8"), ("part_max", "<u8"),
+    ("indices_stride", "<i8"), ("num_rows", "<i4"), ("topk", "<i4"), ("lengths_div", "<i4"), ("pad2", "<i4")])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,52 @@
+"""SparseMLAConfig: the template parameters of the sparse MLA kernel (templates/sparse_mla.cu.j2), the absorbed MLA
+decode kernel with a per-token key list (``MLAPrefillSparse``). The fields and derived sizes are
+:class:`~cukv.configs.mla_decode.MLADecodeConfig`'s; the shared memory adds the per-stage validity words."""
+from __future__ import annotations
+
+import dataclasses
+
+from .checks import SHORT, check_rule
+from .mla_decode import SMEM_LIMIT, MLADecodeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMLAConfig(MLADecodeConfig):
+    """One compiled specialization of sparse MLA (576/512, 64 query rows per block, "split" consumers).
+
+    Examples
+    --------
+    >>> from cukv.configs.sparse_mla import SparseMLAConfig
+    >>> cfg = SparseMLAConfig("bfloat16", block_n=64, num_kv_stages=2)
+    >>> cfg.name, cfg.smem_bytes                        # the dense decode's 231488 + 64 bytes of validity words
+    ('cukv_sparse_mla_bf16_n64_s2', 231552)
+    """
+
+    template = "sparse_mla.cu.j2"
+
+    def __post_init__(self):
+        super().__post_init__()
+        c = "SparseMLAConfig"
+        check_rule(c, "schedule", self.schedule, self.schedule == "split",
+                   "sparse MLA runs the 'split' consumers only")
+        check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
+                   f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
+                   f"at most {SMEM_LIMIT} (227 KB) fit")
+
+    @property
+    def valid_bytes(self) -> int:
+        """The producer's validity words: 4 per stage (one per producer warp), 64-byte rounded."""
+        return (16 * self.num_kv_stages + 63) // 64 * 64
+
+    @property
+    def smem_bytes(self) -> int:
+        return super().smem_bytes + self.valid_bytes
+
+    @property
+    def name(self) -> str:
+        kv = "_e4m3" if self.kv_dtype else ""
+        return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}"
+
+
+def shipped() -> list[SparseMLAConfig]:
+    """The sparse MLA specializations compiled ahead of time."""
+    return [SparseMLAConfig(dt) for dt in ("bfloat16", "float16")] + [SparseMLAConfig(kv_dtype="fp8_e4m3")]

@@ -1,0 +1,123 @@
+"""Sparse MLA without a GPU: the shipped specializations compile for sm_90a without spills, the config domain,
+the reference's properties, the index helper, and named errors."""
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cukv import compiler, reference
+from cukv.configs.sparse_mla import SparseMLAConfig, shipped
+from cukv.ops.sparse_mla import MAX_COMBINE_TOKENS, SparseMLA, plan_work, sparse_indices
+
+ARCH = "sm_90a"
+
+
+@pytest.mark.parametrize("cfg", shipped(), ids=lambda c: c.name)
+def test_shipped_sparse_compiles_without_spills(cfg):
+    mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH)
+    for r in mod.functions.values():
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, r
+    assert {cfg.name, cfg.name + "_combine"} <= set(mod.functions)
+
+
+def test_block_n_32_compiles_without_spills():
+    cfg = SparseMLAConfig("bfloat16", 32, 4, "fp8_e4m3")
+    r = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH).functions[cfg.name]
+    assert r.spills == 0 and r.stack_frame == 0
+
+
+@given(dtype=st.sampled_from(["bfloat16", "float16", "float32"]), block_n=st.sampled_from([16, 32, 64]),
+       stages=st.integers(1, 9), fp8=st.booleans(), schedule=st.sampled_from(["split", "alternate"]))
+def test_config_domain(dtype, block_n, stages, fp8, schedule):
+    kvd = "fp8_e4m3" if fp8 else None
+    smem = 64 * 576 * 2 + stages * block_n * 576 * 2 + block_n * 128 + 2048 + (8 * (1 + 2 * stages) + 63) // 64 * 64 \
+        + (16 * stages + 63) // 64 * 64
+    valid = (dtype != "float32" and block_n in (32, 64) and 2 <= stages <= 8 and schedule == "split"
+             and (not fp8 or dtype == "bfloat16") and smem <= 227 * 1024)
+    if not valid:
+        with pytest.raises(ValueError, match=r"(SparseMLA|MLADecode)Config\.(dtype|block_n|num_kv_stages|kv_dtype|"
+                                             r"schedule)"):
+            SparseMLAConfig(dtype, block_n, stages, kvd, schedule)
+        return
+    cfg = SparseMLAConfig(dtype, block_n, stages, kvd, schedule)
+    assert cfg.smem_bytes == smem
+    assert f"static_assert(Pipe::smem_bytes == {cfg.smem_bytes}" in cfg.render()
+
+
+def test_reference_properties():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((40, 576))
+    rows[30:] = np.nan  # never indexed validly below
+    q = rng.standard_normal((4, 3, 576))
+    idx = np.array([[1, 5, 7, 9], [-1, 2 ** 31 - 1, 40, -2 ** 31], [3, 3, 8, 30], [2, 4, 6, 31]])
+    lens = np.array([4, 4, 2, 3])
+    sink = np.array([0.5, -np.inf, np.inf])
+    out, lse, mx = reference.sparse_mla(q, rows, idx, lens, sink)
+    assert np.isfinite(out).all()
+    # token 1: nothing valid; token 2: the duplicate row 3 twice (row 30 behind the cut is never read)
+    assert (out[1] == 0).all() and np.isneginf(lse[1]).all() and np.isneginf(mx[1]).all()
+    s = q[2] @ rows[[3, 3]].T / np.sqrt(576)
+    np.testing.assert_allclose(lse[2], np.log(np.exp(s).sum(1)))
+    np.testing.assert_allclose(mx[0], (q[0] @ rows[[1, 5, 7, 9]].T / np.sqrt(576)).max(1))
+    # a sink of -inf changes nothing, +inf zeroes the output; LSE never includes it
+    plain, plain_lse, _ = reference.sparse_mla(q, rows, idx, lens)
+    np.testing.assert_allclose(out[:, 1], plain[:, 1])
+    assert (out[:, 2] == 0).all()
+    np.testing.assert_allclose(lse, plain_lse)
+    # one token's keys merged: sparse = the MLA decode of those rows
+    want, want_lse = reference.mla_decode(q[:1, None], rows[None, [1, 5, 7, 9]], [[0, 1, 2, 3]], [4])
+    np.testing.assert_allclose(plain[0], want[0, 0])
+    np.testing.assert_allclose(plain_lse[0], want_lse[0, 0])
+
+
+def test_sparse_indices_through_a_page_table():
+    table = np.array([[4, 1, 7], [2, 0, -1]], np.int32)
+    pos = np.array([[[0, 5, 9, 12]], [[3, 8, 11, -4]]])  # [B, s_q, topk]
+    got = sparse_indices(pos, table, 4)
+    assert got.dtype == np.int32 and got.shape == pos.shape
+    assert got.tolist() == [[[16, 5, 29, -1]], [[11, -1, -1, -1]]]
+    req = np.array([1, 0])
+    assert sparse_indices(pos[:, 0], table, 4, request=req).tolist() == [[8, 1, -1, -1], [19, 28, 31, -1]]
+    with pytest.raises(ValueError, match="request"):
+        sparse_indices(pos[:, 0], table, 4, request=np.array([1]))
+    with pytest.raises(ValueError, match="page_size"):
+        sparse_indices(pos, table, 0)
+
+
+def test_named_errors_before_any_gpu_work():
+    with pytest.raises(ValueError, match="num_heads"):
+        SparseMLA(0)
+    with pytest.raises(ValueError, match="num_heads"):
+        SparseMLA(129)
+    with pytest.raises(TypeError, match="kv_dtype"):
+        SparseMLA(16, "float16", kv_dtype="fp8_e4m3")
+    with pytest.raises(ValueError, match="block_n"):
+        SparseMLA(16, block_n=128)
+    with pytest.raises(TypeError, match="dtype"):
+        SparseMLA(16, "float32")
+
+
+@given(tokens=st.integers(1, 300), topk=st.integers(1, 16384), nrb=st.integers(1, 2), sms=st.sampled_from([8, 132]),
+       block_n=st.sampled_from([32, 64]))
+def test_plan_work_covers_every_list_once(tokens, topk, nrb, sms, block_n):
+    items, indptr, slots, c = plan_work(tokens, topk, nrb, block_n, sms)
+    spans = {}
+    for b, rb, begin, end, part in items[:, :5].tolist():
+        spans.setdefault((b, rb), []).append((begin, end, part))
+    assert set(spans) == {(b, rb) for b in range(tokens) for rb in range(nrb)}
+    for (b, rb), sp in spans.items():
+        sp.sort()
+        assert sp[0][0] == 0 and sp[-1][1] == topk and all(x[1] == y[0] for x, y in zip(sp, sp[1:]))
+        assert all(s[0] % block_n == 0 for s in sp)
+        k = b * nrb + rb
+        if len(sp) == 1:  # written directly: no partial, nothing for the combine
+            assert sp[0][2] == -1 and indptr[k + 1] == indptr[k]
+        else:
+            assert sorted(slots[indptr[k]:indptr[k + 1]].tolist()) == sorted(s[2] for s in sp)
+    assert sorted(slots.tolist()) == list(range(len(slots)))  # compact partial slots, each once
+    assert indptr[-1] == len(slots) and (np.diff(indptr) >= 0).all()
+
+
+def test_plan_work_never_splits_past_the_combine_grid():
+    items, indptr, slots, c = plan_work(MAX_COMBINE_TOKENS + 1, 128, 1, 64, 132)
+    assert slots.size == 0 and (items[:, 4] == -1).all() and len(items) == MAX_COMBINE_TOKENS + 1
