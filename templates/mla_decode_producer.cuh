@@ -9,7 +9,9 @@
 // FP8 caches (FP8 = true; 656-byte rows: 512 e4m3 codes, 4 float32 scales, 64 bf16 rope values) fill the same
 // bf16 tiles: each lane loads 16 codes and their scale of 8 rows at a time into registers, dequantizes them
 // (e4m3 -> f16 is exact; the product with the scale is rounded once to bf16, exactly when the scale is a power of
-// two) and stores them; the rope values are copied as they are with cp.async.
+// two) and stores them; the rope values are copied as they are with cp.async. Those loads are synchronous, so
+// with PREFETCH > 0 every row is first brought into L2 (cp.async.bulk.prefetch, one instruction a row) PREFETCH
+// tiles ahead of its load: the loads then wait for L2, not DRAM (docs/tuning.md, "MLA decode").
 #pragma once
 #include "mla_decode.cuh"
 #include "fp8.cuh"
@@ -131,33 +133,44 @@ struct MLAKVProducerPipeline {
     mbar_arrive_cp_async(full(s));
   }
 
+  // The row of `mine` (null: none) into L2, ahead of its load.
+  static __device__ __forceinline__ void prefetch_row(const char* mine) {
+    if (mine) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(mine), "n"(row_bytes) : "memory");
+  }
+
   // An FP8 tile into stage s: lane l of warp w dequantizes codes 16l .. 16l + 15 (scale l / 8) of its warp's rows,
-  // 8 rows in flight; lanes 0-7 copy the rope chunk l of each row. Rows read as zeros store zeros.
+  // kBatch rows in flight; lanes 0-7 copy the rope chunk l of each row. Rows read as zeros store zeros.
+  template <int kBatch>
   __device__ __forceinline__ void load_tile_fp8(const MLADecodeParams& a, const char* mine, int s, int warp,
                                                 int lane) const {
-    constexpr int kRowsPerWarp = BN / 4, kBatch = 8;
-    static_assert(kRowsPerWarp % kBatch == 0, "rows per warp in batches of 8");
+    constexpr int kRowsPerWarp = BN / 4;
+    static_assert(kRowsPerWarp % kBatch == 0, "rows per warp in whole batches");
     const u32 dst = stage(s);
 #pragma unroll 1
     for (int r0 = 0; r0 < kRowsPerWarp; r0 += kBatch) {
       uint4 codes[kBatch];
       float scale[kBatch];
-      bool ok[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
-        ok[i] = src != nullptr;
+        const bool ok = src != nullptr;
         const int r = warp * kRowsPerWarp + r0 + i;
-        codes[i] = ok[i] ? ldg_stream16(src + 16 * lane) : make_uint4(0u, 0u, 0u, 0u);
-        scale[i] = ok[i] ? __ldg(reinterpret_cast<const float*>(src + kMlaNope) + lane / 8) : 0.f;
-        if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), ok[i] ? src + 528 + 16 * lane : a.cache,
-                                 ok[i] ? 16 : 0);
+#ifdef CUKV_MLA_FP8_NO_LOAD  // probe only: the producer's cost without the code loads (benchmarks/probe_mla_fp8.py)
+        codes[i] = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
+        scale[i] = ok ? 1.f : 0.f;
+#else
+        codes[i] = ok ? ldg_stream16(src + 16 * lane) : make_uint4(0u, 0u, 0u, 0u);
+        scale[i] = ok ? __ldg(reinterpret_cast<const float*>(src + kMlaNope) + lane / 8) : 0.f;
+#endif
+        if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), ok ? src + 528 + 16 * lane : a.cache,
+                                 ok ? 16 : 0);
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int r = warp * kRowsPerWarp + r0 + i;
-        const uint4 lo = ok[i] ? dequant8<T>(make_uint2(codes[i].x, codes[i].y), scale[i]) : make_uint4(0u, 0u, 0u, 0u);
-        const uint4 hi = ok[i] ? dequant8<T>(make_uint2(codes[i].z, codes[i].w), scale[i]) : make_uint4(0u, 0u, 0u, 0u);
+        // a row read as zeros has codes 0 and scale 0: it dequantizes to +0 as it is
+        const uint4 lo = dequant8<T>(make_uint2(codes[i].x, codes[i].y), scale[i]);
+        const uint4 hi = dequant8<T>(make_uint2(codes[i].z, codes[i].w), scale[i]);
         st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes), lo);
         st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes), hi);
       }
@@ -168,18 +181,33 @@ struct MLAKVProducerPipeline {
   }
 
   // The query block, then the tiles through the ring. Each tile's page lookups (a dependent load of the block
-  // table) are issued one tile ahead, so their latency hides behind the wait for a free stage.
+  // table) are issued one tile ahead, so their latency hides behind the wait for a free stage. PREFETCH > 0:
+  // tile it + PREFETCH goes into L2 before tile it is loaded (its lookups made one tile earlier still); FP8_ROWS:
+  // the FP8 rows each lane holds in flight.
+  template <int PREFETCH, int FP8_ROWS>
   __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
+    static_assert(PREFETCH >= 0 && PREFETCH <= 4, "prefetch distance in tiles");
     const char* next = n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;
+    const char* ahead = nullptr;  // the row of tile it + PREFETCH (lookup() is null past the item's end)
+    if constexpr (PREFETCH > 0) {
+      prefetch_row(next);
+#pragma unroll
+      for (int j = 1; j < PREFETCH; ++j) prefetch_row(lookup(a, w, j, warp, lane));
+      ahead = lookup(a, w, PREFETCH, warp, lane);
+    }
     load_q(a, w, warp, lane);
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
       const int s = it % num_kv_stages;
       const char* cur = next;
       if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
+      if constexpr (PREFETCH > 0) {
+        prefetch_row(ahead);
+        ahead = lookup(a, w, it + PREFETCH + 1, warp, lane);
+      }
       if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
       if constexpr (FP8_)
-        load_tile_fp8(a, cur, s, warp, lane);
+        load_tile_fp8<FP8_ROWS>(a, cur, s, warp, lane);
       else
         load_tile(a, cur, s, warp, lane);
     }

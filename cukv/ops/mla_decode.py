@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NOPE, PARAMS, ROPE, SCHEDULES
+from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, FP8_ROWS_REGS, NOPE, PARAMS, PREFETCH_TILES, ROPE, SCHEDULES
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
@@ -48,6 +48,9 @@ class BatchMLADecode:
     schedule : {None, 'split', 'alternate'}
         How the two consumer warpgroups share the K tiles: 'split' halves every tile, 'alternate' gives each every
         other tile whole (16-bit caches only); None takes the policy's default (docs/mla.md, "Schedules").
+    prefetch_tiles, fp8_rows : int, optional
+        The producer's L2 prefetch distance in tiles (0..4) and, for an FP8 cache, the rows each producer lane
+        loads before dequantizing them (8 or 16); None takes the policy's defaults for the cache.
 
     Examples
     --------
@@ -77,13 +80,16 @@ class BatchMLADecode:
     """
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
-                 num_kv_stages: int | None = None, schedule: str | None = None):
+                 num_kv_stages: int | None = None, schedule: str | None = None, prefetch_tiles: int | None = None,
+                 fp8_rows: int | None = None):
         from ..arrays import canonical_dtype, canonical_kv_dtype
 
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
         schedule = check_choice("schedule", schedule, (None,) + SCHEDULES)
+        prefetch_tiles = check_choice("prefetch_tiles", prefetch_tiles, (None,) + PREFETCH_TILES)
+        fp8_rows = check_choice("fp8_rows", fp8_rows, (None,) + tuple(FP8_ROWS_REGS))
         dt = canonical_dtype(dtype)
         kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
         if kvd not in (None, "fp8_e4m3"):
@@ -97,7 +103,10 @@ class BatchMLADecode:
         if kvd is not None and schedule == "alternate":
             raise ValueError("schedule='alternate' is not offered with kv_dtype='fp8_e4m3' (its consumers would "
                              "spill); use schedule='split' or None")
-        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule)
+        if kvd is None and fp8_rows not in (None, 8):
+            raise ValueError(f"fp8_rows={fp8_rows!r} applies to an FP8 cache only (kv_dtype='fp8_e4m3'); "
+                             "use None or 8 with a 16-bit cache")
+        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, prefetch_tiles, fp8_rows)
         self.dtype = self.config.dtype
         self._planned = False
         self._device = None

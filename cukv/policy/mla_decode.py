@@ -23,6 +23,10 @@ DEFAULT_STAGES = 2
 #: the consumers' schedule: "alternate" (each warpgroup scores every other tile whole) measured 5-8% slower
 #: (docs/tuning.md "MLA decode")
 DEFAULT_SCHEDULE = "split"
+#: L2 prefetch distance (tiles) and FP8 rows in flight per producer lane, by cache: to be set from
+#: benchmarks/probe_mla_fp8.py (docs/tuning.md "MLA decode")
+DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 0}
+DEFAULT_FP8_ROWS = 8
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
 ITEM_OVERHEAD_TILES = 8.0
@@ -77,10 +81,16 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
 
 
 def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
-                      num_kv_stages: int | None = None, schedule: str | None = None) -> MLADecodeConfig:
+                      num_kv_stages: int | None = None, schedule: str | None = None,
+                      prefetch_tiles: int | None = None, fp8_rows: int | None = None) -> MLADecodeConfig:
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
     cache keeps the "split" schedule, the only one it compiles without spills)."""
     if schedule is None:
         schedule = DEFAULT_SCHEDULE if kv_dtype is None else "split"
-    return MLADecodeConfig(dtype, DEFAULT_BLOCK_N if block_n is None else block_n,
-                           DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype, schedule)
+    block_n = DEFAULT_BLOCK_N if block_n is None else block_n
+    if prefetch_tiles is None:
+        prefetch_tiles = DEFAULT_PREFETCH[kv_dtype]
+    if fp8_rows is None:
+        fp8_rows = DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4 else 8
+    return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
+                           schedule, prefetch_tiles, fp8_rows)
