@@ -60,7 +60,7 @@ def main():
         r = {"shape": shape}
         base = next((k for k in ms if k.startswith("bf16")), None)
         for k, t in ms.items():
-            tbs = float(lens.sum()) * nbytes[k[:4]] / (t * 1e-3) / 1e12
+            tbs = float(lens.sum()) * nbytes[k.split("_")[0]] / (t * 1e-3) / 1e12
             same = "" if not (k.startswith("fp8") and first_fp8) else \
                 (" =" if bool((outs[k] == outs[first_fp8]).all()) else " DIFF")
             ratio = f" x{ms[base] / t:.2f}" if base and k != base else ""

@@ -25,8 +25,8 @@ DEFAULT_STAGES = 2
 DEFAULT_SCHEDULE = "split"
 #: L2 prefetch distance (tiles) and FP8 rows in flight per producer lane, by cache: to be set from
 #: benchmarks/probe_mla_fp8.py (docs/tuning.md "MLA decode")
-DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 0}
-DEFAULT_FP8_ROWS = 8
+DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 2}
+DEFAULT_FP8_ROWS = 16
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
 ITEM_OVERHEAD_TILES = 8.0
