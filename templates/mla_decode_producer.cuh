@@ -22,6 +22,21 @@ __device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
+// Eight codes -> eight T values: code * scale in float32, rounded once to T (fp8.cuh).
+template <typename T>
+__device__ __forceinline__ uint4 mla_dequant8(uint2 raw, float scale) {
+#ifdef CUKV_MLA_FP8_BF16MUL  // probe only: exact bf16 codes x 2^-112 times bf16(scale x 2^112), one bf16x2 multiply a pair
+  const u32 s = ElemTraits<T>::pack(scale * 0x1p112f, scale * 0x1p112f);
+  u32 w[4] = {codes_to_mma<T>((u16)(raw.x & 0xffffu)), codes_to_mma<T>((u16)(raw.x >> 16)),
+              codes_to_mma<T>((u16)(raw.y & 0xffffu)), codes_to_mma<T>((u16)(raw.y >> 16))};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(w[i]) : "r"(w[i]), "r"(s));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+#else
+  return dequant8<T>(raw, scale);
+#endif
+}
+
 template <typename T, int BN_, int STAGES_, bool FP8_ = false>
 struct MLAKVProducerPipeline {
   static constexpr bool fp8 = FP8_;
@@ -138,55 +153,83 @@ struct MLAKVProducerPipeline {
     if (mine) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(mine), "n"(row_bytes) : "memory");
   }
 
-  // An FP8 tile into stage s: lane l of warp w dequantizes codes 16l .. 16l + 15 (scale l / 8) of its warp's rows,
-  // kBatch rows in flight; lanes 0-7 copy the rope chunk l of each row. Rows read as zeros store zeros.
+  // FP8 rows in registers: this lane's 16 codes (16 * lane ..) and their scale for kBatch rows of its warp.
   template <int kBatch>
-  __device__ __forceinline__ void load_tile_fp8(const MLADecodeParams& a, const char* mine, int s, int warp,
-                                                int lane) const {
-    constexpr int kRowsPerWarp = BN / 4;
-    static_assert(kRowsPerWarp % kBatch == 0, "rows per warp in whole batches");
-    const u32 dst = stage(s);
-#pragma unroll 1
-    for (int r0 = 0; r0 < kRowsPerWarp; r0 += kBatch) {
-      uint4 codes[kBatch];
-      float scale[kBatch];
+  struct CodeBatch {
+    uint4 codes[kBatch];
+    float scale[kBatch];
+  };
+
+  // Issue the loads of rows r0 .. r0 + kBatch - 1 of this warp's BN/4 (their addresses in lanes of `mine`); a row
+  // read as zeros gets codes 0 and scale 0, which dequantize to +0.
+  template <int kBatch>
+  static __device__ __forceinline__ void load_codes(CodeBatch<kBatch>& b, const char* mine, int r0, int lane) {
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
-        const bool ok = src != nullptr;
-        const int r = warp * kRowsPerWarp + r0 + i;
+    for (int i = 0; i < kBatch; ++i) {
+      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
+      const bool ok = src != nullptr;
 #ifdef CUKV_MLA_FP8_NO_LOAD  // probe only: the producer's cost without the code loads (benchmarks/probe_mla_fp8.py)
-        codes[i] = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
-        scale[i] = ok ? 1.f : 0.f;
+      b.codes[i] = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
+      b.scale[i] = ok ? 1.f : 0.f;
 #else
-        codes[i] = ok ? ldg_stream16(src + 16 * lane) : make_uint4(0u, 0u, 0u, 0u);
-        scale[i] = ok ? __ldg(reinterpret_cast<const float*>(src + kMlaNope) + lane / 8) : 0.f;
+      b.codes[i] = ok ? ldg_stream16(src + 16 * lane) : make_uint4(0u, 0u, 0u, 0u);
+      b.scale[i] = ok ? __ldg(reinterpret_cast<const float*>(src + kMlaNope) + lane / 8) : 0.f;
 #endif
-        if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), ok ? src + 528 + 16 * lane : a.cache,
-                                 ok ? 16 : 0);
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int r = warp * kRowsPerWarp + r0 + i;
-        // a row read as zeros has codes 0 and scale 0: it dequantizes to +0 as it is
-        const uint4 lo = dequant8<T>(make_uint2(codes[i].x, codes[i].y), scale[i]);
-        const uint4 hi = dequant8<T>(make_uint2(codes[i].z, codes[i].w), scale[i]);
-        st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes), lo);
-        st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes), hi);
-      }
     }
+  }
+
+  // Dequantize a batch into stage s (lane l: 16-byte chunks 2l and 2l + 1 of each row) and copy the rows' rope
+  // chunks as they are (lanes 0-7, cp.async; zeros for rows read as zeros).
+  template <int kBatch>
+  __device__ __forceinline__ void store_codes(const CodeBatch<kBatch>& b, const MLADecodeParams& a, const char* mine,
+                                              int s, int warp, int r0, int lane) const {
+    constexpr int kRowsPerWarp = BN / 4;
+    const u32 dst = stage(s);
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
+      const int r = warp * kRowsPerWarp + r0 + i;
+      if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), src ? src + 528 + 16 * lane : a.cache,
+                               src ? 16 : 0);
+      st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes),
+                  mla_dequant8<T>(make_uint2(b.codes[i].x, b.codes[i].y), b.scale[i]));
+      st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes),
+                  mla_dequant8<T>(make_uint2(b.codes[i].z, b.codes[i].w), b.scale[i]));
+    }
+  }
+
+  // Stage s is complete once this thread's stores are visible to wgmma and its rope copies have landed.
+  __device__ __forceinline__ void commit_fp8(int s) const {
     fence_proxy_async();  // the generic-proxy stores -> the consumers' wgmma reads
     mbar_arrive(full(s));
     mbar_arrive_cp_async(full(s));
+  }
+
+  // An FP8 tile into stage s, kBatch rows per lane loaded, then dequantized and stored.
+  template <int kBatch>
+  __device__ __forceinline__ void load_tile_fp8(const MLADecodeParams& a, const char* mine, int s, int warp,
+                                                int lane) const {
+    static_assert((BN / 4) % kBatch == 0, "rows per warp in whole batches");
+#pragma unroll 1
+    for (int r0 = 0; r0 < BN / 4; r0 += kBatch) {
+      CodeBatch<kBatch> b;
+      load_codes(b, mine, r0, lane);
+      store_codes(b, a, mine, s, warp, r0, lane);
+    }
+    commit_fp8(s);
   }
 
   // The query block, then the tiles through the ring. Each tile's page lookups (a dependent load of the block
   // table) are issued one tile ahead, so their latency hides behind the wait for a free stage. PREFETCH > 0:
   // tile it + PREFETCH goes into L2 before tile it is loaded (its lookups made one tile earlier still); FP8_ROWS:
   // the FP8 rows each lane holds in flight.
-  template <int PREFETCH, int FP8_ROWS>
+  template <int PREFETCH, int FP8_ROWS, bool FP8_OVERLAP>
   __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
     static_assert(PREFETCH >= 0 && PREFETCH <= 4, "prefetch distance in tiles");
+    if constexpr (FP8_ && FP8_OVERLAP) {
+      produce_fp8_overlapped<PREFETCH, FP8_ROWS>(a, w, n_tiles, warp, lane);
+      return;
+    }
     const char* next = n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;
     const char* ahead = nullptr;  // the row of tile it + PREFETCH (lookup() is null past the item's end)
     if constexpr (PREFETCH > 0) {
@@ -210,6 +253,49 @@ struct MLAKVProducerPipeline {
         load_tile_fp8<FP8_ROWS>(a, cur, s, warp, lane);
       else
         load_tile(a, cur, s, warp, lane);
+    }
+    cp_async_wait<0>();
+  }
+
+  // FP8, overlapped: the codes of the next batch (at a tile's last batch, the next tile's first) are loaded before
+  // the current batch is dequantized, so one batch is always in flight while the other converts; a tile's loads
+  // start before its stage is free (they go to registers), its stores after.
+  template <int PREFETCH, int kBatch>
+  __device__ void produce_fp8_overlapped(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp,
+                                         int lane) const {
+    constexpr int kPerTile = (BN / 4) / kBatch;
+    static_assert(kPerTile % 2 == 0, "an even number of batches per tile (the two buffers alternate in step)");
+    const char* cur = n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;  // rows of tile it
+    const char* next = lookup(a, w, 1, warp, lane);                         // rows of tile it + 1 (null past the end)
+    const char* ahead = nullptr;
+    if constexpr (PREFETCH > 0) {
+      prefetch_row(cur);
+#pragma unroll
+      for (int j = 1; j < PREFETCH; ++j) prefetch_row(lookup(a, w, j, warp, lane));
+      ahead = lookup(a, w, PREFETCH, warp, lane);
+    }
+    load_q(a, w, warp, lane);
+    CodeBatch<kBatch> buf[2];
+    if (n_tiles > 0) load_codes(buf[0], cur, 0, lane);
+#pragma unroll 1
+    for (int it = 0; it < n_tiles; ++it) {
+      const int s = it % num_kv_stages;
+      if constexpr (PREFETCH > 0) {
+        prefetch_row(ahead);
+        ahead = lookup(a, w, it + PREFETCH + 1, warp, lane);
+      }
+      if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
+#pragma unroll
+      for (int j = 0; j < kPerTile; ++j) {
+        if (j + 1 < kPerTile)
+          load_codes(buf[(j + 1) % 2], cur, (j + 1) * kBatch, lane);
+        else if (it + 1 < n_tiles)
+          load_codes(buf[(j + 1) % 2], next, 0, lane);
+        store_codes(buf[j % 2], a, cur, s, warp, j * kBatch, lane);
+      }
+      commit_fp8(s);
+      cur = next;
+      next = lookup(a, w, it + 2, warp, lane);
     }
     cp_async_wait<0>();
   }
