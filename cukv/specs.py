@@ -8,7 +8,7 @@ from .configs.prefill import HEAD_DIMS as PREFILL_HEAD_DIMS
 from .policy.decode import decode_config
 from .policy.prefill import default_config as prefill_default
 from .configs.mla_append import shipped as mla_append_shipped
-from .configs.mla_decode import shipped as mla_decode_shipped
+from .policy.mla_decode import shipped as mla_decode_shipped
 from .policy.mla_prefill import shipped as mla_prefill_shipped
 
 DTYPES = ("bfloat16", "float16")

@@ -22,21 +22,6 @@ __device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// Eight codes -> eight T values: code * scale in float32, rounded once to T (fp8.cuh).
-template <typename T>
-__device__ __forceinline__ uint4 mla_dequant8(uint2 raw, float scale) {
-#ifdef CUKV_MLA_FP8_BF16MUL  // probe only: exact bf16 codes x 2^-112 times bf16(scale x 2^112), one bf16x2 multiply a pair
-  const u32 s = ElemTraits<T>::pack(scale * 0x1p112f, scale * 0x1p112f);
-  u32 w[4] = {codes_to_mma<T>((u16)(raw.x & 0xffffu)), codes_to_mma<T>((u16)(raw.x >> 16)),
-              codes_to_mma<T>((u16)(raw.y & 0xffffu)), codes_to_mma<T>((u16)(raw.y >> 16))};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(w[i]) : "r"(w[i]), "r"(s));
-  return make_uint4(w[0], w[1], w[2], w[3]);
-#else
-  return dequant8<T>(raw, scale);
-#endif
-}
-
 template <typename T, int BN_, int STAGES_, bool FP8_ = false>
 struct MLAKVProducerPipeline {
   static constexpr bool fp8 = FP8_;
@@ -192,9 +177,9 @@ struct MLAKVProducerPipeline {
       if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), src ? src + 528 + 16 * lane : a.cache,
                                src ? 16 : 0);
       st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes),
-                  mla_dequant8<T>(make_uint2(b.codes[i].x, b.codes[i].y), b.scale[i]));
+                  dequant8<T>(make_uint2(b.codes[i].x, b.codes[i].y), b.scale[i]));
       st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes),
-                  mla_dequant8<T>(make_uint2(b.codes[i].z, b.codes[i].w), b.scale[i]));
+                  dequant8<T>(make_uint2(b.codes[i].z, b.codes[i].w), b.scale[i]));
     }
   }
 
@@ -223,13 +208,9 @@ struct MLAKVProducerPipeline {
   // table) are issued one tile ahead, so their latency hides behind the wait for a free stage. PREFETCH > 0:
   // tile it + PREFETCH goes into L2 before tile it is loaded (its lookups made one tile earlier still); FP8_ROWS:
   // the FP8 rows each lane holds in flight.
-  template <int PREFETCH, int FP8_ROWS, bool FP8_OVERLAP>
+  template <int PREFETCH, int FP8_ROWS>
   __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
     static_assert(PREFETCH >= 0 && PREFETCH <= 4, "prefetch distance in tiles");
-    if constexpr (FP8_ && FP8_OVERLAP) {
-      produce_fp8_overlapped<PREFETCH, FP8_ROWS>(a, w, n_tiles, warp, lane);
-      return;
-    }
     const char* next = n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;
     const char* ahead = nullptr;  // the row of tile it + PREFETCH (lookup() is null past the item's end)
     if constexpr (PREFETCH > 0) {
@@ -253,49 +234,6 @@ struct MLAKVProducerPipeline {
         load_tile_fp8<FP8_ROWS>(a, cur, s, warp, lane);
       else
         load_tile(a, cur, s, warp, lane);
-    }
-    cp_async_wait<0>();
-  }
-
-  // FP8, overlapped: the codes of the next batch (at a tile's last batch, the next tile's first) are loaded before
-  // the current batch is dequantized, so one batch is always in flight while the other converts; a tile's loads
-  // start before its stage is free (they go to registers), its stores after.
-  template <int PREFETCH, int kBatch>
-  __device__ void produce_fp8_overlapped(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp,
-                                         int lane) const {
-    constexpr int kPerTile = (BN / 4) / kBatch;
-    static_assert(kPerTile % 2 == 0, "an even number of batches per tile (the two buffers alternate in step)");
-    const char* cur = n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;  // rows of tile it
-    const char* next = lookup(a, w, 1, warp, lane);                         // rows of tile it + 1 (null past the end)
-    const char* ahead = nullptr;
-    if constexpr (PREFETCH > 0) {
-      prefetch_row(cur);
-#pragma unroll
-      for (int j = 1; j < PREFETCH; ++j) prefetch_row(lookup(a, w, j, warp, lane));
-      ahead = lookup(a, w, PREFETCH, warp, lane);
-    }
-    load_q(a, w, warp, lane);
-    CodeBatch<kBatch> buf[2];
-    if (n_tiles > 0) load_codes(buf[0], cur, 0, lane);
-#pragma unroll 1
-    for (int it = 0; it < n_tiles; ++it) {
-      const int s = it % num_kv_stages;
-      if constexpr (PREFETCH > 0) {
-        prefetch_row(ahead);
-        ahead = lookup(a, w, it + PREFETCH + 1, warp, lane);
-      }
-      if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
-#pragma unroll
-      for (int j = 0; j < kPerTile; ++j) {
-        if (j + 1 < kPerTile)
-          load_codes(buf[(j + 1) % 2], cur, (j + 1) * kBatch, lane);
-        else if (it + 1 < n_tiles)
-          load_codes(buf[(j + 1) % 2], next, 0, lane);
-        store_codes(buf[j % 2], a, cur, s, warp, j * kBatch, lane);
-      }
-      commit_fp8(s);
-      cur = next;
-      next = lookup(a, w, it + 2, warp, lane);
     }
     cp_async_wait<0>();
   }

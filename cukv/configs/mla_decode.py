@@ -77,8 +77,6 @@ class MLADecodeConfig(KernelConfig):
     prefetch_tiles: int = 0
     #: FP8 cache rows each producer lane loads before it dequantizes them (8 or 16; ``FP8_ROWS_REGS``)
     fp8_rows: int = 8
-    #: FP8: load the next batch of rows before dequantizing the current one (two batches in registers)
-    fp8_overlap: bool = False
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -92,12 +90,6 @@ class MLADecodeConfig(KernelConfig):
         check_rule(c, "fp8_rows", self.fp8_rows, self.fp8_rows == 8 or (self.kv_dtype is not None and
                                                                        self.fp8_rows <= self.block_n // 4),
                    "16 rows in flight need an FP8 cache (kv_dtype='fp8_e4m3') and block_n=64 (16 rows per warp)")
-        if not isinstance(self.fp8_overlap, bool):
-            raise TypeError(f"{c}.fp8_overlap={self.fp8_overlap!r} is not valid; accepted: False, True")
-        check_rule(c, "fp8_overlap", self.fp8_overlap, not self.fp8_overlap or (
-            self.kv_dtype is not None and self.block_n == 64 and self.fp8_rows == 8),
-            "overlapped loads need an FP8 cache (kv_dtype='fp8_e4m3'), block_n=64 and fp8_rows=8 (two batches "
-            "of 8 rows per warp and tile)")
         check_rule(c, "schedule", self.schedule, self.schedule == "split" or self.kv_dtype is None,
                    "the alternating consumers need more than the 200 registers an FP8 producer leaves them "
                    "(they spill): use schedule='split' with kv_dtype='fp8_e4m3'")
@@ -158,7 +150,6 @@ class MLADecodeConfig(KernelConfig):
         alt = "_alt" if self.schedule == "alternate" else ""
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
-        rows += "_ov" if self.fp8_overlap else ""
         return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}"
 
     def render_params(self) -> dict:
@@ -168,17 +159,11 @@ class MLADecodeConfig(KernelConfig):
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
             args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
             schedule=self.schedule, consumer=CONSUMERS[self.schedule],
-            prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows, fp8_overlap=self.fp8_overlap,
+            prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
             producer_regs=self.regs[0], consumer_regs=self.regs[1])
 
     @property
     def regs(self) -> tuple:
-        """The setmaxnreg split (producer, consumer): two batches of 8 rows in flight hold as much as one of 16."""
-        if self.kv_dtype is None:
-            return PRODUCER_REGS, CONSUMER_REGS
-        return FP8_ROWS_REGS[16 if self.fp8_overlap else self.fp8_rows]
+        """The setmaxnreg split (producer, consumer registers per thread)."""
+        return FP8_ROWS_REGS[self.fp8_rows] if self.kv_dtype else (PRODUCER_REGS, CONSUMER_REGS)
 
-
-def shipped() -> list[MLADecodeConfig]:
-    """The MLA decode specializations compiled ahead of time."""
-    return [MLADecodeConfig(dt) for dt in ("bfloat16", "float16")] + [MLADecodeConfig(kv_dtype="fp8_e4m3")]

@@ -48,10 +48,10 @@ class BatchMLADecode:
     schedule : {None, 'split', 'alternate'}
         How the two consumer warpgroups share the K tiles: 'split' halves every tile, 'alternate' gives each every
         other tile whole (16-bit caches only); None takes the policy's default (docs/mla.md, "Schedules").
-    prefetch_tiles, fp8_rows, fp8_overlap : optional
-        The producer's L2 prefetch distance in tiles (0..4); for an FP8 cache, the rows each producer lane loads
-        before dequantizing them (8 or 16) and whether the next 8 load while the current 8 convert. None takes
-        the policy's defaults for the cache (:mod:`cukv.policy.mla_decode`).
+    prefetch_tiles, fp8_rows : int, optional
+        The producer's L2 prefetch distance in tiles (0..4) and, for an FP8 cache, the rows each producer lane
+        loads before dequantizing them (8 or 16, 16 with block_n 64 only); None takes the policy's defaults for
+        the cache (:mod:`cukv.policy.mla_decode`).
 
     Examples
     --------
@@ -82,7 +82,7 @@ class BatchMLADecode:
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
                  num_kv_stages: int | None = None, schedule: str | None = None, prefetch_tiles: int | None = None,
-                 fp8_rows: int | None = None, fp8_overlap: bool | None = None):
+                 fp8_rows: int | None = None):
         from ..arrays import canonical_dtype, canonical_kv_dtype
 
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
@@ -104,13 +104,10 @@ class BatchMLADecode:
         if kvd is not None and schedule == "alternate":
             raise ValueError("schedule='alternate' is not offered with kv_dtype='fp8_e4m3' (its consumers would "
                              "spill); use schedule='split' or None")
-        if fp8_overlap is not None:
-            fp8_overlap = check_bool("fp8_overlap", fp8_overlap)
-        if kvd is None and (fp8_rows not in (None, 8) or fp8_overlap):
-            raise ValueError(f"fp8_rows={fp8_rows!r}, fp8_overlap={fp8_overlap!r} apply to an FP8 cache only "
-                             "(kv_dtype='fp8_e4m3'); leave them None with a 16-bit cache")
-        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, prefetch_tiles, fp8_rows,
-                                        fp8_overlap)
+        if kvd is None and fp8_rows not in (None, 8):
+            raise ValueError(f"fp8_rows={fp8_rows!r} applies to an FP8 cache only (kv_dtype='fp8_e4m3'); "
+                             "use None or 8 with a 16-bit cache")
+        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, prefetch_tiles, fp8_rows)
         self.dtype = self.config.dtype
         self._planned = False
         self._device = None

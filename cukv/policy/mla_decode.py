@@ -23,11 +23,12 @@ DEFAULT_STAGES = 2
 #: the consumers' schedule: "alternate" (each warpgroup scores every other tile whole) measured 5-8% slower
 #: (docs/tuning.md "MLA decode")
 DEFAULT_SCHEDULE = "split"
-#: L2 prefetch distance (tiles) and FP8 rows in flight per producer lane, by cache: to be set from
-#: benchmarks/probe_mla_fp8.py (docs/tuning.md "MLA decode")
+#: the producer's L2 prefetch distance in tiles, by cache: an FP8 producer's loads are synchronous (latency-bound),
+#: one tile ahead made it 8-10% faster (2 no better); the 16-bit producer's cp.async copies lost 10-17% with it
+#: (H200, benchmarks/probe_mla_fp8.py; docs/tuning.md "MLA decode")
 DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 1}
+#: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-4% faster than 8, same call)
 DEFAULT_FP8_ROWS = 16
-DEFAULT_FP8_OVERLAP = True
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
 ITEM_OVERHEAD_TILES = 8.0
@@ -83,8 +84,7 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
 
 def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
                       num_kv_stages: int | None = None, schedule: str | None = None,
-                      prefetch_tiles: int | None = None, fp8_rows: int | None = None,
-                      fp8_overlap: bool | None = None) -> MLADecodeConfig:
+                      prefetch_tiles: int | None = None, fp8_rows: int | None = None) -> MLADecodeConfig:
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
     cache keeps the "split" schedule, the only one it compiles without spills)."""
     if schedule is None:
@@ -92,10 +92,13 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
     if prefetch_tiles is None:
         prefetch_tiles = DEFAULT_PREFETCH[kv_dtype]
-    fp8 = kv_dtype is not None
-    if fp8_overlap is None:
-        fp8_overlap = DEFAULT_FP8_OVERLAP and fp8 and block_n == 64 and fp8_rows in (None, 8)
-    if fp8_rows is None:
-        fp8_rows = DEFAULT_FP8_ROWS if fp8 and not fp8_overlap and DEFAULT_FP8_ROWS <= block_n // 4 else 8
+    if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64)
+        fp8_rows = DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4 else 8
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
-                           schedule, prefetch_tiles, fp8_rows, fp8_overlap)
+                           schedule, prefetch_tiles, fp8_rows)
+
+
+def shipped() -> list[MLADecodeConfig]:
+    """The MLA decode specializations compiled ahead of time (cukv/specs.py): the default config of each 16-bit
+    dtype and of an FP8 cache."""
+    return [mla_decode_config(dt) for dt in ("bfloat16", "float16")] + [mla_decode_config(kv_dtype="fp8_e4m3")]
