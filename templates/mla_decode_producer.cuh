@@ -7,11 +7,12 @@
 // zero-filled and never read, so nothing the cache holds there (NaN included) reaches the mma.
 //
 // FP8 caches (FP8 = true; 656-byte rows: 512 e4m3 codes, 4 float32 scales, 64 bf16 rope values) fill the same
-// bf16 tiles: each lane loads 16 codes and their scale of 8 rows at a time into registers, dequantizes them
-// (e4m3 -> f16 is exact; the product with the scale is rounded once to bf16, exactly when the scale is a power of
-// two) and stores them; the rope values are copied as they are with cp.async. Those loads are synchronous, so
-// with PREFETCH > 0 every row is first brought into L2 (cp.async.bulk.prefetch, one instruction a row) PREFETCH
-// tiles ahead of its load: the loads then wait for L2, not DRAM (docs/tuning.md, "MLA decode").
+// bf16 tiles: each lane loads 16 codes and their scale of FP8_ROWS rows (8 or 16) at a time into registers,
+// dequantizes them (e4m3 -> f16 is exact; the product with the scale is rounded once to bf16, exactly when the
+// scale is a power of two) and stores them; the rope values are copied as they are with cp.async. Those loads are
+// synchronous (the bytes in flight per SM bound the producer), so with PREFETCH > 0 every row is first brought
+// into L2 (cp.async.bulk.prefetch, one instruction a row) PREFETCH tiles ahead of its load and the loads wait
+// for L2, not DRAM (docs/tuning.md, "MLA decode").
 #pragma once
 #include "mla_decode.cuh"
 #include "fp8.cuh"

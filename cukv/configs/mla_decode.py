@@ -27,7 +27,8 @@ CONSUMERS = {"split": "MLADecodeConsumer", "alternate": "MLADecodeAltConsumer"}
 PRODUCER_REGS, CONSUMER_REGS = 56, 224
 FP8_PRODUCER_REGS, FP8_CONSUMER_REGS = 96, 200
 #: FP8 rows each producer lane holds in flight (``fp8_rows``) -> (producer, consumer) registers: 16 rows of codes
-#: need 152 producer registers (0 spills; 128 spilled), leaving 176 per consumer (the split consumers use 168)
+#: need 152 producer registers (0 spills; 128 spilled), leaving 176 per consumer (the split consumers use 168;
+#: docs/tuning.md "MLA decode")
 FP8_ROWS_REGS = {8: (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS), 16: (152, 176)}
 PREFETCH_TILES = (0, 1, 2, 3, 4)
 
@@ -91,7 +92,7 @@ class MLADecodeConfig(KernelConfig):
                                                                        self.fp8_rows <= self.block_n // 4),
                    "16 rows in flight need an FP8 cache (kv_dtype='fp8_e4m3') and block_n=64 (16 rows per warp)")
         check_rule(c, "schedule", self.schedule, self.schedule == "split" or self.kv_dtype is None,
-                   "the alternating consumers need more than the 200 registers an FP8 producer leaves them "
+                   "the alternating consumers need more than the 176-200 registers an FP8 producer leaves them "
                    "(they spill): use schedule='split' with kv_dtype='fp8_e4m3'")
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
