@@ -30,6 +30,7 @@ FP8_PRODUCER_REGS, FP8_CONSUMER_REGS = 96, 200
 #: need 152 producer registers (0 spills; 128 spilled), leaving 176 per consumer (the split consumers use 168;
 #: docs/tuning.md "MLA decode")
 FP8_ROWS_REGS = {8: (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS), 16: (152, 176)}
+#: the L2 prefetch distances (``prefetch_tiles``) offered, in tiles; 0: none
 PREFETCH_TILES = (0, 1, 2, 3, 4)
 
 # the kernel's by-value argument: templates/mla_decode.cuh MLADecodeParams

@@ -24,10 +24,10 @@ DEFAULT_STAGES = 2
 #: (docs/tuning.md "MLA decode")
 DEFAULT_SCHEDULE = "split"
 #: the producer's L2 prefetch distance in tiles, by cache: an FP8 producer's loads are synchronous (latency-bound),
-#: one tile ahead made it 8-10% faster (2 no better); the 16-bit producer's cp.async copies lost 10-17% with it
+#: one tile ahead made it 7-9% faster (2 no better); the 16-bit producer's cp.async copies lost 10-12% with it
 #: (H200, benchmarks/probe_mla_fp8.py; docs/tuning.md "MLA decode")
 DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 1}
-#: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-4% faster than 8, same call)
+#: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-5% faster than 8, same calls)
 DEFAULT_FP8_ROWS = 16
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
