@@ -7,9 +7,12 @@
 // zero-filled and never read, so nothing the cache holds there (NaN included) reaches the mma.
 //
 // FP8 caches (FP8 = true; 656-byte rows: 512 e4m3 codes, 4 float32 scales, 64 bf16 rope values) fill the same
-// bf16 tiles: each lane loads 16 codes and their scale of 8 rows at a time into registers, dequantizes them
-// (e4m3 -> f16 is exact; the product with the scale is rounded once to bf16, exactly when the scale is a power of
-// two) and stores them; the rope values are copied as they are with cp.async.
+// bf16 tiles: each lane loads 16 codes and their scale of FP8_ROWS rows (8 or 16) at a time into registers,
+// dequantizes them (e4m3 -> f16 is exact; the product with the scale is rounded once to bf16, exactly when the
+// scale is a power of two) and stores them; the rope values are copied as they are with cp.async. Those loads are
+// synchronous (the bytes in flight per SM bound the producer), so with PREFETCH > 0 every row is first brought
+// into L2 (cp.async.bulk.prefetch, one instruction a row) PREFETCH tiles ahead of its load and the loads wait
+// for L2, not DRAM (docs/tuning.md, "MLA decode").
 //
 // Sparse MLA (SPARSE = true, MLAPrefillSparse): key j of "sequence" b (one query token) is cache row
 // indices[b][j]; an index outside 0 .. num_rows reads as a zero row like a key past the end. Zero rows score 0,
@@ -160,37 +163,58 @@ struct MLAKVProducerPipeline {
     mbar_arrive_cp_async(full(s));
   }
 
-  // An FP8 tile into stage s: lane l of warp w dequantizes codes 16l .. 16l + 15 (scale l / 8) of its warp's rows,
-  // 8 rows in flight; lanes 0-7 copy the rope chunk l of each row. Rows read as zeros store zeros.
-  __device__ __forceinline__ void load_tile_fp8(const MLADecodeParams& a, const char* mine, int s, int warp,
-                                                int lane) const {
-    constexpr int kRowsPerWarp = BN / 4, kBatch = 8;
-    static_assert(kRowsPerWarp % kBatch == 0, "rows per warp in batches of 8");
-    const u32 dst = stage(s);
-#pragma unroll 1
-    for (int r0 = 0; r0 < kRowsPerWarp; r0 += kBatch) {
-      uint4 codes[kBatch];
-      float scale[kBatch];
-      bool ok[kBatch];
+  // The row of `mine` (null: none) into L2, ahead of its load.
+  static __device__ __forceinline__ void prefetch_row(const char* mine) {
+    if (mine) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(mine), "n"(row_bytes) : "memory");
+  }
+
+  // FP8 rows in registers: this lane's 16 codes (16 * lane ..) and their scale for kBatch rows of its warp.
+  template <int kBatch>
+  struct CodeBatch {
+    uint4 codes[kBatch];
+    float scale[kBatch];
+  };
+
+  // Issue the loads of rows r0 .. r0 + kBatch - 1 of this warp's BN/4 (their addresses in lanes of `mine`); a row
+  // read as zeros gets codes 0 and scale 0, which dequantize to +0.
+  template <int kBatch>
+  static __device__ __forceinline__ void load_codes(CodeBatch<kBatch>& b, const char* mine, int r0, int lane) {
 #pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
-        ok[i] = src != nullptr;
-        const int r = warp * kRowsPerWarp + r0 + i;
-        codes[i] = ok[i] ? ldg_stream16(src + 16 * lane) : make_uint4(0u, 0u, 0u, 0u);
-        scale[i] = ok[i] ? __ldg(reinterpret_cast<const float*>(src + kMlaNope) + lane / 8) : 0.f;
-        if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), ok[i] ? src + 528 + 16 * lane : a.cache,
-                                 ok[i] ? 16 : 0);
-      }
-#pragma unroll
-      for (int i = 0; i < kBatch; ++i) {
-        const int r = warp * kRowsPerWarp + r0 + i;
-        const uint4 lo = ok[i] ? dequant8<T>(make_uint2(codes[i].x, codes[i].y), scale[i]) : make_uint4(0u, 0u, 0u, 0u);
-        const uint4 hi = ok[i] ? dequant8<T>(make_uint2(codes[i].z, codes[i].w), scale[i]) : make_uint4(0u, 0u, 0u, 0u);
-        st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes), lo);
-        st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes), hi);
-      }
+    for (int i = 0; i < kBatch; ++i) {
+      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
+      const bool ok = src != nullptr;
+#ifdef CUKV_MLA_FP8_NO_LOAD  // probe only: the producer's cost without the code loads (benchmarks/probe_mla_fp8.py)
+      b.codes[i] = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
+      b.scale[i] = ok ? 1.f : 0.f;
+#else
+      b.codes[i] = ok ? ldg_stream16(src + 16 * lane) : make_uint4(0u, 0u, 0u, 0u);
+      b.scale[i] = ok ? __ldg(reinterpret_cast<const float*>(src + kMlaNope) + lane / 8) : 0.f;
+#endif
     }
+  }
+
+  // Dequantize a batch into stage s (lane l: 16-byte chunks 2l and 2l + 1 of each row) and copy the rows' rope
+  // chunks as they are (lanes 0-7, cp.async; zeros for rows read as zeros).
+  template <int kBatch>
+  __device__ __forceinline__ void store_codes(const CodeBatch<kBatch>& b, const MLADecodeParams& a, const char* mine,
+                                              int s, int warp, int r0, int lane) const {
+    constexpr int kRowsPerWarp = BN / 4;
+    const u32 dst = stage(s);
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
+      const int r = warp * kRowsPerWarp + r0 + i;
+      if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), src ? src + 528 + 16 * lane : a.cache,
+                               src ? 16 : 0);
+      st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes),
+                  dequant8<T>(make_uint2(b.codes[i].x, b.codes[i].y), b.scale[i]));
+      st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes),
+                  dequant8<T>(make_uint2(b.codes[i].z, b.codes[i].w), b.scale[i]));
+    }
+  }
+
+  // Stage s is complete once this thread's stores are visible to wgmma and its rope copies have landed.
+  __device__ __forceinline__ void commit_fp8(int s) const {
     fence_proxy_async();  // the generic-proxy stores -> the consumers' wgmma reads
     mbar_arrive(full(s));
     mbar_arrive_cp_async(full(s));
@@ -227,16 +251,41 @@ struct MLAKVProducerPipeline {
     mbar_arrive(full(s));
   }
 
+  // An FP8 tile into stage s, kBatch rows per lane loaded, then dequantized and stored.
+  template <int kBatch>
+  __device__ __forceinline__ void load_tile_fp8(const MLADecodeParams& a, const char* mine, int s, int warp,
+                                                int lane) const {
+    static_assert((BN / 4) % kBatch == 0, "rows per warp in whole batches");
+#pragma unroll 1
+    for (int r0 = 0; r0 < BN / 4; r0 += kBatch) {
+      CodeBatch<kBatch> b;
+      load_codes(b, mine, r0, lane);
+      store_codes(b, a, mine, s, warp, r0, lane);
+    }
+    commit_fp8(s);
+  }
+
   // The query block, then the tiles through the ring. Each tile's page lookups (a dependent load of the block
   // table) are issued one tile ahead, so their latency hides behind the wait for a free stage. kTma: full tiles by
-  // tensor copies where the page size allows (m.box_rows > 0), the rest by cp.async.
-  template <bool kTma = false>
+  // tensor copies where the page size allows (m->box_rows > 0), the rest by cp.async. PREFETCH > 0 (cp.async and
+  // FP8 loads only): tile it + PREFETCH goes into L2 before tile it is loaded (its lookups made one tile earlier
+  // still); FP8_ROWS: the FP8 rows each lane holds in flight.
+  template <bool kTma = false, int PREFETCH = 0, int FP8_ROWS = 8>
   __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane,
                           const MLACacheMap* m = nullptr) const {
+    static_assert(PREFETCH >= 0 && PREFETCH <= 4, "prefetch distance in tiles");
+    static_assert(!(kTma && PREFETCH > 0), "tensor copies take no L2 prefetch");
     const int box_rows = kTma ? m->box_rows : 0;
     const int full_tiles = box_rows > 0 ? (w.end - w.begin) / BN : 0;  // tiles wholly inside the chunk
     const char* next = full_tiles == 0 && n_tiles > 0 ? lookup(a, w, 0, warp, lane) : nullptr;
     int2 next_box = full_tiles > 0 ? lookup_box(a, w, 0, box_rows, lane) : make_int2(-1, 0);
+    const char* ahead = nullptr;  // the row of tile it + PREFETCH (lookup() is null past the item's end)
+    if constexpr (PREFETCH > 0) {
+      prefetch_row(next);
+#pragma unroll
+      for (int j = 1; j < PREFETCH; ++j) prefetch_row(lookup(a, w, j, warp, lane));
+      ahead = lookup(a, w, PREFETCH, warp, lane);
+    }
     load_q(a, w, warp, lane);
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
@@ -247,6 +296,10 @@ struct MLAKVProducerPipeline {
         next_box = lookup_box(a, w, it + 1, box_rows, lane);
       else if (it + 1 < n_tiles)
         next = lookup(a, w, it + 1, warp, lane);
+      if constexpr (PREFETCH > 0) {
+        prefetch_row(ahead);
+        ahead = lookup(a, w, it + PREFETCH + 1, warp, lane);
+      }
       if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
       if constexpr (SPARSE_) {  // kv_valid_producer: published before this thread's arrivals on full(s)
         const u32 bits = __ballot_sync(0xffffffffu, cur != nullptr);
@@ -254,7 +307,7 @@ struct MLAKVProducerPipeline {
         __syncwarp();
       }
       if constexpr (FP8_) {
-        load_tile_fp8(a, cur, s, warp, lane);
+        load_tile_fp8<FP8_ROWS>(a, cur, s, warp, lane);
       } else {
         if (kTma && it < full_tiles)
           load_tile_tma(*m, box, s, warp, lane);

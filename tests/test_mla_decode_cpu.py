@@ -11,7 +11,8 @@ from cukv.configs.mla_append import MLAAppendConfig
 from cukv.configs.mla_decode import MLADecodeConfig
 from cukv.ops.mla_decode import BatchMLADecode
 from cukv.policy import mla_decode as mla_decode_policy
-from cukv.policy.mla_decode import DEFAULT_BLOCK_N, DEFAULT_STAGES, DEFAULT_TMA, mla_decode_config, plan_items
+from cukv.policy.mla_decode import (DEFAULT_BLOCK_N, DEFAULT_FP8_ROWS, DEFAULT_PREFETCH, DEFAULT_STAGES, DEFAULT_TMA,
+                                    mla_decode_config, plan_items)
 
 ARCH = "sm_90a"
 SHIPPED = mla_decode_policy.shipped() + mla_append.shipped()
@@ -147,6 +148,26 @@ def test_policy_defaults_are_the_configs():
     assert (MLADecodeConfig().block_n, MLADecodeConfig().num_kv_stages) == (DEFAULT_BLOCK_N, DEFAULT_STAGES)
     assert BatchMLADecode(16, block_n=32, num_kv_stages=4).config == MLADecodeConfig("bfloat16", 32, 4, tma=DEFAULT_TMA)
     assert not BatchMLADecode(16, kv_dtype="fp8_e4m3").config.tma  # FP8 rows go through the dequantizing producer
+
+
+def test_fp8_producer_fields():
+    """The FP8 default (L2 prefetch, 16 rows in flight) is shipped; the fields' domains are named errors."""
+    fp8 = BatchMLADecode(16, kv_dtype="fp8_e4m3").config
+    assert fp8 == mla_decode_config(kv_dtype="fp8_e4m3") and fp8 in SHIPPED
+    assert (fp8.prefetch_tiles, fp8.fp8_rows) == (DEFAULT_PREFETCH["fp8_e4m3"], DEFAULT_FP8_ROWS)
+    assert f"constexpr int FP8_ROWS = {fp8.fp8_rows};" in fp8.render()
+    assert BatchMLADecode(16).config.prefetch_tiles == DEFAULT_PREFETCH[None]
+    assert BatchMLADecode(16, kv_dtype="fp8_e4m3", block_n=32, num_kv_stages=4).config.fp8_rows == 8
+    with pytest.raises(ValueError, match="MLADecodeConfig.fp8_rows=16"):
+        MLADecodeConfig(kv_dtype="fp8_e4m3", block_n=32, num_kv_stages=4, fp8_rows=16)
+    with pytest.raises(ValueError, match="MLADecodeConfig.fp8_rows=16"):
+        MLADecodeConfig(fp8_rows=16)
+    with pytest.raises(ValueError, match="MLADecodeConfig.prefetch_tiles=5"):
+        MLADecodeConfig(prefetch_tiles=5)
+    with pytest.raises(ValueError, match="prefetch_tiles"):
+        BatchMLADecode(16, prefetch_tiles=7)
+    with pytest.raises(ValueError, match="fp8_rows=16 applies to an FP8 cache only"):
+        BatchMLADecode(16, fp8_rows=16)
 
 
 def test_mla_configs_share_the_base():

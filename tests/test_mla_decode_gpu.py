@@ -143,17 +143,14 @@ def test_mla_decode_full_grid(rng, b, s_q, ctx, heads):
     run_check(rng, lens, s_q, heads, int(rng.choice([1, 16, 64, 48])), sink=bool(rng.integers(2)))
 
 
-@pytest.mark.parametrize("pow2", [False, True])
-def test_mla_decode_fp8_cache(rng, pow2):
-    """FP8 rows written by append_mla: tight against the reference on the dequantized cache (the tiles hold
-    bf16(e4m3 * scale), exact for power-of-two scales), loose against the unquantized tokens."""
+def make_fp8_problem(rng, lens, s_q, heads, ps, pow2):
+    """An FP8 cache (NaN in every unused slot and page) holding the batch's rows in random pages written by
+    append_mla, its table (-1 past each row's pages), the bf16 query and the unquantized rows."""
     import cupy as cp
 
     from cukv.mla_cache import MLAKVCache
     from cukv.ops.mla_append import append_mla
-    from cukv.ops.mla_decode import BatchMLADecode
 
-    lens, s_q, heads, ps = [3000, 0, 77, 640], 2, 16, 16
     need = [-(-n // ps) for n in lens]
     num_pages = sum(need) + 2
     perm = rng.permutation(num_pages)
@@ -171,7 +168,39 @@ def test_mla_decode_fp8_cache(rng, pow2):
             append_mla(cache, _to_dev(rows[:, :512], "bfloat16"), _to_dev(rows[:, 512:], "bfloat16"),
                        cp.asarray(slots), pow2_scales=pow2)
     q = rng.standard_normal((len(lens), s_q, heads, 576)).astype(np.float32)
-    qd = _to_dev(q, "bfloat16")
+    return cache, table, _to_dev(q, "bfloat16"), rows_all
+
+
+@pytest.mark.parametrize("prefetch_tiles,fp8_rows", [(1, 8), (2, 8), (0, 16), (1, 16), (2, 16)])
+def test_mla_decode_fp8_producers_bit_identical(rng, prefetch_tiles, fp8_rows):
+    """The FP8 producer's variants (L2 prefetch distance, rows in flight) change no bit of the output or LSE
+    against block 64 x 2 without them (the default's own numerics are tested above), uneven lengths, NaN pages."""
+    import cupy as cp
+
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    lens, s_q, heads, ps = [1000, 0, 3, 640, 129], 1, 128, 64
+    cache, table, qd, _ = make_fp8_problem(rng, lens, s_q, heads, ps, False)
+    tab = cp.asarray(table)
+    base = BatchMLADecode(heads, kv_dtype="fp8_e4m3", prefetch_tiles=0, fp8_rows=8)
+    want, want_lse = base.plan(lens, s_q).run(qd, cache, tab, return_lse=True)
+    dec = BatchMLADecode(heads, kv_dtype="fp8_e4m3", prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows).plan(lens, s_q)
+    got, got_lse = dec.run(qd, cache, tab, return_lse=True)
+    assert np.array_equal(got.get(), want.get())
+    assert np.array_equal(got_lse.get(), want_lse.get(), equal_nan=True)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_mla_decode_fp8_cache(rng, pow2):
+    """FP8 rows written by append_mla: tight against the reference on the dequantized cache (the tiles hold
+    bf16(e4m3 * scale), exact for power-of-two scales), loose against the unquantized tokens."""
+    import cupy as cp
+
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    lens, s_q, heads, ps = [3000, 0, 77, 640], 2, 16, 16
+    cache, table, qd, rows_all = make_fp8_problem(rng, lens, s_q, heads, ps, pow2)
+    num_pages = cache.num_pages
     dec = BatchMLADecode(heads, kv_dtype="fp8_e4m3").plan(lens, s_q)
     out, lse = dec.run(qd, cache, cp.asarray(table), return_lse=True)
     o = _to_host(out, "bfloat16")

@@ -26,6 +26,12 @@ CONSUMERS = {"split": "MLADecodeConsumer", "alternate": "MLADecodeAltConsumer"}
 # 8 rows of codes and scales (96); the consumers then get 200 (they use 168 in the 16-bit kernel).
 PRODUCER_REGS, CONSUMER_REGS = 56, 224
 FP8_PRODUCER_REGS, FP8_CONSUMER_REGS = 96, 200
+#: FP8 rows each producer lane holds in flight (``fp8_rows``) -> (producer, consumer) registers: 16 rows of codes
+#: need 152 producer registers (0 spills; 128 spilled), leaving 176 per consumer (the split consumers use 168;
+#: docs/tuning.md "MLA decode")
+FP8_ROWS_REGS = {8: (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS), 16: (152, 176)}
+#: the L2 prefetch distances (``prefetch_tiles``) offered, in tiles; 0: none
+PREFETCH_TILES = (0, 1, 2, 3, 4)
 
 # the kernel's by-value argument: templates/mla_decode.cuh MLADecodeParams
 PARAMS = np.dtype([
@@ -76,6 +82,10 @@ class MLADecodeConfig(KernelConfig):
     #: the page size then decides at run time (``tma_box_rows``): pages of 1-4 tokens, and a tile that ends past
     #: its chunk, still go by cp.async
     tma: bool = False
+    #: tiles ahead whose rows the producer brings into L2 (``cp.async.bulk.prefetch``) before it loads a tile; 0: none
+    prefetch_tiles: int = 0
+    #: FP8 cache rows each producer lane loads before it dequantizes them (8 or 16; ``FP8_ROWS_REGS``)
+    fp8_rows: int = 8
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -84,11 +94,18 @@ class MLADecodeConfig(KernelConfig):
         check_range(c, "num_kv_stages", self.num_kv_stages, 2, 8)
         check_in(c, "kv_dtype", self.kv_dtype, (None, "fp8_e4m3"))
         check_in(c, "schedule", self.schedule, SCHEDULES)
+        check_in(c, "prefetch_tiles", self.prefetch_tiles, PREFETCH_TILES)
+        check_in(c, "fp8_rows", self.fp8_rows, tuple(FP8_ROWS_REGS))
+        check_rule(c, "fp8_rows", self.fp8_rows, self.fp8_rows == 8 or (self.kv_dtype is not None and
+                                                                       self.fp8_rows <= self.block_n // 4),
+                   "16 rows in flight need an FP8 cache (kv_dtype='fp8_e4m3') and block_n=64 (16 rows per warp)")
         check_rule(c, "schedule", self.schedule, self.schedule == "split" or self.kv_dtype is None,
-                   "the alternating consumers need more than the 200 registers an FP8 producer leaves them "
+                   "the alternating consumers need more than the 176-200 registers an FP8 producer leaves them "
                    "(they spill): use schedule='split' with kv_dtype='fp8_e4m3'")
         check_rule(c, "tma", self.tma, not (self.tma and self.kv_dtype), "tensor copies feed 16-bit tiles only: "
                    "an FP8 cache's rows are dequantized by the producer; use tma=False with kv_dtype='fp8_e4m3'")
+        check_rule(c, "prefetch_tiles", self.prefetch_tiles, not (self.tma and self.prefetch_tiles),
+                   "tensor copies take no L2 prefetch: use prefetch_tiles=0 with tma=True")
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
@@ -145,7 +162,9 @@ class MLADecodeConfig(KernelConfig):
         kv = "_e4m3" if self.kv_dtype else ""
         alt = "_alt" if self.schedule == "alternate" else ""
         tma = "_tma" if self.tma else ""
-        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{tma}"
+        pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
+        rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
+        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}"
 
     def render_params(self) -> dict:
         return dict(
@@ -154,9 +173,13 @@ class MLADecodeConfig(KernelConfig):
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
             args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
             schedule=self.schedule, consumer=CONSUMERS[self.schedule], tma=self.tma,
-            producer_regs=FP8_PRODUCER_REGS if self.kv_dtype else PRODUCER_REGS,
-            consumer_regs=FP8_CONSUMER_REGS if self.kv_dtype else CONSUMER_REGS)
+            prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
+            producer_regs=self.regs[0], consumer_regs=self.regs[1])
 
+    @property
+    def regs(self) -> tuple:
+        """The setmaxnreg split (producer, consumer registers per thread)."""
+        return FP8_ROWS_REGS[self.fp8_rows] if self.kv_dtype else (PRODUCER_REGS, CONSUMER_REGS)
 
 def tma_box_rows(page_size: int, block_n: int) -> int:
     """Rows per tensor copy of a ``tma`` kernel for this page size: a box never crosses a page or a tile, and boxes

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NOPE, PARAMS, ROPE, SCHEDULES, tma_box_rows
+from ..configs.mla_decode import (BLOCK_M, BLOCK_NS, DIM, FP8_ROWS_REGS, NOPE, PARAMS, PREFETCH_TILES, ROPE,
+                                  SCHEDULES, tma_box_rows)
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
@@ -49,6 +50,10 @@ class BatchMLADecode:
     schedule : {None, 'split', 'alternate'}
         How the two consumer warpgroups share the K tiles: 'split' halves every tile, 'alternate' gives each every
         other tile whole (16-bit caches only); None takes the policy's default (docs/mla.md, "Schedules").
+    prefetch_tiles, fp8_rows : int, optional
+        The producer's L2 prefetch distance in tiles (0..4) and, for an FP8 cache, the rows each producer lane
+        loads before dequantizing them (8 or 16, 16 with block_n 64 only); None takes the policy's defaults for
+        the cache (:mod:`cukv.policy.mla_decode`).
 
     Examples
     --------
@@ -78,7 +83,8 @@ class BatchMLADecode:
     """
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
-                 num_kv_stages: int | None = None, schedule: str | None = None, tma: bool | None = None):
+                 num_kv_stages: int | None = None, schedule: str | None = None, tma: bool | None = None,
+                 prefetch_tiles: int | None = None, fp8_rows: int | None = None):
         from ..arrays import canonical_dtype, canonical_kv_dtype
 
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
@@ -86,6 +92,8 @@ class BatchMLADecode:
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
         schedule = check_choice("schedule", schedule, (None,) + SCHEDULES)
         tma = check_bool("tma", tma) if tma is not None else None
+        prefetch_tiles = check_choice("prefetch_tiles", prefetch_tiles, (None,) + PREFETCH_TILES)
+        fp8_rows = check_choice("fp8_rows", fp8_rows, (None,) + tuple(FP8_ROWS_REGS))
         dt = canonical_dtype(dtype)
         kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
         if kvd not in (None, "fp8_e4m3"):
@@ -102,7 +110,10 @@ class BatchMLADecode:
         if kvd is not None and tma:
             raise ValueError("tma=True is not offered with kv_dtype='fp8_e4m3' (the producer dequantizes FP8 rows "
                              "itself); use tma=None or False")
-        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, tma)
+        if kvd is None and fp8_rows not in (None, 8):
+            raise ValueError(f"fp8_rows={fp8_rows!r} applies to an FP8 cache only (kv_dtype='fp8_e4m3'); "
+                             "use None or 8 with a 16-bit cache")
+        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows)
         self.dtype = self.config.dtype
         self._planned = False
         self._device = None

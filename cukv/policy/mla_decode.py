@@ -26,6 +26,12 @@ DEFAULT_SCHEDULE = "split"
 #: full tiles of a 16-bit cache by TMA tensor copies (page sizes from 8 that tile 64): 4-12% faster than cp.async on
 #: every bench shape, same output bits (docs/tuning.md "MLA decode")
 DEFAULT_TMA = True
+#: the producer's L2 prefetch distance in tiles, by cache: an FP8 producer's loads are synchronous (latency-bound),
+#: one tile ahead made it 7-9% faster (2 no better); the 16-bit producer's cp.async copies lost 10-12% with it
+#: (H200, benchmarks/probe_mla_fp8.py; docs/tuning.md "MLA decode")
+DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 1}
+#: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-5% faster than 8, same calls)
+DEFAULT_FP8_ROWS = 16
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
 ITEM_OVERHEAD_TILES = 8.0
@@ -81,17 +87,24 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
 
 def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
                       num_kv_stages: int | None = None, schedule: str | None = None,
-                      tma: bool | None = None) -> MLADecodeConfig:
+                      tma: bool | None = None, prefetch_tiles: int | None = None,
+                      fp8_rows: int | None = None) -> MLADecodeConfig:
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
     cache keeps the "split" schedule, the only one it compiles without spills, and cp.async)."""
     if schedule is None:
         schedule = DEFAULT_SCHEDULE if kv_dtype is None else "split"
-    if tma is None:
-        tma = DEFAULT_TMA and kv_dtype is None
-    return MLADecodeConfig(dtype, DEFAULT_BLOCK_N if block_n is None else block_n,
-                           DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype, schedule, tma)
+    if tma is None:  # tensor copies feed 16-bit tiles and take no L2 prefetch
+        tma = DEFAULT_TMA and kv_dtype is None and not prefetch_tiles
+    block_n = DEFAULT_BLOCK_N if block_n is None else block_n
+    if prefetch_tiles is None:
+        prefetch_tiles = DEFAULT_PREFETCH[kv_dtype]
+    if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64)
+        fp8_rows = DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4 else 8
+    return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
+                           schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows)
 
 
 def shipped() -> list[MLADecodeConfig]:
-    """The MLA decode specializations compiled ahead of time: the default config per query dtype and for FP8 rows."""
+    """The MLA decode specializations compiled ahead of time (cukv/specs.py): the default config of each 16-bit
+    dtype and of an FP8 cache."""
     return [mla_decode_config(dt) for dt in ("bfloat16", "float16")] + [mla_decode_config(kv_dtype="fp8_e4m3")]
