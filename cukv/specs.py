@@ -10,7 +10,7 @@ from .policy.prefill import default_config as prefill_default
 from .configs.mla_append import shipped as mla_append_shipped
 from .policy.mla_decode import shipped as mla_decode_shipped
 from .policy.mla_prefill import shipped as mla_prefill_shipped
-from .configs.sparse_mla import shipped as sparse_mla_shipped
+from .policy.mla_decode import sparse_shipped as sparse_mla_shipped
 
 DTYPES = ("bfloat16", "float16")
 GROUPS = (1, 2, 4, 8, 16)

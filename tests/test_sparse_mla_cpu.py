@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cukv import compiler, reference
-from cukv.configs.sparse_mla import SparseMLAConfig, shipped
+from cukv.configs.sparse_mla import SparseMLAConfig
+from cukv.policy.mla_decode import sparse_shipped as shipped
 from cukv.ops.sparse_mla import MAX_COMBINE_TOKENS, SparseMLA, plan_work, sparse_indices
 
 ARCH = "sm_90a"

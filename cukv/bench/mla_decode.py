@@ -81,13 +81,13 @@ def _fp8_copy(cache):
 
 
 def parse_mla_configs(text: str) -> tuple:
-    """``--mla-configs``: comma-separated ``BNxS`` with optional ``:schedule`` and ``:tma`` (``64x2``,
-    ``64x2:alternate``, ``64x2:tma``) -> ``((block_n, num_kv_stages, schedule, tma), ...)``; a malformed entry is a
-    ValueError naming it.
+    """``--mla-configs``: comma-separated ``BNxS`` with optional ``:schedule`` and ``:tma`` or ``:cpasync``
+    (``64x2``, ``64x2:alternate``, ``64x2:cpasync``) -> ``((block_n, num_kv_stages, schedule, tma), ...)``, ``tma``
+    None (the policy's choice) unless a flag sets it; a malformed entry is a ValueError naming it.
 
     >>> from cukv.bench.mla_decode import parse_mla_configs
-    >>> parse_mla_configs("64x2,64x2:alternate:tma")
-    ((64, 2, 'split', False), (64, 2, 'alternate', True))
+    >>> parse_mla_configs("64x2,64x2:alternate:cpasync")
+    ((64, 2, 'split', None), (64, 2, 'alternate', False))
     """
     from ..configs.mla_decode import SCHEDULES
 
@@ -96,21 +96,26 @@ def parse_mla_configs(text: str) -> tuple:
         tile, *flags = entry.strip().split(":")
         bn, _, st = tile.partition("x")
         schedules = [f for f in flags if f in SCHEDULES]
-        if not (bn.isdigit() and st.isdigit()) or len(schedules) > 1 or any(f not in SCHEDULES + ("tma",)
-                                                                            for f in flags):
+        copies = [f for f in flags if f in ("tma", "cpasync")]
+        if not (bn.isdigit() and st.isdigit()) or len(schedules) > 1 or len(copies) > 1 or any(
+                f not in SCHEDULES + ("tma", "cpasync") for f in flags):
             raise ValueError(f"--mla-configs entry {entry!r} is not valid; expected BNxS with optional :schedule "
-                             f"(one of {', '.join(SCHEDULES)}) and :tma, e.g. 64x2,64x2:alternate,64x2:tma")
-        out.append((int(bn), int(st), schedules[0] if schedules else "split", "tma" in flags))
+                             f"(one of {', '.join(SCHEDULES)}) and :tma or :cpasync, e.g. 64x2,64x2:alternate,"
+                             "64x2:cpasync")
+        out.append((int(bn), int(st), schedules[0] if schedules else "split",
+                    {"tma": True, "cpasync": False}[copies[0]] if copies else None))
     return tuple(out)
 
 
-def config_label(block_n: int, num_kv_stages: int, schedule: str = "split", tma: bool = False) -> str:
-    """The bench's name for a cukv config other than the first: ``cukv_n64s2``, ``cukv_n64s2_alternate_tma``."""
-    return f"cukv_n{block_n}s{num_kv_stages}" + ("" if schedule == "split" else f"_{schedule}") + ("_tma" if tma else "")
+def config_label(block_n: int, num_kv_stages: int, schedule: str = "split", tma: bool | None = None) -> str:
+    """The bench's name for a cukv config other than the first: ``cukv_n64s2``, ``cukv_n64s2_alternate_cpasync``
+    (``tma`` None: the policy's choice, unnamed)."""
+    return (f"cukv_n{block_n}s{num_kv_stages}" + ("" if schedule == "split" else f"_{schedule}")
+            + {None: "", True: "_tma", False: "_cpasync"}[tma])
 
 
 def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: bool = True,
-        configs=((64, 2, "split", False),), fp8: bool = False) -> dict:
+        configs=((64, 2, "split", None),), fp8: bool = False) -> dict:
     """Time every shape; ``configs`` lists (block_n, num_kv_stages[, schedule[, tma]]) of cukv to time in one process
     (the first is the one FlashMLA is compared with, reported as ``cukv``; the others as ``config_label(...)``,
     each with its largest difference from the first's output)."""
@@ -119,8 +124,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
     from ..ops.mla_decode import BatchMLADecode
     from ..policy.mla_decode import mla_decode_config
 
-    configs = tuple((c[0], c[1], c[2] if len(c) > 2 else "split", bool(c[3]) if len(c) > 3 else False)
-                    for c in configs)
+    configs = tuple((c[0], c[1], c[2] if len(c) > 2 else "split", c[3] if len(c) > 3 else None) for c in configs)
 
     timer = Timer()
     ceiling, ceiling_variants = read_ceiling(timer)

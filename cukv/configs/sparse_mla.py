@@ -44,9 +44,6 @@ class SparseMLAConfig(MLADecodeConfig):
     @property
     def name(self) -> str:
         kv = "_e4m3" if self.kv_dtype else ""
-        return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}"
-
-
-def shipped() -> list[SparseMLAConfig]:
-    """The sparse MLA specializations compiled ahead of time."""
-    return [SparseMLAConfig(dt) for dt in ("bfloat16", "float16")] + [SparseMLAConfig(kv_dtype="fp8_e4m3")]
+        pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
+        rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
+        return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{pf}{rows}"

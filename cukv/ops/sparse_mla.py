@@ -19,11 +19,10 @@ import math
 import numpy as np
 
 from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NOPE, PARAMS
-from ..configs.sparse_mla import SparseMLAConfig
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
-from ..policy.mla_decode import DEFAULT_BLOCK_N, DEFAULT_STAGES, plan_items
+from ..policy.mla_decode import plan_items, sparse_mla_config
 from ..validate import (check_choice, check_device_array, check_float, check_int, check_per_head, check_planned,
                         check_sparse_indices)
 
@@ -132,8 +131,7 @@ class SparseMLA:
         if kvd is not None and dt != "bfloat16":
             raise TypeError(f"kv_dtype={kv_dtype!r} needs dtype='bfloat16' (FP8 rows dequantize to bf16 tiles); "
                             f"got dtype={dtype!r}")
-        self.config = SparseMLAConfig(dt, DEFAULT_BLOCK_N if block_n is None else block_n,
-                                      DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kvd)
+        self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages)
         self.dtype = dt
         self._planned = False
         self._device = None

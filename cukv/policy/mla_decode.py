@@ -15,6 +15,7 @@ import heapq
 import numpy as np
 
 from ..configs.mla_decode import MLADecodeConfig
+from ..configs.sparse_mla import SparseMLAConfig
 
 #: tokens per K tile: 64 (block_n 32 with 4 stages was 11-40% slower on every bench shape; docs/tuning.md)
 DEFAULT_BLOCK_N = 64
@@ -104,7 +105,21 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows)
 
 
+def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
+                      num_kv_stages: int | None = None) -> SparseMLAConfig:
+    """The config ``SparseMLA`` compiles: the decode's tile, and for FP8 rows its producer defaults (L2 prefetch,
+    rows in flight); sparse rows always come by cp.async (each row its own gather)."""
+    d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, "split", tma=False)
+    return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, "split", tma=False,
+                           prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows)
+
+
 def shipped() -> list[MLADecodeConfig]:
     """The MLA decode specializations compiled ahead of time (cukv/specs.py): the default config of each 16-bit
     dtype and of an FP8 cache."""
     return [mla_decode_config(dt) for dt in ("bfloat16", "float16")] + [mla_decode_config(kv_dtype="fp8_e4m3")]
+
+
+def sparse_shipped() -> list[SparseMLAConfig]:
+    """The sparse MLA specializations compiled ahead of time: the default config per 16-bit dtype and for FP8 rows."""
+    return [sparse_mla_config(dt) for dt in ("bfloat16", "float16")] + [sparse_mla_config(kv_dtype="fp8_e4m3")]
