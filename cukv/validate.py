@@ -456,3 +456,23 @@ def check_sparse_indices(indices, tokens: int, topk: int | None, indices_stride:
         raise ValueError(f"indices holds {a.size} elements; {tokens} lists of {topk} at indices_stride={stride} need "
                          f"{(tokens - 1) * stride + topk}")
     return a, topk, stride
+
+
+def mla_dtypes(dtype, kv_dtype) -> tuple:
+    """An MLA op's query dtype and cache rows: ``('bfloat16' | 'float16', None | 'fp8_e4m3')``, None for a 16-bit
+    cache of the query's dtype, 'fp8_e4m3' for 656-byte rows (dequantized to bf16 tiles, so bf16 queries only).
+    Anything else is a TypeError naming the argument."""
+    from .arrays import canonical_dtype, canonical_kv_dtype
+
+    dt = canonical_dtype(dtype)
+    if dt not in ("bfloat16", "float16"):
+        raise TypeError(f"dtype={dtype!r} is not offered; accepted: bfloat16, float16")
+    kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
+    if kvd not in (None, "fp8_e4m3"):
+        if kvd != dt:
+            raise TypeError(f"kv_dtype={kv_dtype!r} with dtype={dtype!r}: a 16-bit cache must match the query dtype")
+        kvd = None
+    if kvd is not None and dt != "bfloat16":
+        raise TypeError(f"kv_dtype={kv_dtype!r} needs dtype='bfloat16' (FP8 rows dequantize to bf16 tiles); "
+                        f"got dtype={dtype!r}")
+    return dt, kvd

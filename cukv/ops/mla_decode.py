@@ -24,7 +24,7 @@ from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
 from ..policy.mla_decode import mla_decode_config, plan_items
 from ..validate import (check_bool, check_choice, check_device_array, check_float, check_int, check_per_head, check_planned,
-                        check_table, checked, host_ints)
+                        check_table, checked, host_ints, mla_dtypes)
 
 MAX_S_Q = 8
 MAX_HEADS = 128
@@ -85,8 +85,6 @@ class BatchMLADecode:
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
                  num_kv_stages: int | None = None, schedule: str | None = None, tma: bool | None = None,
                  prefetch_tiles: int | None = None, fp8_rows: int | None = None):
-        from ..arrays import canonical_dtype, canonical_kv_dtype
-
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
@@ -94,16 +92,7 @@ class BatchMLADecode:
         tma = check_bool("tma", tma) if tma is not None else None
         prefetch_tiles = check_choice("prefetch_tiles", prefetch_tiles, (None,) + PREFETCH_TILES)
         fp8_rows = check_choice("fp8_rows", fp8_rows, (None,) + tuple(FP8_ROWS_REGS))
-        dt = canonical_dtype(dtype)
-        kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
-        if kvd not in (None, "fp8_e4m3"):
-            if kvd != dt:
-                raise TypeError(f"kv_dtype={kv_dtype!r} with dtype={dtype!r}: a 16-bit cache must match the query "
-                                "dtype")
-            kvd = None
-        if kvd is not None and dt != "bfloat16":
-            raise TypeError(f"kv_dtype={kv_dtype!r} needs dtype='bfloat16' (FP8 rows dequantize to bf16 tiles); "
-                            f"got dtype={dtype!r}")
+        dt, kvd = mla_dtypes(dtype, kv_dtype)
         if kvd is not None and schedule == "alternate":
             raise ValueError("schedule='alternate' is not offered with kv_dtype='fp8_e4m3' (its consumers would "
                              "spill); use schedule='split' or None")

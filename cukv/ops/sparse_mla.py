@@ -24,7 +24,7 @@ from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
 from ..policy.mla_decode import plan_items, sparse_mla_config
 from ..validate import (check_choice, check_device_array, check_float, check_int, check_per_head, check_planned,
-                        check_sparse_indices)
+                        check_sparse_indices, mla_dtypes)
 
 MAX_HEADS = 128
 MAX_TOPK = 1 << 20
@@ -114,23 +114,10 @@ class SparseMLA:
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
                  num_kv_stages: int | None = None):
-        from ..arrays import canonical_dtype, canonical_kv_dtype
-
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
-        dt = canonical_dtype(dtype)
-        if dt not in FLOAT16:
-            raise TypeError(f"dtype={dtype!r} is not offered; accepted: {', '.join(FLOAT16)}")
-        kvd = None if kv_dtype is None else canonical_kv_dtype(kv_dtype, "kv_dtype")
-        if kvd not in (None, "fp8_e4m3"):
-            if kvd != dt:
-                raise TypeError(f"kv_dtype={kv_dtype!r} with dtype={dtype!r}: a 16-bit cache must match the query "
-                                "dtype")
-            kvd = None
-        if kvd is not None and dt != "bfloat16":
-            raise TypeError(f"kv_dtype={kv_dtype!r} needs dtype='bfloat16' (FP8 rows dequantize to bf16 tiles); "
-                            f"got dtype={dtype!r}")
+        dt, kvd = mla_dtypes(dtype, kv_dtype)
         self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages)
         self.dtype = dt
         self._planned = False
