@@ -6,39 +6,23 @@
 // publishes its P fragments (named barrier 2); then O_g += [P_0 P_1] V[:, columns of g] (wgmma, P from
 // registers, V transposed from the same shared tile). Scores are tracked in log2 units (s * scale * log2 e).
 #pragma once
-#include "mla_decode_producer.cuh"
+#include "mla_decode_consumer_state.cuh"
 
 namespace cukv {
 
 template <typename T, int BN, int STAGES, bool FP8 = false, bool SPARSE = false>
-struct MLADecodeConsumer {
+struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN, STAGES, FP8, SPARSE>, SPARSE> {
   typedef MLAKVProducerPipeline<T, BN, STAGES, FP8, SPARSE> Pipe;
+  typedef MLADecodeConsumerState<T, Pipe, SPARSE> State;
+  using State::pipe, State::g, State::t, State::lane, State::m, State::l, State::o, State::kORegs, State::stats,
+      State::pwords;
   static constexpr int kHalf = Pipe::half;
-  static constexpr int kSRegs = kHalf / 2, kPWords = kHalf / 4, kORegs = 128;
+  static constexpr int kSRegs = kHalf / 2, kPWords = kHalf / 4;
   static constexpr int kQSteps = kMlaDim / 16;  // k16 steps of S = Q K^T
   typedef Wgmma<T, kHalf> MmaS;
   typedef Wgmma<T, 256> MmaO;
 
-  const Pipe& pipe;
-  const int g, t, lane;  // warpgroup, thread in warpgroup, lane
-  float m[2], l[2];
-  float o[kORegs];
-
-  __device__ __forceinline__ MLADecodeConsumer(const Pipe& p, int g_, int t_) : pipe(p), g(g_), t(t_), lane(t_ & 31) {
-    m[0] = m[1] = -CUKV_INF;
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
-  }
-
-  __device__ __forceinline__ float2* stats() const {
-    extern __shared__ __align__(1024) char smem[];
-    return reinterpret_cast<float2*>(smem + Pipe::stats_offset);
-  }
-  __device__ __forceinline__ u32* pwords() const {
-    extern __shared__ __align__(1024) char smem[];
-    return reinterpret_cast<u32*>(smem + Pipe::p_offset);
-  }
+  __device__ __forceinline__ MLADecodeConsumer(const Pipe& p, int g_, int t_) : State(p, g_, t_) {}
 
   // S for this warpgroup's tokens of stage s, scaled to log2 units and masked: token columns at or past a row's
   // limit become -inf (selected, never multiplied). Sparse: so do the columns whose row the producer left
@@ -167,49 +151,7 @@ struct MLADecodeConsumer {
       accumulate(p, stage);
       if (lane == 0) mbar_arrive(pipe.empty(stage));
     }
-    finish(a, w, r0);
-  }
-
-  // Both warpgroups' l -> the row's total; then the output (direct) or the float32 partial and its LSE.
-  __device__ void finish(const MLADecodeParams& a, const MLAWorkItem& w, int r0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // a row's sum is spread over the 4 lanes of its quad
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    stats()[g * 128 + t] = make_float2(l[0], l[1]);
-    named_barrier_sync<256>(1);
-    const float2 other = stats()[(1 - g) * 128 + t];
-    const float lt[2] = {l[0] + other.x, l[1] + other.y};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = r0 + 8 * r, R = w.row_block * kMlaBlockM + row;
-      if (R >= a.rows) continue;
-      const bool any = lt[r] > 0.f;
-      const float lse = any ? (m[r] + __log2f(lt[r])) * kLn2 : -CUKV_INF;
-      float f = any ? 1.f / lt[r] : 0.f;
-      const int col0 = g * 256 + 2 * (lane & 3);
-      if (w.part < 0) {
-        const int i = R / a.heads, h = R - i * a.heads;
-        if (a.sink != nullptr && any) f /= 1.f + __expf(a.sink[h] - lse);
-        const long long orow = ((long long)w.batch * a.s_q + i) * a.heads + h;
-        T* out = reinterpret_cast<T*>(a.out) + orow * kMlaNope;
-#pragma unroll
-        for (int j = 0; j < kORegs / 4; ++j)
-          *reinterpret_cast<u32*>(out + col0 + 8 * j) = ElemTraits<T>::pack(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
-        if (a.lse != nullptr && g == 0 && (lane & 3) == 0) a.lse[orow] = lse;
-        if constexpr (SPARSE)
-          if (a.max_logits != nullptr && g == 0 && (lane & 3) == 0) a.max_logits[orow] = m[r] * kLn2;
-      } else {
-        float* po = a.part_o + ((long long)w.part * kMlaBlockM + row) * kMlaNope;
-#pragma unroll
-        for (int j = 0; j < kORegs / 4; ++j)
-          *reinterpret_cast<float2*>(po + col0 + 8 * j) = make_float2(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
-        if (g == 0 && (lane & 3) == 0) a.part_lse[w.part * kMlaBlockM + row] = lse;
-        if constexpr (SPARSE)
-          if (g == 0 && (lane & 3) == 0) a.part_max[w.part * kMlaBlockM + row] = m[r] * kLn2;
-      }
-    }
+    State::template finish<false>(a, w, r0);
   }
 };
 

@@ -23,40 +23,24 @@
 // Each warp of each warpgroup arrives on a stage's empty barrier once, after its last wgmma on the stage (8
 // arrivals per tile, as in the split schedule).
 #pragma once
-#include "mla_decode_producer.cuh"
+#include "mla_decode_consumer_state.cuh"
 
 namespace cukv {
 
 template <typename T, int BN, int STAGES, bool FP8 = false>
-struct MLADecodeAltConsumer {
+struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN, STAGES, FP8>> {
   typedef MLAKVProducerPipeline<T, BN, STAGES, FP8> Pipe;
-  static constexpr int kSRegs = BN / 2, kPWords = BN / 4, kORegs = 128;
+  typedef MLADecodeConsumerState<T, Pipe> State;
+  using State::pipe, State::g, State::t, State::lane, State::m, State::l, State::o, State::kORegs, State::stats,
+      State::pwords;
+  static constexpr int kSRegs = BN / 2, kPWords = BN / 4;
   static constexpr int kQSteps = kMlaDim / 16;  // k16 steps of S = Q K^T
-  static constexpr int kBarDone = 1, kBarH0 = 3, kBarH1 = 4;  // named barriers (2 is the split schedule's)
+  static constexpr int kBarH0 = 3, kBarH1 = 4;  // named barriers (1 is the epilogue's, 2 the split schedule's)
   static_assert(Pipe::p_bytes == 128 * kPWords * 4, "one P buffer of a whole tile's words per thread");
   typedef Wgmma<T, BN> MmaS;
   typedef Wgmma<T, 256> MmaO;
 
-  const Pipe& pipe;
-  const int g, t, lane;  // warpgroup, thread in warpgroup, lane
-  float m[2], l[2];
-  float o[kORegs];
-
-  __device__ __forceinline__ MLADecodeAltConsumer(const Pipe& p, int g_, int t_) : pipe(p), g(g_), t(t_), lane(t_ & 31) {
-    m[0] = m[1] = -CUKV_INF;
-    l[0] = l[1] = 0.f;
-#pragma unroll
-    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
-  }
-
-  __device__ __forceinline__ float2* stats() const {
-    extern __shared__ __align__(1024) char smem[];
-    return reinterpret_cast<float2*>(smem + Pipe::stats_offset);
-  }
-  __device__ __forceinline__ u32* pwords() const {
-    extern __shared__ __align__(1024) char smem[];
-    return reinterpret_cast<u32*>(smem + Pipe::p_offset);
-  }
+  __device__ __forceinline__ MLADecodeAltConsumer(const Pipe& p, int g_, int t_) : State(p, g_, t_) {}
 
   // S for all BN tokens of stage s, scaled to log2 units and masked (token columns at or past a row's limit
   // become -inf: selected, never multiplied); returns the row maxima of this thread's two rows over the quad.
@@ -231,47 +215,7 @@ struct MLADecodeAltConsumer {
         }
       }
     }
-    finish(a, w, r0);
-  }
-
-  // Both warpgroups' l -> the row's total; then the output (direct) or the float32 partial and its LSE. The first
-  // barrier keeps the l exchange off the max slots until both warpgroups have read the last handover.
-  __device__ void finish(const MLADecodeParams& a, const MLAWorkItem& w, int r0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // a row's sum is spread over the 4 lanes of its quad
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    named_barrier_sync<256>(kBarDone);
-    stats()[g * 128 + t] = make_float2(l[0], l[1]);
-    named_barrier_sync<256>(kBarDone);
-    const float2 other = stats()[(1 - g) * 128 + t];
-    const float lt[2] = {l[0] + other.x, l[1] + other.y};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = r0 + 8 * r, R = w.row_block * kMlaBlockM + row;
-      if (R >= a.rows) continue;
-      const bool any = lt[r] > 0.f;
-      const float lse = any ? (m[r] + __log2f(lt[r])) * kLn2 : -CUKV_INF;
-      float f = any ? 1.f / lt[r] : 0.f;
-      const int col0 = g * 256 + 2 * (lane & 3);
-      if (w.part < 0) {
-        const int i = R / a.heads, h = R - i * a.heads;
-        if (a.sink != nullptr && any) f /= 1.f + __expf(a.sink[h] - lse);
-        const long long orow = ((long long)w.batch * a.s_q + i) * a.heads + h;
-        T* out = reinterpret_cast<T*>(a.out) + orow * kMlaNope;
-#pragma unroll
-        for (int j = 0; j < kORegs / 4; ++j)
-          *reinterpret_cast<u32*>(out + col0 + 8 * j) = ElemTraits<T>::pack(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
-        if (a.lse != nullptr && g == 0 && (lane & 3) == 0) a.lse[orow] = lse;
-      } else {
-        float* po = a.part_o + ((long long)w.part * kMlaBlockM + row) * kMlaNope;
-#pragma unroll
-        for (int j = 0; j < kORegs / 4; ++j)
-          *reinterpret_cast<float2*>(po + col0 + 8 * j) = make_float2(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
-        if (g == 0 && (lane & 3) == 0) a.part_lse[w.part * kMlaBlockM + row] = lse;
-      }
-    }
+    State::template finish<true>(a, w, r0);
   }
 };
 

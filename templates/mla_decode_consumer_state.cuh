@@ -1,0 +1,82 @@
+// What both consumer schedules of absorbed MLA decode share (mla_decode_consumer.cuh, mla_decode_consumer_alt.cuh):
+// a consumer thread's output accumulator O (its warpgroup's 256 columns of two rows), the rows' running max m and
+// sum l (log2 units), the shared-memory exchange buffers, and the epilogue that adds the two warpgroups' l and
+// writes the output (or a float32 partial), the LSE and (sparse) the max logit.
+#pragma once
+#include "mla_decode_producer.cuh"
+
+namespace cukv {
+
+template <typename T, class Pipe, bool SPARSE = false>
+struct MLADecodeConsumerState {
+  static constexpr int kORegs = 128;
+
+  const Pipe& pipe;
+  const int g, t, lane;  // warpgroup, thread in warpgroup, lane
+  float m[2], l[2];
+  float o[kORegs];
+
+  __device__ __forceinline__ MLADecodeConsumerState(const Pipe& p, int g_, int t_)
+      : pipe(p), g(g_), t(t_), lane(t_ & 31) {
+    m[0] = m[1] = -CUKV_INF;
+    l[0] = l[1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+  }
+
+  __device__ __forceinline__ float2* stats() const {
+    extern __shared__ __align__(1024) char smem[];
+    return reinterpret_cast<float2*>(smem + Pipe::stats_offset);
+  }
+  __device__ __forceinline__ u32* pwords() const {
+    extern __shared__ __align__(1024) char smem[];
+    return reinterpret_cast<u32*>(smem + Pipe::p_offset);
+  }
+
+  // Both warpgroups' l -> the row's total; then the output (direct) or the float32 partial and its LSE. kGuard: a
+  // first barrier keeps the l exchange off the stats slots until both warpgroups have read their last use of them.
+  template <bool kGuard>
+  __device__ void finish(const MLADecodeParams& a, const MLAWorkItem& w, int r0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // a row's sum is spread over the 4 lanes of its quad
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+      l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    if constexpr (kGuard) named_barrier_sync<256>(1);
+    stats()[g * 128 + t] = make_float2(l[0], l[1]);
+    named_barrier_sync<256>(1);
+    const float2 other = stats()[(1 - g) * 128 + t];
+    const float lt[2] = {l[0] + other.x, l[1] + other.y};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r0 + 8 * r, R = w.row_block * kMlaBlockM + row;
+      if (R >= a.rows) continue;
+      const bool any = lt[r] > 0.f;
+      const float lse = any ? (m[r] + __log2f(lt[r])) * kLn2 : -CUKV_INF;
+      float f = any ? 1.f / lt[r] : 0.f;
+      const int col0 = g * 256 + 2 * (lane & 3);
+      if (w.part < 0) {
+        const int i = R / a.heads, h = R - i * a.heads;
+        if (a.sink != nullptr && any) f /= 1.f + __expf(a.sink[h] - lse);
+        const long long orow = ((long long)w.batch * a.s_q + i) * a.heads + h;
+        T* out = reinterpret_cast<T*>(a.out) + orow * kMlaNope;
+#pragma unroll
+        for (int j = 0; j < kORegs / 4; ++j)
+          *reinterpret_cast<u32*>(out + col0 + 8 * j) = ElemTraits<T>::pack(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
+        if (a.lse != nullptr && g == 0 && (lane & 3) == 0) a.lse[orow] = lse;
+        if constexpr (SPARSE)
+          if (a.max_logits != nullptr && g == 0 && (lane & 3) == 0) a.max_logits[orow] = m[r] * kLn2;
+      } else {
+        float* po = a.part_o + ((long long)w.part * kMlaBlockM + row) * kMlaNope;
+#pragma unroll
+        for (int j = 0; j < kORegs / 4; ++j)
+          *reinterpret_cast<float2*>(po + col0 + 8 * j) = make_float2(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
+        if (g == 0 && (lane & 3) == 0) a.part_lse[w.part * kMlaBlockM + row] = lse;
+        if constexpr (SPARSE)
+          if (g == 0 && (lane & 3) == 0) a.part_max[w.part * kMlaBlockM + row] = m[r] * kLn2;
+      }
+    }
+  }
+};
+
+}  // namespace cukv
