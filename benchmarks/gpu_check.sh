@@ -2,7 +2,7 @@
 # One call on a GPU machine: doctor, compile, GPU tests, the demo, benchmarks (decode, prefill, MLA decode and prefill). Logs and
 # JSON land in $1 (default $OUT or ./out); a short table is printed last.
 #   STAGE=tests | bench | all (default all): run only the tests or only the benchmarks (two calls fit the device
-#   tool's 10-minute limit). With two or more GPUs the prefill test files run on GPU 1 beside the rest on GPU 0,
+#   tool's 10-minute limit); STAGE=mla: only the MLA and sparse MLA GPU tests and their three benches (one call). With two or more GPUs the prefill test files run on GPU 1 beside the rest on GPU 0,
 #   then tests/test_multi_gpu.py uses both; benchmarks always run alone on GPU 0.
 #   SLOW=1 adds the tests marked slow (long sweeps; a call of their own); PYTEST_ARGS replaces the test selection; BENCH_ARGS goes to `bench decode`, BENCH_PREFILL_ARGS (e.g. --quick) to
 #   `bench prefill`, BENCH_MLA_ARGS to `bench mla-decode`; a .peers kit beside the tree adds FlashMLA and FlashInfer to the MLA benches.
@@ -18,6 +18,18 @@ gpus=$(python3 -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/de
 prefill_files="tests/test_prefill_gpu.py tests/test_fp8_prefill_gpu.py tests/test_prefill_hypothesis_gpu.py tests/test_prefill_reference.py"
 marks=$([ -n "${SLOW:-}" ] && echo gpu || echo "gpu and not slow")  # SLOW=1 adds the long sweeps (the MLA full grid)
 pytest_q() { python3 -m pytest -q -m "$marks" -p no:cacheprovider "$@"; }
+
+if [ "$stage" = mla ]; then  # the MLA kernels alone: their fast GPU tests, then the three MLA benches with the peers
+  pytest_q tests/test_mla_decode_gpu.py tests/test_mla_decode_schedule_gpu.py tests/test_mla_prefill_gpu.py \
+    tests/test_sparse_mla_gpu.py > "$out/tests_mla.log" 2>&1
+  echo "tests_mla: $(tail -1 "$out/tests_mla.log")"; grep -h "^FAILED\|^ERROR" "$out/tests_mla.log" | head -20
+  peers() { if [ -f .peers/activate.sh ]; then (source .peers/activate.sh .peers >/dev/null 2>&1; "$@"); else "$@"; fi; }
+  peers python3 -m cukv bench mla-decode --out "$out" --kv-dtype fp8_e4m3 ${BENCH_MLA_ARGS:-} > "$out/bench_mla_decode.log" 2>&1
+  peers python3 -m cukv bench mla-prefill --out "$out" > "$out/bench_mla_prefill.log" 2>&1
+  peers python3 -m cukv bench sparse-mla --out "$out" > "$out/bench_sparse_mla.log" 2>&1
+  for f in bench_mla_decode bench_mla_prefill bench_sparse_mla; do echo "=== $f"; tail -${TAIL:-14} "$out/$f.log"; done
+  exit 0
+fi
 
 if [ "$stage" != bench ]; then
   if [ -n "${PYTEST_ARGS:-}" ]; then
@@ -43,5 +55,8 @@ if [ "$stage" != tests ]; then
   peers() { if [ -f .peers/activate.sh ]; then (source .peers/activate.sh .peers >/dev/null 2>&1; "$@"); else "$@"; fi; }
   peers python3 -m cukv bench mla-decode --out "$out" ${BENCH_MLA_ARGS:-} > "$out/bench_mla_decode.log" 2>&1
   peers python3 -m cukv bench mla-prefill --out "$out" > "$out/bench_mla_prefill.log" 2>&1
-  for f in bench_decode bench_prefill bench_mla_decode bench_mla_prefill; do echo "=== $f"; tail -${TAIL:-16} "$out/$f.log"; done
+  peers python3 -m cukv bench sparse-mla --quick --out "$out" > "$out/bench_sparse_mla.log" 2>&1
+  for f in bench_decode bench_prefill bench_mla_decode bench_mla_prefill bench_sparse_mla; do
+    echo "=== $f"; tail -${TAIL:-16} "$out/$f.log"
+  done
 fi
