@@ -205,16 +205,16 @@ class DecodeConfig(DecodeShape, KernelConfig):
         for f in ("stages", "sub"):
             check_rule(c, f, getattr(self, f), getattr(self, f) is not None,
                        "None is resolved by cukv.policy.decode.decode_config(...), which picks the default staging")
+        check_in(c, "stages", self.stages, (0,) + RING_STAGES)
+        check_in(c, "sub", self.sub, (1, 2, 3, 4))
         check_bool(c, "tma", self.tma)
         if self.tma:
             check_rule(c, "tma", self.tma, not self.quantized, "tensor copies stage 16-bit caches only (kv_dtype=None)")
-            check_rule(c, "tma", self.tma, self.stages > 0, "tensor copies fill the shared-memory ring: stages must be 2..8")
             check_rule(c, "tma", self.tma, self.page_size % 16 == 0,
                        f"a tensor copy takes 16 tokens of one page: page_size={self.page_size} must be a multiple of 16")
             check_rule(c, "tma", self.tma, self.head_dim % 64 == 0,
                        f"tensor copies move 128-byte atoms (64 dims): head_dim={self.head_dim} must be a multiple of 64")
-        check_in(c, "stages", self.stages, (0,) + RING_STAGES)
-        check_in(c, "sub", self.sub, (1, 2, 3, 4))
+            check_rule(c, "tma", self.tma, self.stages > 0, "tensor copies fill the shared-memory ring: stages must be 2..8")
         if self.stages:
             check_rule(c, "stages", self.stages, ring_ok,
                        "the shared-memory ring needs a 16-bit cache, page_size a multiple of 16 and head_dim a "

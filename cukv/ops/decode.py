@@ -207,19 +207,26 @@ class BatchDecode:
         return (out, lse) if return_lse else out
 
 
+class _PageBytes:
+    """A 16-bit cache's K (or V) ``[pages][page_size][heads][head_dim]`` as the byte tensor ``[..][head_dim * 2]``
+    :func:`cukv.tma.encode_pages` reads (``shape``, ``strides``, ``data.ptr``); no array view, so any strides do."""
+
+    def __init__(self, a):
+        if a.strides[3] != a.itemsize:
+            raise ValueError(f"cache rows must have a unit dim stride for tensor copies; strides (bytes) {a.strides}")
+        self.shape = tuple(int(n) for n in a.shape[:3]) + (int(a.shape[3]) * a.itemsize,)
+        self.strides = tuple(int(s) for s in a.strides[:3]) + (1,)
+        self.data = a.data
+
+
 def _tma_maps(cache):
     """The ``DecodeMaps`` kernel argument of a ``tma`` config (templates/decode_ring.cuh): the K and V tensor maps over
     the cache's bytes ``[pages][page_size][heads][head_dim * 2]``, boxes of one 64-dim atom (128 bytes) x 16 tokens of
     one head and page, with the ring's 128-byte swizzle (encodings are memoized by cukv/tma.py)."""
-    import cupy as cp
-
     from .. import tma
 
-    def as_bytes(a):
-        return a.view(cp.uint8) if a.dtype != cp.uint8 else a
-
-    return tma.as_maps_arg(tma.encode_pages("cache.k", as_bytes(cache.k), 128, 16, tma.SWIZZLE_128B),
-                           tma.encode_pages("cache.v", as_bytes(cache.v), 128, 16, tma.SWIZZLE_128B))
+    return tma.as_maps_arg(*(tma.encode_pages(f"cache.{n}", _PageBytes(a), 128, 16, tma.SWIZZLE_128B)
+                             for n, a in (("k", cache.k), ("v", cache.v))))
 
 
 def decode(q, cache, table, **kwargs):
