@@ -47,7 +47,7 @@ def main():
                     continue
                 key = f"{'tma' if tma else 'cpa'}{'' if st is None else f'_r{st}'}"
                 out = outs[key] = cp.full_like(q, 0x7FC0)  # NaN bits: every row must be written
-                fns[key] = (lambda dec=dec, out=out: dec.run(q, cache, pt, out=out))
+                fns[key] = (lambda dec=dec, out=out, q=q, cache=cache, pt=pt: dec.run(q, cache, pt, out=out))
                 fns[key]()
                 plans[key] = (dec.config.name, dec.num_splits)
         cp.cuda.Device().synchronize()
