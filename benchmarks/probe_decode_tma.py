@@ -5,7 +5,7 @@ per cell (plan, medians, TB/s, % of the read ceiling, cp.async/tma) and the geom
 where the ring runs; also checks that both give bitwise the same output (same slot contents, same math).
 
     PYTHONPATH=. python3 benchmarks/probe_decode_tma.py                       # the bench grid and its extra cells
-    PYTHONPATH=. python3 benchmarks/probe_decode_tma.py --cells 64x4096,16x32768 --stages 2,3,4
+    PYTHONPATH=. python3 benchmarks/probe_decode_tma.py --cells 64x4096,16x32768 --stages plan,2,4
 """
 import argparse
 
@@ -21,7 +21,7 @@ CELLS = ",".join(f"{b}x{c}" for b in GRID_BATCH for c in GRID_CTX) + "," + ",".j
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cells", default=CELLS, help="batch x ctx, comma-separated (default: bench decode's full grid)")
-    ap.add_argument("--stages", default="", help="ring depths to force, comma-separated (default: plan's choice)")
+    ap.add_argument("--stages", default="plan", help="ring depths, comma-separated: 'plan' (plan's choice) or 2..8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=30, help="timed calls per variant, over all rounds")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring the read ceiling")
@@ -31,7 +31,7 @@ def main():
     ceiling = None if args.no_ceiling else read_ceiling(timer)[0]
     dev = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
     print(f"# {dev}; read ceiling {ceiling:.2f} TB/s" if ceiling else f"# {dev}", flush=True)
-    stages_list = [int(s) for s in args.stages.split(",") if s] or [None]
+    stages_list = [None if s == "plan" else int(s) for s in args.stages.split(",") if s] or [None]
     ratios = {st: [] for st in stages_list}
     for cell in args.cells.split(","):
         batch, ctx = map(int, cell.split("x"))
