@@ -135,7 +135,11 @@ struct DecodeBlock {
 // slot (base: the row of token t0, -1 for an unmapped page; only looked up where a strip lies in one page).
 // prologue() issues the first STAGES - 1 strips (early, so they overlap the rest of the set-up); run() then
 // calls body(t0, slot) on each strip once every lane's copies of it have landed.
-template <typename Op, int STAGES, int BN>
+// MBAR: a slot's strip lands on its own mbarrier (STAGES of them, 8 bytes apart from `bars`, each expecting 32
+// arrivals: issue_strip makes every lane arrive once per strip, for tensor copies or for its cp.async copies)
+// instead of cp.async commit groups; before a slot is refilled the lanes' reads of it are ordered before the
+// async proxy's writes (fence.proxy.async).
+template <typename Op, int STAGES, int BN, bool MBAR = false>
 struct StripRing {
   static constexpr bool ONE_PAGE = Op::page_size % BN == 0;
   const Op& op;
@@ -144,17 +148,18 @@ struct StripRing {
   // registers)
   int st_issue, slot_issue = 0;
   i64 key_next;  // the table entry of strip st_issue (row_key; checked by row_from_key when it is issued)
+  const u32 bars;  // MBAR: shared address of slot 0's mbarrier
 
-  __device__ __forceinline__ StripRing(const Op& op_, int b_, int first_, int end_, int step_)
+  __device__ __forceinline__ StripRing(const Op& op_, int b_, int first_, int end_, int step_, u32 bars_ = 0)
       : op(op_), b(b_), first(first_), end(end_), step(step_), st_issue(first_),
-        key_next(ONE_PAGE ? op_.row_key(b_, first_ * BN) : (i64)0) {}
+        key_next(ONE_PAGE ? op_.row_key(b_, first_ * BN) : (i64)0), bars(bars_) {}
 
   template <typename Issue>
   __device__ __forceinline__ void issue(Issue& issue_strip) {
     const i64 base = ONE_PAGE ? op.row_from_key(key_next, st_issue * BN) : (i64)0;
     if constexpr (ONE_PAGE) key_next = op.row_key(b, (st_issue + step) * BN);
     if (st_issue < end) issue_strip(base, st_issue * BN, slot_issue);
-    cp_async_commit();
+    if constexpr (!MBAR) cp_async_commit();
     st_issue += step;
     slot_issue = slot_issue + 1 == STAGES ? 0 : slot_issue + 1;
   }
@@ -166,13 +171,20 @@ struct StripRing {
   template <typename Issue, typename Body>
   __device__ __forceinline__ void run(Issue& issue_strip, Body&& body) {
     WrappedRingState<STAGES> slot;
+    int parity = 0;  // MBAR: the phase of the slots' barriers on this round of the ring
     for (int st = first; st < end; st += step) {
       issue(issue_strip);
-      cp_async_wait<STAGES - 1>();
-      __syncwarp();  // every lane's copies of this strip have landed
+      if constexpr (MBAR) {
+        mbar_wait(bars + 8u * (u32)slot.stage, parity);  // the strip's copies (tensor or cp.async) have landed
+      } else {
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();  // every lane's copies of this strip have landed
+      }
       body(st * BN, slot.stage);
+      if constexpr (MBAR) fence_proxy_async();  // this lane's reads of the slot before a tensor copy refills it
       __syncwarp();  // every lane is done with this slot before a later issue overwrites it
       slot.advance();
+      if constexpr (MBAR) parity ^= slot.stage == 0;
     }
     cp_async_wait<0>();  // nothing may land in shared memory after the block moves on
   }

@@ -8,6 +8,10 @@
 // chunks XOR-swizzled by (row % 8), so the eight rows one ldmatrix reads sit in eight different banks.
 // Tokens outside [start, len) and rows on unmapped pages are zero-filled by the copy (src size 0), never
 // read: NaN in unused slots cannot reach an output.
+// Traits::tma: a strip wholly inside [start, len) on a mapped page comes by TMA tensor copies instead, one box per
+// 64-dim atom of K and of V (128 bytes x 1 head x 16 tokens of one page, 128-byte swizzle), into a slot laid out as
+// atom columns; the other strips still go by cp.async into the same layout. Either way every lane arrives once on
+// the slot's mbarrier (StripRing's MBAR form), so a strip is waited for the same way however it came.
 #pragma once
 #include "decode.cuh"
 #include "hopper.cuh"
@@ -23,8 +27,11 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u3
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr) : "memory");
 }
 
-// One ring slot: K rows [BN][DEPTH] then V rows [BN][DEPTH], 16-bit elements, chunk-swizzled rows.
-template <int DEPTH>
+// One ring slot: K rows [BN][DEPTH] then V rows [BN][DEPTH], 16-bit elements, chunk-swizzled rows. ATOM_COLUMNS
+// (the tensor-copy layout): each half is DEPTH / 64 atom columns of BN rows x 128 bytes, the 128-byte swizzle's
+// pattern (hopper.cuh swizzle128) in each; a slot then starts on 1024 bytes. Either way the eight rows one ldmatrix
+// reads at one chunk sit in eight different 16-byte bank groups.
+template <int DEPTH, bool ATOM_COLUMNS = false>
 struct DecodeRingStrip {
   static constexpr int BN = 16;
   static constexpr int CHUNKS = DEPTH / 8;              // 16-byte chunks per row
@@ -32,13 +39,31 @@ struct DecodeRingStrip {
   static constexpr int HALF_BYTES = BN * ROW_BYTES;     // K (or V) part
   static constexpr int BYTES = 2 * HALF_BYTES;
   static constexpr int COPIES = BN * CHUNKS / 32;       // 16-byte copies per lane for K (and again for V)
+  static constexpr int ATOMS = DEPTH / kAtomCols;       // atom columns per half (ATOM_COLUMNS)
+  static constexpr int ATOM_BYTES = BN * kAtomRowBytes;  // one atom column: one tensor copy's box
   static_assert(CHUNKS % 8 == 0, "the swizzle permutes chunks within groups of 8: head dim a multiple of 64");
   static_assert(COPIES >= 1 && (BN * CHUNKS) % 32 == 0, "whole copies per lane");
+  static_assert(!ATOM_COLUMNS || (ATOM_BYTES % 1024 == 0 && BYTES % 1024 == 0),
+                "atom columns and slots keep the 128-byte swizzle's 1024-byte alignment");
 
   static __device__ __forceinline__ u32 offset(int row, int chunk) {
-    return (u32)(row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
+    if constexpr (ATOM_COLUMNS)
+      return (u32)((chunk >> 3) * ATOM_BYTES) + swizzle128(row, chunk & 7);
+    else
+      return (u32)(row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
   }
 };
+
+// The K and V tensor maps of a `tma` ring, encoded by cukv/ops/decode.py over the cache's bytes
+// ([pages][page_size][heads][head_dim * 2], boxes of 128 bytes x 1 head x 16 tokens x 1 page, 128-byte swizzle).
+struct alignas(64) DecodeMaps {
+  CUtensorMap k, v;
+};
+
+// Makes this thread's mbarrier.init visible to the async proxy (the tensor copies that complete on the barriers).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
 
 // Traits: DecodeTraits (decode.cu.j2) with quantized false and stages > 0; sub, scale_block and warp_slots unused
 // (a warp's merge slot is its own ring slots).
@@ -48,8 +73,9 @@ struct DecodeRingKernel {
   static constexpr int PAGE_SIZE = Traits::page_size, DEPTH = Traits::head_dim, GROUP = Traits::group;
   static constexpr int NUM_WARPS = Traits::num_warps, STAGES = Traits::stages, CLUSTER = Traits::cluster;
   static_assert(!Traits::quantized, "FP8 caches take DecodeKernel's ring (decode.cuh)");
+  static constexpr bool TMA = Traits::tma;
   typedef KVCacheOperand<T, PAGE_SIZE, false> Op;
-  typedef DecodeRingStrip<DEPTH> Strip;
+  typedef DecodeRingStrip<DEPTH, TMA> Strip;
   static constexpr int BN = 16;
   static constexpr bool TWO_ROWS = GROUP > 8;
   static constexpr int NO = DEPTH / 8;               // output n-tiles of 8 dims
@@ -57,7 +83,9 @@ struct DecodeRingKernel {
   static constexpr bool Q_IN_SMEM = Traits::q_in_smem;  // registers go to the output accumulator instead
   static_assert(Q_IN_SMEM || DEPTH <= 128, "Q in registers: head dim <= 128");
   static constexpr int Q_PITCH = DEPTH + 8;          // padded rows: the 8 rows of a fragment load hit 8 banks
-  static constexpr int RING_BYTES = NUM_WARPS * STAGES * Strip::BYTES;
+  static constexpr int SLOTS_BYTES = NUM_WARPS * STAGES * Strip::BYTES;
+  // TMA: then one mbarrier per slot, and 1024 bytes of slack to align the slots for the 128-byte swizzle
+  static constexpr int RING_BYTES = SLOTS_BYTES + (TMA ? 1024 + 8 * NUM_WARPS * STAGES : 0);
   // rows are read whole: let an L2 miss fetch the row (up to 256 bytes) from DRAM at once
   static constexpr int L2_PREFETCH = Strip::ROW_BYTES >= 256 ? 256 : Strip::ROW_BYTES >= 128 ? 128 : 64;
   static_assert(PAGE_SIZE % BN == 0, "a strip lies in one page");
@@ -90,19 +118,57 @@ struct DecodeRingKernel {
     }
   }
 
-  static __device__ __forceinline__ void run(const DecodeArgs& a) {
+  // TMA: strip t0 into the slot at `slot`, every lane arriving once on the slot's barrier `bar`. A strip wholly inside
+  // [start, len) on a mapped page (warp-uniform) comes by 2 * ATOMS tensor copies, one per lane, each lane first
+  // adding its box's bytes to the barrier's transaction count; any other strip goes by issue()'s zero-filling
+  // cp.async copies, and the lane's arrival then waits for them (cp.async.mbarrier.arrive.noinc).
+  static __device__ __forceinline__ void issue_tma(const Op& op, const DecodeMaps* maps, u32 slot, u32 bar, int head,
+                                                   int t0, int start, int len, i64 base) {
+    if (base >= 0 && t0 >= start && t0 + BN <= len) {
+      const int lane = threadIdx.x & 31;
+      if (lane < 2 * Strip::ATOMS) {
+        const bool is_v = lane >= Strip::ATOMS;
+        const int atom = is_v ? lane - Strip::ATOMS : lane;
+        mbar_expect_tx(bar, Strip::ATOM_BYTES);
+        tma_load_4d(slot + (u32)((is_v ? Strip::HALF_BYTES : 0) + atom * Strip::ATOM_BYTES), is_v ? &maps->v : &maps->k,
+                    atom * kAtomRowBytes, head, (int)(base % PAGE_SIZE), (int)(base / PAGE_SIZE), bar);
+      }
+      mbar_arrive(bar);
+    } else {
+      issue(op, slot, head, t0, start, len, base);
+      mbar_arrive_cp_async(bar);
+    }
+  }
+
+  static __device__ __forceinline__ void run(const DecodeArgs& a, const DecodeMaps* maps = nullptr) {
     __shared__ Smem sm;
-    extern __shared__ __align__(16) unsigned char ring[];  // 16 B: banks depend on offsets, not the base
+    extern __shared__ __align__(16) unsigned char ring_raw[];  // 16 B: banks depend on offsets, not the base
+    // TMA: the slots start on 1024 bytes (the 128-byte swizzle's pattern repeats every 8 rows of 128 bytes)
+    const u32 ring_at = TMA ? (smem_addr(ring_raw) + 1023u) & ~1023u : smem_addr(ring_raw);
+    unsigned char* ring = ring_raw + (ring_at - smem_addr(ring_raw));
     const Op op(a.kv);
     const DecodeBlock blk(a, op);
     const int hk = blk.hk, b = blk.b, warp = blk.warp, lane = blk.lane, g = blk.g, c = blk.c;
     const int len = blk.len, start = blk.start, my_lo = blk.lo, my_hi = blk.hi;
-    const u32 my_ring = smem_addr(ring) + (u32)(warp * STAGES * Strip::BYTES);
+    const u32 my_ring = ring_at + (u32)(warp * STAGES * Strip::BYTES);
+    // TMA: this warp's STAGES barriers after all the slots, each expecting its 32 lanes
+    const u32 my_bars = ring_at + (u32)SLOTS_BYTES + (u32)(8 * warp * STAGES);
+    if constexpr (TMA) {
+      if (lane == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) mbar_init(my_bars + 8 * s, 32);
+        fence_mbarrier_init();
+      }
+      __syncwarp();
+    }
 
     // Strips of this warp: my_lo + warp + NUM_WARPS * k, copied into the ring before Q is staged.
-    StripRing<Op, STAGES, BN> sr(op, b, my_lo + warp, my_hi, NUM_WARPS);
+    StripRing<Op, STAGES, BN, TMA> sr(op, b, my_lo + warp, my_hi, NUM_WARPS, my_bars);
     auto issue_strip = [&](i64 base, int t0, int slot) {
-      issue(op, my_ring + slot * Strip::BYTES, hk, t0, start, len, base);
+      if constexpr (TMA)
+        issue_tma(op, maps, my_ring + slot * Strip::BYTES, my_bars + 8 * slot, hk, t0, start, len, base);
+      else
+        issue(op, my_ring + slot * Strip::BYTES, hk, t0, start, len, base);
     };
     sr.prologue(issue_strip);
 

@@ -155,7 +155,7 @@ def _mlap_run(**kw):
 SCALARS = {
     "BatchDecode": (_decode_ctor, {"num_qo_heads": POSITIVE_INT, "num_kv_heads": POSITIVE_INT, "head_dim": POSITIVE_INT,
                                    "page_size": POSITIVE_INT, "num_warps": POSITIVE_INT, "stages": OPTIONAL_NONNEG_INT,
-                                   "cluster_merge": BOOL}),
+                                   "cluster_merge": BOOL, "tma": OPTIONAL_BOOL}),
     "BatchDecode.plan": (_decode_plan, {"batch_size": POSITIVE_INT, "max_kv_len": POSITIVE_INT,
                                         "num_splits": OPTIONAL_POSITIVE_INT}),
     "BatchDecode.run": (_decode_run, {"window": OPTIONAL_POSITIVE_INT, "sm_scale": OPTIONAL_POSITIVE_FLOAT,

@@ -6,7 +6,8 @@ import math
 
 from ..operand import DECODE_ARGS
 from .base import KernelConfig
-from .checks import CTYPES, SHORT, check_in, check_kv_quant, check_range, check_rule
+from ..tma import MAP_BYTES
+from .checks import CTYPES, SHORT, check_bool, check_in, check_kv_quant, check_range, check_rule
 
 HEAD_DIMS = (64, 96, 128, 256)
 RING_STAGES = (2, 3, 4, 5, 6, 8)
@@ -86,8 +87,10 @@ class DecodeShape:
 
     @property
     def ring_smem_bytes(self) -> int:
-        """Dynamic shared memory of the ring: per warp, ``stages`` slots."""
-        return self.num_warps * self.stages * self.ring_slot_bytes
+        """Dynamic shared memory of the ring: per warp, ``stages`` slots; with ``tma`` also one 8-byte mbarrier per
+        slot and 1024 bytes of slack to align the slots to the 128-byte swizzle's 1024-byte pattern."""
+        slots = self.num_warps * self.stages * self.ring_slot_bytes
+        return slots + 1024 + 8 * self.num_warps * self.stages if self.tma else slots
 
     @property
     def total_smem_bytes(self) -> int:
@@ -174,6 +177,11 @@ class DecodeConfig(DecodeShape, KernelConfig):
     #: splits merged inside one thread-block cluster of this many blocks through distributed shared memory
     #: (2..8; the launch then needs num_splits == cluster); 0 merges through global memory (any split count)
     cluster: int = 0
+    #: the 16-bit ring's whole strips by TMA tensor copies (64-dim atom columns, 128-byte swizzle, one mbarrier per
+    #: slot) instead of cp.async; strips cut by the context's ends or on unmapped pages still go by cp.async. Needs
+    #: the ring (stages > 0), a 16-bit cache, page_size a multiple of 16 and head_dim a multiple of 64. Off by
+    #: default until measured (docs/tuning.md).
+    tma: bool = False
 
     def __post_init__(self):
         c = "DecodeConfig"
@@ -199,6 +207,14 @@ class DecodeConfig(DecodeShape, KernelConfig):
                        "None is resolved by cukv.policy.decode.decode_config(...), which picks the default staging")
         check_in(c, "stages", self.stages, (0,) + RING_STAGES)
         check_in(c, "sub", self.sub, (1, 2, 3, 4))
+        check_bool(c, "tma", self.tma)
+        if self.tma:
+            check_rule(c, "tma", self.tma, not self.quantized, "tensor copies stage 16-bit caches only (kv_dtype=None)")
+            check_rule(c, "tma", self.tma, self.page_size % 16 == 0,
+                       f"a tensor copy takes 16 tokens of one page: page_size={self.page_size} must be a multiple of 16")
+            check_rule(c, "tma", self.tma, self.head_dim % 64 == 0,
+                       f"tensor copies move 128-byte atoms (64 dims): head_dim={self.head_dim} must be a multiple of 64")
+            check_rule(c, "tma", self.tma, self.stages > 0, "tensor copies fill the shared-memory ring: stages must be 2..8")
         if self.stages:
             check_rule(c, "stages", self.stages, ring_ok,
                        "the shared-memory ring needs a 16-bit cache, page_size a multiple of 16 and head_dim a "
@@ -219,9 +235,10 @@ class DecodeConfig(DecodeShape, KernelConfig):
         q = f"_e4m3s{self.scale_block}" if self.quantized else ""
         sub = f"_s{self.sub}" if self.sub != 1 else ""
         ring = f"_r{self.stages}" if self.stages else ""
+        tma = "_tma" if self.tma else ""
         cl = f"_c{self.cluster}" if self.cluster else ""
         return (f"cukv_decode_{SHORT[self.dtype]}{q}_d{self.head_dim}_g{self.group}_p{self.page_size}_w{self.num_warps}"
-                f"_b{self.min_blocks}{sub}{ring}{cl}")
+                f"_b{self.min_blocks}{sub}{ring}{tma}{cl}")
 
     def render_params(self) -> dict:
         return dict(
@@ -231,7 +248,7 @@ class DecodeConfig(DecodeShape, KernelConfig):
             input_frag_size=self.input_frag_size, smem_bytes=self.smem_bytes, args_bytes=DECODE_ARGS.itemsize,
             quantized=self.quantized, scale_block=self.scale_block, sub=self.sub, stages=self.stages, cluster=self.cluster,
             ring_smem_bytes=self.ring_smem_bytes, ring_slot_bytes=self.ring_slot_bytes, q_in_smem=self.q_in_smem, warp_slots=self.warp_slots,
-            merge_slot_floats=self.merge_slot_floats)
+            merge_slot_floats=self.merge_slot_floats, tma=self.tma, maps_bytes=2 * MAP_BYTES)
 
 
 def _round16(n: int) -> int:

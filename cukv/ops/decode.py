@@ -41,6 +41,11 @@ class BatchDecode:
         and head_dim 64, 128 or 256, and for FP8 caches; 0 stages strips in registers instead. None lets
         :meth:`plan` choose: the ring where it applies and the step reads at least ``RING_MIN_BYTES`` of K/V
         (or clusters its splits), registers otherwise.
+    tma : bool, optional
+        The ring's whole strips by TMA tensor copies instead of ``cp.async`` (``DecodeConfig.tma``): 16-bit caches,
+        the ring (``stages`` 2..8 or None), page_size a multiple of 16 and head_dim 64, 128 or 256. None takes
+        :data:`cukv.policy.decode.DEFAULT_TMA` (off: built, not yet measured) where it applies. :meth:`plan` still
+        stages small steps in registers (no tensor copies) when ``stages`` is None.
     cluster_merge : bool
         Let the splits of one (sequence, KV head) form a thread-block cluster that merges through distributed
         shared memory (default); False always merges through global memory. :meth:`plan` uses a cluster for
@@ -73,7 +78,7 @@ class BatchDecode:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  dtype="bfloat16", num_warps: int = 4, kv_dtype=None, scale_granularity=None, stages=None,
-                 cluster_merge: bool = True):
+                 cluster_merge: bool = True, tma: bool | None = None):
         from ..arrays import canonical_dtype
         from ..fp8 import resolve_kv
 
@@ -83,16 +88,20 @@ class BatchDecode:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.num_qo_heads, self.num_kv_heads = int(num_qo_heads), int(num_kv_heads)
+        if tma is not None:
+            tma = check_bool("tma", tma)
         kvd, sb = resolve_kv(canonical_dtype(dtype), kv_dtype, scale_granularity, int(head_dim))
         self.config = decode_config(canonical_dtype(dtype), int(head_dim), self.num_qo_heads // self.num_kv_heads,
-                                    int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb, stages=stages)
+                                    int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb, stages=stages,
+                                    tma=tma)
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
         # stages=None: plan() chooses per problem between the default and the register kernel (where that one is
         # valid: it spills with 64-dim FP8 scale blocks past d128 and group 8, so those always take the ring)
         self._configs = (self.config,)
         if stages is None and self.config.stages:
             try:
-                self._configs += (decode_config(**{**dataclasses.asdict(self.config), "stages": 0, "sub": None}),)
+                self._configs += (decode_config(**{**dataclasses.asdict(self.config), "stages": 0, "sub": None,
+                                                   "tma": False}),)
             except ValueError:
                 pass
         self._cluster_merge = check_bool("cluster_merge", cluster_merge)
@@ -192,10 +201,32 @@ class BatchDecode:
         rec["sm_scale"], rec["softcap"] = scale, float(softcap or 0.0)
         rec["window"], rec["num_splits"], rec["num_qo_heads"] = int(window or 0), self.num_splits, self.num_qo_heads
         rec["split_strips"] = self._split_strips
-        arg = as_kernel_arg(rec)
+        args = (as_kernel_arg(rec),) + ((_tma_maps(cache),) if cfg.tma else ())
         with (stream or cp.cuda.get_current_stream()):
-            self._fn((self.num_splits, self.num_kv_heads, b), (cfg.num_threads,), (arg,), shared_mem=cfg.ring_smem_bytes)
+            self._fn((self.num_splits, self.num_kv_heads, b), (cfg.num_threads,), args, shared_mem=cfg.ring_smem_bytes)
         return (out, lse) if return_lse else out
+
+
+class _PageBytes:
+    """A 16-bit cache's K (or V) ``[pages][page_size][heads][head_dim]`` as the byte tensor ``[..][head_dim * 2]``
+    :func:`cukv.tma.encode_pages` reads (``shape``, ``strides``, ``data.ptr``); no array view, so any strides do."""
+
+    def __init__(self, a):
+        if a.strides[3] != a.itemsize:
+            raise ValueError(f"cache rows must have a unit dim stride for tensor copies; strides (bytes) {a.strides}")
+        self.shape = tuple(int(n) for n in a.shape[:3]) + (int(a.shape[3]) * a.itemsize,)
+        self.strides = tuple(int(s) for s in a.strides[:3]) + (1,)
+        self.data = a.data
+
+
+def _tma_maps(cache):
+    """The ``DecodeMaps`` kernel argument of a ``tma`` config (templates/decode_ring.cuh): the K and V tensor maps over
+    the cache's bytes ``[pages][page_size][heads][head_dim * 2]``, boxes of one 64-dim atom (128 bytes) x 16 tokens of
+    one head and page, with the ring's 128-byte swizzle (encodings are memoized by cukv/tma.py)."""
+    from .. import tma
+
+    return tma.as_maps_arg(*(tma.encode_pages(f"cache.{n}", _PageBytes(a), 128, 16, tma.SWIZZLE_128B)
+                             for n, a in (("k", cache.k), ("v", cache.v))))
 
 
 def decode(q, cache, table, **kwargs):

@@ -26,6 +26,9 @@ from ..configs.decode import CLUSTERS, SMEM_LIMIT, DecodeConfig, DecodeShape
 #: ring slots per warp to try, first that fits shared memory wins: 16-bit caches, then FP8 (docs/tuning.md)
 DEFAULT_STAGES = (3, 2)
 DEFAULT_FP8_STAGES = (2, 3)  # two slots as fast as three at 3 blocks per SM (docs/tuning.md)
+#: the 16-bit ring's whole strips by TMA tensor copies (DecodeConfig.tma) where it applies: built, not yet measured
+#: (docs/tuning.md "decode `tma`"), so off
+DEFAULT_TMA = False
 #: plan() stages strips in registers below this much K/V (latency-bound), the ring above it (docs/tuning.md)
 RING_MIN_BYTES = 192 << 20
 #: a cluster merge's splits stay at most this many tokens: longer ones stream too long (docs/tuning.md)
@@ -33,7 +36,7 @@ CLUSTER_MAX_TOKENS = 256
 
 
 def staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub, stages,
-            cluster) -> tuple:
+            cluster, tma=False) -> tuple:
     """``(stages, sub)`` with None resolved: the first default ring that fits in shared memory where a ring applies
     (and ``sub`` is None or 1), else registers; ``sub`` 2 for the FP8 register kernel up to d128 (two FP8 strips in
     flight match a 16-bit strip's bytes; 32-dim scale blocks need the registers), else 1. Arguments the config
@@ -41,7 +44,7 @@ def staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv
     shape = DecodeShape()
     vars(shape).update(dtype=dtype, head_dim=head_dim, group=group, page_size=page_size, num_warps=num_warps,
                        min_blocks=min_blocks, BN=BN, BK=BK, kv_dtype=kv_dtype, scale_block=scale_block, sub=sub,
-                       stages=stages, cluster=cluster)
+                       stages=stages, cluster=cluster, tma=tma)
     try:
         quantized = kv_dtype is not None
         if stages is None:
@@ -66,12 +69,15 @@ def staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv
 def decode_config(dtype: str = "bfloat16", head_dim: int = 128, group: int = 4, page_size: int = 16,
                   num_warps: int = 4, min_blocks: int = 1, BN: int = 16, BK: int = 32, kv_dtype: str | None = None,
                   scale_block: int = 0, sub: int | None = None, stages: int | None = None,
-                  cluster: int = 0) -> DecodeConfig:
-    """A :class:`DecodeConfig` with ``stages``/``sub`` left None set to the default staging (:func:`staging`)."""
+                  cluster: int = 0, tma: bool | None = False) -> DecodeConfig:
+    """A :class:`DecodeConfig` with ``stages``/``sub`` left None set to the default staging (:func:`staging`), and
+    ``tma`` None set to :data:`DEFAULT_TMA` where the 16-bit ring applies (off elsewhere)."""
     stages, sub = staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub,
-                          stages, cluster)
+                          stages, cluster, (DEFAULT_TMA if tma is None else tma) is True)
+    if tma is None:
+        tma = DEFAULT_TMA and bool(stages) and kv_dtype is None and page_size % 16 == 0 and head_dim % 64 == 0
     return DecodeConfig(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub,
-                        stages, cluster)
+                        stages, cluster, tma)
 
 
 def blocks_per_sm(registers: int, threads: int, smem_bytes: int) -> int:

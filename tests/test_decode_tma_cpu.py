@@ -1,0 +1,122 @@
+"""The decode ring's tensor-copy form (``DecodeConfig.tma``) without a GPU: its domain and named errors, what it
+renders, and that every tma config of the bench grid's shapes compiles for sm_90a without spills."""
+import dataclasses
+
+import pytest
+
+import cukv
+from cukv import DecodeConfig
+from cukv.policy.decode import DEFAULT_TMA, decode_config
+from cukv.tma import MAP_BYTES
+
+ARCH_GRID = [(dt, d, g, ps, st) for dt in ("bfloat16", "float16") for g in (1, 2, 4, 8, 16) for ps in (16, 64)
+             for st in (2, 3, 4) for d in (128,)]
+ARCH_GRID += [("bfloat16", d, g, 16, st) for d in (64, 256) for g in (1, 8, 16) for st in (2, 3, 4)]
+
+
+def _resources(cfg):
+    mod = cfg.compiled
+    r = mod.functions[cfg.name]
+    assert r.spill_stores == 0 and r.spill_loads == 0, f"{cfg.name} spills: {r}"
+    assert r.stack_frame == 0, f"{cfg.name} has a stack frame: {r}"
+    assert r.static_smem == cfg.smem_bytes, f"{cfg.name}: ptxas {r.static_smem} B, config {cfg.smem_bytes} B"
+    return r
+
+
+@pytest.mark.parametrize("dt,d,group,ps,stages", ARCH_GRID, ids=lambda v: str(v))
+def test_tma_configs_compile_without_spills(dt, d, group, ps, stages):
+    try:
+        cfg = decode_config(dt, d, group, ps, 4, stages=stages, tma=True)
+    except ValueError as e:  # too much shared memory for this (head_dim, stages): the same rule as without tma
+        assert "exceed" in str(e)
+        pytest.skip(str(e))
+    assert cfg.tma and cfg.name.endswith(f"_r{stages}_tma")
+    _resources(cfg)
+
+
+@pytest.mark.parametrize("cluster", [2, 8])
+def test_tma_cluster_merge_compiles_without_spills(cluster):
+    cfg = decode_config("bfloat16", 128, 4, 16, stages=3, cluster=cluster, tma=True)
+    assert cfg.name.endswith(f"_r3_tma_c{cluster}")
+    _resources(cfg)
+
+
+def test_tma_renders_maps_and_sizes():
+    plain = decode_config("bfloat16", 128, 4, 16, stages=3)
+    cfg = dataclasses.replace(plain, tma=True)
+    src = cfg.render()
+    assert "static constexpr bool tma = true;" in src and "static constexpr bool tma = false;" in plain.render()
+    assert f"sizeof(DecodeMaps) == {2 * MAP_BYTES}," in src and "DecodeMaps" not in plain.render().split("K;")[-1]
+    assert "const __grid_constant__ DecodeMaps maps" in src and "K::run(a, &maps);" in src
+    # the same slots, plus one mbarrier per slot and the slack that aligns the slots to 1024 bytes
+    assert cfg.ring_slot_bytes == plain.ring_slot_bytes
+    assert cfg.ring_smem_bytes == plain.ring_smem_bytes + 1024 + 8 * cfg.num_warps * cfg.stages
+    assert f"K::RING_BYTES == {cfg.ring_smem_bytes}," in src
+    assert cfg.name == plain.name + "_tma" and cfg != plain and hash(cfg) != hash(plain)
+
+
+def test_tma_default_off():
+    assert DEFAULT_TMA is False
+    assert not decode_config("bfloat16", 128, 4, 16).tma
+    assert not decode_config("bfloat16", 128, 4, 16, tma=None).tma
+    assert not cukv.BatchDecode(32, 8, 128, 16, "bfloat16").config.tma
+    dec = cukv.BatchDecode(32, 8, 128, 16, "bfloat16", tma=True)
+    assert dec.config.tma and dec.config.stages == 3
+    # plan()'s register kernel for small steps has no tensor copies; the ring keeps them
+    assert [c.tma for c in dec._configs] == [True, False]
+
+
+@pytest.mark.parametrize("kw,why", [
+    ({"stages": 0}, "stages must be 2..8"),
+    ({"stages": 3, "page_size": 8}, "page_size=8 must be a multiple of 16"),
+    ({"stages": 3, "page_size": 24}, "page_size=24 must be a multiple of 16"),
+    ({"stages": 3, "head_dim": 96}, "head_dim=96 must be a multiple of 64"),
+    ({"stages": 2, "kv_dtype": "fp8_e4m3", "scale_block": 128}, "16-bit caches only"),
+    ({"stages": 0, "kv_dtype": "fp8_e4m3", "scale_block": 128}, "16-bit caches only"),
+])
+def test_tma_domain_errors_are_named(kw, why):
+    with pytest.raises(ValueError, match=f"DecodeConfig.tma=True is not valid: .*{why}"):
+        decode_config(**{**kw, "tma": True})
+
+
+@pytest.mark.parametrize("value", [1, "yes", 1.0])
+def test_tma_field_takes_bools_only(value):
+    with pytest.raises(ValueError, match=r"DecodeConfig.tma=.* is not valid; accepted: True, False"):
+        DecodeConfig("bfloat16", 128, 4, 16, stages=3, sub=1, tma=value)
+
+
+def test_batch_decode_tma_errors():
+    with pytest.raises(TypeError, match="tma=1 must be True or False"):
+        cukv.BatchDecode(8, 2, 128, 16, tma=1)
+    with pytest.raises(ValueError, match="DecodeConfig.tma=True is not valid: .*page_size=1"):
+        cukv.BatchDecode(8, 2, 128, 1, tma=True)  # the policy stages page size 1 in registers
+    with pytest.raises(ValueError, match="DecodeConfig.tma=True is not valid: .*stages must be 2..8"):
+        cukv.BatchDecode(8, 2, 128, 16, stages=0, tma=True)
+    with pytest.raises(ValueError, match="DecodeConfig.tma=True is not valid: .*16-bit caches only"):
+        cukv.BatchDecode(8, 2, 128, 16, kv_dtype="fp8_e4m3", tma=True)
+
+
+@pytest.mark.parametrize("layout", ["combined", "separate", "head_major"])
+def test_tma_cache_bytes_view(layout):
+    """What the tensor maps are encoded over: K/V as bytes [pages][page_size][heads][head_dim * 2] whatever the
+    cache's strides (NumPy stands in for the device arrays; the driver's stride rules hold)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cukv.ops.decode import _PageBytes
+    from cukv.tma import check_page_tensor
+
+    pages, ps, h, d = 5, 16, 8, 128
+    if layout == "combined":
+        k = np.zeros((pages, 2, ps, h, d), np.uint16)[:, 0]
+    elif layout == "separate":
+        k = np.zeros((pages, ps, h, d), np.uint16)
+    else:  # [pages, heads, page_size, dim] seen as [pages, page_size, heads, dim]
+        k = np.zeros((pages, h, ps, d), np.uint16).transpose(0, 2, 1, 3)
+    got = _PageBytes(SimpleNamespace(shape=k.shape, strides=k.strides, itemsize=2, data=SimpleNamespace(ptr=1 << 20)))
+    assert got.shape == (pages, ps, h, 2 * d) and got.strides == k.strides[:3] + (1,)
+    check_page_tensor("cache.k", got.data.ptr, got.shape, got.strides)
+    bad = np.zeros((pages, ps, h, 2 * d), np.uint16)[..., ::2]
+    with pytest.raises(ValueError, match="unit dim stride"):
+        _PageBytes(SimpleNamespace(shape=bad.shape, strides=bad.strides, itemsize=2, data=None))
