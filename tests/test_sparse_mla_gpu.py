@@ -200,7 +200,7 @@ def test_sparse_graph_capture_replays(rng):
 @pytest.mark.slow
 @pytest.mark.parametrize("heads", [1, 16, 64, 128])
 @pytest.mark.parametrize("s_kv,topk", PAIRS + [(1521, 512), (64, 8192)])
-@pytest.mark.parametrize("t_n", [1, 62])
+@pytest.mark.parametrize("t_n", [1, 62, 213])
 @pytest.mark.parametrize("dtype", ["bfloat16", "fp8_e4m3"])
 def test_sparse_prefill_full_grid(rng, heads, s_kv, topk, t_n, dtype):
     check(rng, heads, s_kv, topk, t_n=t_n, dtype=dtype, cut=bool(t_n % 2 == 0), sink="finite")
