@@ -167,11 +167,16 @@ def test_append_exact(rng):
 
 
 def test_graph_capture_replay(rng, staging):
+    check_graph_replay(rng, _decoder(16, 4, 128, 16, "bfloat16", staging))
+
+
+def check_graph_replay(rng, dec):
+    """``dec`` (16/4 heads, d128, page 16, bf16) captured once in a CUDA graph, replayed after new lengths."""
     import cupy as cp
 
     case = random_decode_case(rng, batch=4, lengths=[600, 1000, 33, 999], num_qo_heads=16, num_kv_heads=4,
                               head_dim=128, page_size=16)
-    dec = _decoder(16, 4, 128, 16, "bfloat16", staging).plan(4, 1000)
+    dec.plan(4, 1000)
     out = cp.empty(case["q"].shape, case["q"].dtype)
     lse = cp.empty((4, 16), cp.float32)
     stream = cp.cuda.Stream(non_blocking=True)
