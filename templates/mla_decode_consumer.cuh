@@ -18,7 +18,6 @@ struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN
       State::pwords;
   static constexpr int kHalf = Pipe::half;
   static constexpr int kSRegs = kHalf / 2, kPWords = kHalf / 4;
-  static constexpr int kQSteps = kMlaDim / 16;  // k16 steps of S = Q K^T
   typedef Wgmma<T, kHalf> MmaS;
   typedef Wgmma<T, 256> MmaO;
 
@@ -29,16 +28,7 @@ struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN
   // zero (bit c of `valid` for this half's column c).
   __device__ __forceinline__ void scores(float (&s)[kSRegs], int stage, int tok0, int lim0, int lim1, float sl2,
                                          u32 valid = 0u) {
-    const u64 qd = sw128_desc(pipe.q(), 1, 1024);
-    const u64 kd = sw128_desc(pipe.stage(stage) + (u32)(g * kHalf * kAtomRowBytes), 1, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kQSteps; ++k)
-      MmaS::ss(s, desc_add(qd, (u32)((k / 4) * Pipe::q_atom_col_bytes + (k % 4) * 32)),
-               desc_add(kd, (u32)((k / 4) * Pipe::atom_col_bytes + (k % 4) * 32)), k > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
+    State::template qk<MmaS>(s, pipe.stage(stage) + (u32)(g * kHalf * kAtomRowBytes));
     const int c0 = tok0 + g * kHalf + 2 * (lane & 3);
 #pragma unroll
     for (int j = 0; j < kHalf / 8; ++j) {

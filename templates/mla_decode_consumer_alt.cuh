@@ -34,7 +34,6 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
   using State::pipe, State::g, State::t, State::lane, State::m, State::l, State::o, State::kORegs, State::stats,
       State::pwords;
   static constexpr int kSRegs = BN / 2, kPWords = BN / 4;
-  static constexpr int kQSteps = kMlaDim / 16;  // k16 steps of S = Q K^T
   static constexpr int kBarH0 = 3, kBarH1 = 4;  // named barriers (1 is the epilogue's, 2 the split schedule's)
   static_assert(Pipe::p_bytes == 128 * kPWords * 4, "one P buffer of a whole tile's words per thread");
   typedef Wgmma<T, BN> MmaS;
@@ -45,16 +44,7 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
   // S for all BN tokens of stage s, scaled to log2 units and masked (token columns at or past a row's limit
   // become -inf: selected, never multiplied); returns the row maxima of this thread's two rows over the quad.
   __device__ __forceinline__ float2 scores(float (&s)[kSRegs], int stage, int tok0, int lim0, int lim1, float sl2) {
-    const u64 qd = sw128_desc(pipe.q(), 1, 1024);
-    const u64 kd = sw128_desc(pipe.stage(stage), 1, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kQSteps; ++k)
-      MmaS::ss(s, desc_add(qd, (u32)((k / 4) * Pipe::q_atom_col_bytes + (k % 4) * 32)),
-               desc_add(kd, (u32)((k / 4) * Pipe::atom_col_bytes + (k % 4) * 32)), k > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
+    State::template qk<MmaS>(s, pipe.stage(stage));
     const int c0 = tok0 + 2 * (lane & 3);
     float mx[2] = {-CUKV_INF, -CUKV_INF};
 #pragma unroll

@@ -33,6 +33,22 @@ struct MLADecodeConsumerState {
     return reinterpret_cast<u32*>(smem + Pipe::p_offset);
   }
 
+  // S = Q K^T over all 576 dims for the tokens whose K rows start at shared address `k_rows` (a stage, or its
+  // second half), the wgmmas waited on: Mma's N tokens into s.
+  template <class Mma, int N>
+  __device__ __forceinline__ void qk(float (&s)[N], u32 k_rows) const {
+    const u64 qd = sw128_desc(pipe.q(), 1, 1024);
+    const u64 kd = sw128_desc(k_rows, 1, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kMlaDim / 16; ++k)
+      Mma::ss(s, desc_add(qd, (u32)((k / 4) * Pipe::q_atom_col_bytes + (k % 4) * 32)),
+              desc_add(kd, (u32)((k / 4) * Pipe::atom_col_bytes + (k % 4) * 32)), k > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+  }
+
   // Both warpgroups' l -> the row's total; then the output (direct) or the float32 partial and its LSE. kGuard: a
   // first barrier keeps the l exchange off the stats slots until both warpgroups have read their last use of them.
   template <bool kGuard>
