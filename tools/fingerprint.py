@@ -109,12 +109,17 @@ def main(argv=None):
     with ProcessPoolExecutor(a.jobs) as ex:
         rows = dict(ex.map(_one, [(c, not a.no_compile) for c in cfgs]))
     print(f"{len(rows)} kernels fingerprinted", file=sys.stderr)
+    dump(rows, a.out)
+    return 0
+
+
+def dump(rows: dict, out: str | None) -> None:
+    """Rows as sorted JSON to the file ``out``, or to stdout (also tools/ptx_stats.py's output)."""
     text = json.dumps(rows, indent=1, sort_keys=True)
-    if a.out:
-        open(a.out, "w").write(text)
+    if out:
+        open(out, "w").write(text)
     else:
         print(text)
-    return 0
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ def main(argv=None):
             if a.filter and not any(f in n for f in a.filter):
                 continue
             p, q = x[n], y[n]
-            regs = [(k, p[k], q[k]) for k in ("registers", "spill_stores", "spill_loads") if p[k] != q[k]]
             ops = {o: q["ptx"].get(o, 0) - p["ptx"].get(o, 0) for o in set(p["ptx"]) | set(q["ptx"])}
             ops = {o: d for o, d in sorted(ops.items()) if d}
             total = sum(q["ptx"].values()) - sum(p["ptx"].values())
@@ -72,13 +71,8 @@ def main(argv=None):
                   f"ptx {sum(p['ptx'].values())}->{sum(q['ptx'].values())} ({total:+d})" + (f" {ops}" if ops else ""))
         return 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from fingerprint import configs
-    rows = {c.name: stats(c) for c in configs() if not a.filter or any(f in c.name for f in a.filter)}
-    text = json.dumps(rows, indent=1, sort_keys=True)
-    if a.out:
-        open(a.out, "w").write(text)
-    else:
-        print(text)
+    from fingerprint import configs, dump
+    dump({c.name: stats(c) for c in configs() if not a.filter or any(f in c.name for f in a.filter)}, a.out)
     return 0
 
 
