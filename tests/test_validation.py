@@ -139,6 +139,14 @@ def _append_mla(**kw):
     return cukv.append_mla(args.pop("cache"), args.pop("kv_c"), args.pop("k_pe"), args.pop("slots"), **args)
 
 
+def _sparse_ctor(**kw):
+    return cukv.SparseMLA(**{**dict(num_heads=16), **kw})
+
+
+def _sparse_plan(**kw):
+    return _sparse_ctor().plan(**{**dict(num_tokens=4, topk=128), **kw})
+
+
 def _mlap_ctor(**kw):
     return cukv.BatchMLAPrefill(**{**dict(num_heads=16, page_size=64), **kw})
 
@@ -186,11 +194,20 @@ SCALARS = {
                                    "block_n": [(True, ValueError), (48, ValueError), (64.0, ValueError),
                                                ("64", ValueError)],
                                    "num_kv_stages": OPTIONAL_POSITIVE_INT + [(1, ValueError), (9, ValueError)],
-                                   "schedule": [("alt", ValueError), (1, ValueError), (True, ValueError)]}),
+                                   "schedule": [("alt", ValueError), (1, ValueError), (True, ValueError)],
+                                   "tma": OPTIONAL_BOOL, "prefetch_tiles": [(5, ValueError), (True, ValueError)],
+                                   "fp8_rows": [(12, ValueError), (True, ValueError)]}),
     "BatchMLADecode.plan": (_mla_plan, {"s_q": POSITIVE_INT + [(9, ValueError)], "chunk_tiles": OPTIONAL_POSITIVE_INT,
                                         "seq_lens": HOST_INTS}),
     "BatchMLADecode.run": (_mla_run, {"softmax_scale": OPTIONAL_POSITIVE_FLOAT, "return_lse": BOOL,
                                       "check": OPTIONAL_BOOL}),
+    "SparseMLA": (_sparse_ctor, {"num_heads": POSITIVE_INT + [(129, ValueError)],
+                                 "block_n": [(True, ValueError), (48, ValueError), ("64", ValueError)],
+                                 "num_kv_stages": OPTIONAL_POSITIVE_INT + [(1, ValueError), (9, ValueError)]}),
+    "SparseMLA.plan": (_sparse_plan, {"num_tokens": POSITIVE_INT, "topk": POSITIVE_INT,
+                                      "chunk_tiles": OPTIONAL_POSITIVE_INT}),
+    "SparseMLA.run": (lambda **kw: _sparse_ctor().run(None, None, None, **kw),
+                      {"softmax_scale": OPTIONAL_POSITIVE_FLOAT}),
     "BatchMLAPrefill": (_mlap_ctor, {"num_heads": POSITIVE_INT, "page_size": OPTIONAL_POSITIVE_INT,
                                      "max_blocks": OPTIONAL_POSITIVE_INT}),
     "BatchMLAPrefill.plan": (_mlap_plan, {"mask": [("Causal", ValueError), (True, ValueError), (None, ValueError)],
@@ -235,6 +252,8 @@ DEVICE_ENTRIES = {
     "append_mla": ("kv_c", lambda x: cukv.append_mla(None, x, x, x)),
     "mla_decode": ("q", lambda x: cukv.mla_decode(x, None, None, [1])),
     "mla_prefill": ("q", lambda x: cukv.mla_prefill(x, None, None, [0, 1], [1])),
+    "sparse_mla_prefill": ("q", lambda x: cukv.sparse_mla_prefill(x, None, None)),
+    "sparse_mla_decode": ("q", lambda x: cukv.sparse_mla_decode(x, None, None)),
     "check_device_array": ("x", lambda x: validate.check_device_array("x", x)),
     "check_per_head": ("sink", lambda x: validate.check_per_head("sink", x, 8)),
 }
