@@ -83,11 +83,16 @@ def encode_pages(name: str, arr, box_cols: int, box_rows: int, swizzle: int) -> 
     """The descriptor of a byte array ``arr[pages, page_size, heads, dim]`` (CuPy, or contiguous rows in a
     :class:`OnePage`) for boxes of ``box_cols`` dims x ``box_rows`` tokens of one head; ``box_cols`` may exceed
     ``dim`` (the excess reads as zeros)."""
-    shape = tuple(int(n) for n in arr.shape)
-    strides = tuple(int(s) for s in arr.strides)
-    ptr = int(arr.data.ptr)
-    check_page_tensor(name, ptr, shape, strides)
-    return _encode_cached(ptr, shape, strides, int(box_cols), int(box_rows), int(swizzle))
+    return encode_bytes(name, int(arr.data.ptr), arr.shape, arr.strides, box_cols, box_rows, swizzle)
+
+
+def encode_bytes(name: str, ptr: int, shape, strides_bytes, box_cols: int, box_rows: int, swizzle: int) -> bytes:
+    """:func:`encode_pages` of the byte tensor ``[pages, page_size, heads, bytes]`` at device address ``ptr`` with
+    these strides (bytes): a view no array describes (a column range of cache rows, 16-bit rows seen as bytes)."""
+    shape = tuple(int(n) for n in shape)
+    strides = tuple(int(s) for s in strides_bytes)
+    check_page_tensor(name, int(ptr), shape, strides)
+    return _encode_cached(int(ptr), shape, strides, int(box_cols), int(box_rows), int(swizzle))
 
 
 def as_maps_arg(*maps: bytes):

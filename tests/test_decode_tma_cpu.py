@@ -106,7 +106,7 @@ def test_tma_cache_bytes_view(layout):
 
     import numpy as np
 
-    from cukv.ops.decode import _PageBytes
+    from cukv.ops.decode import _page_bytes
     from cukv.tma import check_page_tensor
 
     pages, ps, h, d = 5, 16, 8, 128
@@ -116,9 +116,9 @@ def test_tma_cache_bytes_view(layout):
         k = np.zeros((pages, ps, h, d), np.uint16)
     else:  # [pages, heads, page_size, dim] seen as [pages, page_size, heads, dim]
         k = np.zeros((pages, h, ps, d), np.uint16).transpose(0, 2, 1, 3)
-    got = _PageBytes(SimpleNamespace(shape=k.shape, strides=k.strides, itemsize=2, data=SimpleNamespace(ptr=1 << 20)))
-    assert got.shape == (pages, ps, h, 2 * d) and got.strides == k.strides[:3] + (1,)
-    check_page_tensor("cache.k", got.data.ptr, got.shape, got.strides)
+    shape, strides = _page_bytes(SimpleNamespace(shape=k.shape, strides=k.strides, itemsize=2))
+    assert shape == (pages, ps, h, 2 * d) and strides == k.strides[:3] + (1,)
+    check_page_tensor("cache.k", 1 << 20, shape, strides)
     bad = np.zeros((pages, ps, h, 2 * d), np.uint16)[..., ::2]
     with pytest.raises(ValueError, match="unit dim stride"):
-        _PageBytes(SimpleNamespace(shape=bad.shape, strides=bad.strides, itemsize=2, data=None))
+        _page_bytes(SimpleNamespace(shape=bad.shape, strides=bad.strides, itemsize=2))

@@ -207,16 +207,13 @@ class BatchDecode:
         return (out, lse) if return_lse else out
 
 
-class _PageBytes:
+def _page_bytes(a) -> tuple:
     """A 16-bit cache's K (or V) ``[pages][page_size][heads][head_dim]`` as the byte tensor ``[..][head_dim * 2]``
-    :func:`cukv.tma.encode_pages` reads (``shape``, ``strides``, ``data.ptr``); no array view, so any strides do."""
-
-    def __init__(self, a):
-        if a.strides[3] != a.itemsize:
-            raise ValueError(f"cache rows must have a unit dim stride for tensor copies; strides (bytes) {a.strides}")
-        self.shape = tuple(int(n) for n in a.shape[:3]) + (int(a.shape[3]) * a.itemsize,)
-        self.strides = tuple(int(s) for s in a.strides[:3]) + (1,)
-        self.data = a.data
+    :func:`cukv.tma.encode_bytes` reads: ``(shape, strides)`` in bytes; any strides but a unit dim stride."""
+    if a.strides[3] != a.itemsize:
+        raise ValueError(f"cache rows must have a unit dim stride for tensor copies; strides (bytes) {a.strides}")
+    shape = tuple(int(n) for n in a.shape[:3]) + (int(a.shape[3]) * a.itemsize,)
+    return shape, tuple(int(s) for s in a.strides[:3]) + (1,)
 
 
 def _tma_maps(cache):
@@ -225,7 +222,7 @@ def _tma_maps(cache):
     one head and page, with the ring's 128-byte swizzle (encodings are memoized by cukv/tma.py)."""
     from .. import tma
 
-    return tma.as_maps_arg(*(tma.encode_pages(f"cache.{n}", _PageBytes(a), 128, 16, tma.SWIZZLE_128B)
+    return tma.as_maps_arg(*(tma.encode_bytes(f"cache.{n}", int(a.data.ptr), *_page_bytes(a), 128, 16, tma.SWIZZLE_128B)
                              for n, a in (("k", cache.k), ("v", cache.v))))
 
 

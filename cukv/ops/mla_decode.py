@@ -13,7 +13,6 @@ chunks of a split sequence write float32 partials that one combine kernel merges
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -293,17 +292,6 @@ def mla_decode(q, cache: MLAKVCache, block_table, seq_lens, *, kv_dtype=None, **
     return dec.run(q, cache, block_table, **kwargs)
 
 
-class _RowBytes:
-    """A 16-bit MLA cache's rows as the byte tensor ``[pages][page_size][1][1152]`` :func:`cukv.tma.encode_pages`
-    reads (``shape``, ``strides``, ``data.ptr``)."""
-
-    def __init__(self, cache: MLAKVCache):
-        row = DIM * 2
-        self.shape = (cache.num_pages, cache.page_size, 1, row)
-        self.strides = (cache.page_stride, cache.row_stride, row, 1)
-        self.data = SimpleNamespace(ptr=cache.ptr)
-
-
 def _cache_map(cache: MLAKVCache, block_n: int):
     """The ``MLACacheMap`` kernel argument of a ``tma`` config (templates/mla_decode_producer.cuh): the cache's
     tensor map with boxes of 64 values x :func:`~cukv.configs.mla_decode.tma_box_rows` tokens and the 128-byte
@@ -311,5 +299,8 @@ def _cache_map(cache: MLAKVCache, block_n: int):
     from .. import tma
 
     rows = tma_box_rows(cache.page_size, block_n)
-    desc = tma.encode_pages("cache", _RowBytes(cache), 128, rows, tma.SWIZZLE_128B) if rows else bytes(tma.MAP_BYTES)
+    # the rows as bytes [pages][page_size][1][1152]
+    shape, strides = (cache.num_pages, cache.page_size, 1, DIM * 2), (cache.page_stride, cache.row_stride, DIM * 2, 1)
+    desc = (tma.encode_bytes("cache", cache.ptr, shape, strides, 128, rows, tma.SWIZZLE_128B) if rows
+            else bytes(tma.MAP_BYTES))
     return as_kernel_arg(np.frombuffer(desc + np.array([rows] + [0] * 15, np.int32).tobytes(), np.uint8))

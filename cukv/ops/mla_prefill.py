@@ -190,14 +190,13 @@ class BatchMLAPrefill:
         elif cfg.page_size == 0:
             k_rope = self._keep  # the k_rope _rope_params checked
             s = int(k_rope.strides[0])
-            maps.append(tma.encode_pages("k_rope", _Rows((1, k_rope.shape[0], 1, 128), (k_rope.shape[0] * s, s, s, 1),
-                                                         int(k_rope.data.ptr)), 128, cfg.rope_tma_rows,
-                                         tma.SWIZZLE_128B))
+            maps.append(tma.encode_bytes("k_rope", int(k_rope.data.ptr), (1, k_rope.shape[0], 1, 128),
+                                         (k_rope.shape[0] * s, s, s, 1), 128, cfg.rope_tma_rows, tma.SWIZZLE_128B))
         else:
             base = cache.ptr + (FP8_ROPE_BYTE if cache.quantized else 2 * NOPE)
-            rows = _Rows((cache.num_pages, cache.page_size, 1, 128),
-                         (cache.page_stride, cache.row_stride, cache.row_stride, 1), base)
-            maps.append(tma.encode_pages("cache", rows, 128, cfg.rope_tma_rows, tma.SWIZZLE_128B))
+            maps.append(tma.encode_bytes("cache", base, (cache.num_pages, cache.page_size, 1, 128),
+                                         (cache.page_stride, cache.row_stride, cache.row_stride, 1), 128,
+                                         cfg.rope_tma_rows, tma.SWIZZLE_128B))
         return tma.as_maps_arg(*maps)
 
     def _rope_params(self, cache, block_table, k_rope, check: bool) -> np.ndarray:
@@ -253,15 +252,6 @@ class BatchMLAPrefill:
         rec["num_pages"] = cache.num_pages
         self._keep = (cache, bt)
         return rec
-
-
-class _Rows:
-    """Byte rows at a device address as :func:`cukv.tma.encode_pages` reads an array: ``shape`` [pages, page_size,
-    heads, bytes], ``strides`` (bytes), ``data.ptr``."""
-
-    def __init__(self, shape, strides, ptr_):
-        self.shape, self.strides = tuple(int(n) for n in shape), tuple(int(x) for x in strides)
-        self.data = type("Ptr", (), {"ptr": int(ptr_)})()
 
 
 def _check_rows(name: str, a) -> None:
