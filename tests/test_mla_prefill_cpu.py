@@ -72,7 +72,7 @@ def test_names_identify_configs(a, b):
 
 def test_shipped_set():
     names = [c.name for c in shipped()]
-    assert len(names) == len(set(names)) == 2 * len(SHIPPED_PAGE_SIZES)
+    assert len(names) == len(set(names)) == 2 * 2 * len(SHIPPED_PAGE_SIZES)  # dtypes x (TILE, WIDE_TILE)
 
 
 @pytest.mark.parametrize("cfg", shipped(), ids=lambda c: c.name)

@@ -19,17 +19,19 @@ pytestmark = pytest.mark.gpu
 FULL_ROWS = 160
 #: the kernel variants (MLAPrefillConfig.persistent, .tma, .stages) the correctness tests run over the default tile
 #: (3 stages only on the persistent grid: one block per item spills there)
-VARIANTS = {"base": (False, False, 2), "pers": (True, False, 3), "tma": (False, True, 2), "pers_tma": (True, True, 3)}
+VARIANTS = {"base": (False, False, 2), "pers": (True, False, 3), "tma": (False, True, 2), "pers_tma": (True, True, 3),
+            "wide": (True, True, 3)}  # "wide": the many-heads default tile (policy WIDE_TILE, 192 x 96)
 #: a persistent grid this small walks several items per block in the tests' small batches
 TEST_BLOCKS = 5
 
 
 def variant(name, dtype="bfloat16", page_size=None):
     """(config, max_blocks) of variant ``name`` over the default tile."""
-    from cukv.policy.mla_prefill import default_config
+    from cukv.policy.mla_prefill import WIDE_MIN_HEADS, default_config
 
     persistent, tma, stages = VARIANTS[name]
-    cfg = dataclasses.replace(default_config(dtype, 0 if page_size is None else page_size), persistent=persistent,
+    heads = WIDE_MIN_HEADS if name == "wide" else None
+    cfg = dataclasses.replace(default_config(dtype, 0 if page_size is None else page_size, heads), persistent=persistent,
                               tma=tma, stages=stages)
     return cfg, (TEST_BLOCKS if persistent else None)
 

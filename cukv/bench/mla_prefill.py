@@ -164,7 +164,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
     from ..policy.mla_prefill import default_config
 
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "peers": why or "imported",
-              "date": time.strftime("%Y-%m-%d"), "cukv": default_config("bfloat16", PAGE).name, "rows": rows}
+              "date": time.strftime("%Y-%m-%d"), "cukv": sorted({default_config("bfloat16", PAGE, h).name for h in (16, 128)}), "rows": rows}
     for peer in PEERS:
         ratios = [r[f"cukv_over_{peer}"] for r in rows if f"cukv_over_{peer}" in r]
         if ratios:

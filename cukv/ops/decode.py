@@ -44,7 +44,8 @@ class BatchDecode:
     tma : bool, optional
         The ring's whole strips by TMA tensor copies instead of ``cp.async`` (``DecodeConfig.tma``): 16-bit caches,
         the ring (``stages`` 2..8 or None), page_size a multiple of 16 and head_dim 64, 128 or 256. None takes
-        :data:`cukv.policy.decode.DEFAULT_TMA` (off: built, not yet measured) where it applies. :meth:`plan` still
+        :data:`cukv.policy.decode.DEFAULT_TMA` (on) where it applies; the cache then needs a 16-byte aligned base and
+        token/page strides that are multiples of 16 bytes (else pass ``tma=False``). :meth:`plan` still
         stages small steps in registers (no tensor copies) when ``stages`` is None.
     cluster_merge : bool
         Let the splits of one (sequence, KV head) form a thread-block cluster that merges through distributed

@@ -48,7 +48,7 @@ class BatchMLAPrefill:
     dtype : {'bfloat16', 'float16'}
         Query, ``k_nope``, ``v``, rope and output type (the bf16 rope of an FP8 cache needs 'bfloat16').
     config : MLAPrefillConfig, optional
-        Tile shape (default: :func:`cukv.policy.mla_prefill.default_config`).
+        Tile shape (default: :func:`cukv.policy.mla_prefill.default_config` for the dtype, page size and head count).
     max_blocks : int, optional
         Caps the blocks of a persistent grid (``config.persistent``; default one per SM).
 
@@ -88,7 +88,7 @@ class BatchMLAPrefill:
         self.dtype = canonical_dtype(dtype)
         ps = 0 if page_size is None else int(page_size)
         if config is None:
-            config = default_config(self.dtype, ps)
+            config = default_config(self.dtype, ps, self.num_heads)
         elif not isinstance(config, MLAPrefillConfig):
             raise TypeError(f"config must be an MLAPrefillConfig, got {type(config).__name__}")
         if (config.dtype, config.page_size) != (self.dtype, ps):
