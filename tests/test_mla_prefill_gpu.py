@@ -27,11 +27,11 @@ TEST_BLOCKS = 5
 
 def variant(name, dtype="bfloat16", page_size=None):
     """(config, max_blocks) of variant ``name`` over the default tile."""
-    from cukv.policy.mla_prefill import WIDE_MIN_HEADS, default_config
+    from cukv.policy.mla_prefill import default_config
 
     persistent, tma, stages = VARIANTS[name]
-    heads = WIDE_MIN_HEADS if name == "wide" else None
-    cfg = dataclasses.replace(default_config(dtype, 0 if page_size is None else page_size, heads), persistent=persistent,
+    cfg = dataclasses.replace(default_config(dtype, 0 if page_size is None else page_size, name == "wide"),
+                              persistent=persistent,
                               tma=tma, stages=stages)
     return cfg, (TEST_BLOCKS if persistent else None)
 

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ..configs.mla_prefill import QK_DIM, V_DIM, MLAPrefillConfig
-from ..policy.mla_prefill import default_config
+from ..policy.mla_prefill import default_config, wide_tile
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import NOPE, MLAKVCache
 from ..operand import KV_PARAMS, MLA_PREFILL_ARGS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, ptr
@@ -48,7 +48,8 @@ class BatchMLAPrefill:
     dtype : {'bfloat16', 'float16'}
         Query, ``k_nope``, ``v``, rope and output type (the bf16 rope of an FP8 cache needs 'bfloat16').
     config : MLAPrefillConfig, optional
-        Tile shape (default: :func:`cukv.policy.mla_prefill.default_config` for the dtype, page size and head count).
+        Tile shape (default: :func:`cukv.policy.mla_prefill.default_config` for the dtype and page size; :meth:`plan`
+        then takes the wider tile where :func:`~cukv.policy.mla_prefill.wide_tile` says so).
     max_blocks : int, optional
         Caps the blocks of a persistent grid (``config.persistent``; default one per SM).
 
@@ -87,8 +88,9 @@ class BatchMLAPrefill:
         page_size = check_int("page_size", page_size, 1, 4096, none_ok=True, note="a contiguous k_rope")
         self.dtype = canonical_dtype(dtype)
         ps = 0 if page_size is None else int(page_size)
+        self._auto = config is None  # plan() picks the tile (cukv.policy.mla_prefill.wide_tile)
         if config is None:
-            config = default_config(self.dtype, ps, self.num_heads)
+            config = default_config(self.dtype, ps)
         elif not isinstance(config, MLAPrefillConfig):
             raise TypeError(f"config must be an MLAPrefillConfig, got {type(config).__name__}")
         if (config.dtype, config.page_size) != (self.dtype, ps):
@@ -107,6 +109,8 @@ class BatchMLAPrefill:
         qo, kl, ko = mla_prefill_batch(q_offsets, kv_lengths, kv_offsets)
         b = qo.size - 1
         check_choice("mask", mask, MASKS)
+        if self._auto:
+            self.config = default_config(self.dtype, self.config.page_size, wide_tile(np.diff(qo), kl, mask))
         cfg = self.config
         self._work, self._num_work = _work_array(_work_list(np.diff(qo), kl, cfg, mask, None, None))
         self.batch_size, self.total_q, self.kv_rows = b, int(qo[-1]), int(ko[-1])
