@@ -30,9 +30,9 @@ def variant(name, dtype="bfloat16", page_size=None):
     from cukv.policy.mla_prefill import default_config
 
     persistent, tma, stages = VARIANTS[name]
-    cfg = dataclasses.replace(default_config(dtype, 0 if page_size is None else page_size, name == "wide"),
-                              persistent=persistent,
-                              tma=tma, stages=stages)
+    base = default_config(dtype, 0 if page_size is None else page_size, name == "wide")
+    # off the persistent grid a one-tile ring of 128 keys needs pv_wait (the config's stages rule)
+    cfg = dataclasses.replace(base, persistent=persistent, tma=tma, stages=stages, pv_wait=base.pv_wait or not persistent)
     return cfg, (TEST_BLOCKS if persistent else None)
 
 

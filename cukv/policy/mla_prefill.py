@@ -5,7 +5,7 @@ Examples
 --------
 >>> from cukv.policy.mla_prefill import default_config, wide_tile
 >>> default_config("bfloat16", page_size=64).name
-'cukv_mla_prefill_bf16_p64_m128_n128_s3_pp_pvw_pers_tma'
+'cukv_mla_prefill_bf16_p64_m128_n128_s3_pp_pers_tma'
 >>> default_config("bfloat16", page_size=64, wide=True).name     # three consumer warpgroups
 'cukv_mla_prefill_bf16_p64_m192_n96_s3_pp_pvw_pers_tma'
 >>> wide_tile([8192], [8192], "causal"), wide_tile([2048] * 4, [2048] * 4, "causal")   # 4096 vs 1024 keys a query
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from ..configs.mla_prefill import MLAPrefillConfig
 
-#: (BM, BN, stages, pingpong, pv_wait): 128 keys per tile, S issued in warpgroup order, S and P never live together;
-#: 128 x 128 x 2 beat the 64-key ring by 9-18% on every bench shape, 3 stages (on the persistent grid only: off it
-#: they spill) another 1.7% (docs/tuning.md "MLA prefill")
-TILE = (128, 128, 3, True, True)
+#: (BM, BN, stages, pingpong, pv_wait): 128 keys per tile, S issued in warpgroup order; 128 x 128 beat the 64-key
+#: ring by 9-18% on every bench shape, 3 stages (persistent grid only: off it they spill) another 1.7%; on three
+#: stages P V(t) overlaps S(t + 1) (no pv_wait): 1.01-1.05x on short prompts and h16 (docs/tuning.md "MLA prefill")
+TILE = (128, 128, 3, True, False)
 #: the tile where queries see WIDE_MIN_KEYS keys or more on average: 192 query rows (three consumer warpgroups) x 96
 #: keys, 1.03-1.06x TILE on long prompts and over long prefixes, 0.93-0.99x on short causal prompts (2048-4096 tokens,
 #: where the 192-row tiles split sequences unevenly) (H200, docs/tuning.md "MLA prefill")
