@@ -364,7 +364,15 @@ struct MLAKVProducerPipeline {
         load_tile_tma_slices(m, box, it, lane);
       }
     }
-    const char* next = full_tiles < n_tiles ? lookup(a, w, full_tiles, warp, lane) : nullptr;
+    if (full_tiles >= n_tiles) {
+      cp_async_wait<0>();  // the query block's copies
+      return;
+    }
+    const char* next = lookup(a, w, full_tiles, warp, lane);
+    // A parity wait only tells the last two phases apart: warps 2-3 (and the stream of the other parity) skipped the
+    // tensor-copied tiles' empty waits, so they wait here until both streams have issued theirs; the stage's phase
+    // before the one load_tile_cp_async_slices waits for has then completed.
+    if (full_tiles > 0) named_barrier_sync<128>(kProducerBarrier);
 #pragma unroll 1
     for (int it = full_tiles; it < n_tiles; ++it) {
       const char* cur = next;
