@@ -240,3 +240,16 @@ def test_slice_release_rules():
             BatchMLADecode(16, slice_release=True, **kw)
     with pytest.raises(TypeError, match="slice_release"):
         BatchMLADecode(16, slice_release="yes")
+
+
+def test_slice_release_default_applies_only_where_it_can(monkeypatch):
+    """Flipping DEFAULT_SLICE_RELEASE turns it on for the 16-bit TMA default only: FP8, sparse, cp.async, prefetch
+    and an explicit split schedule keep their configs (and stay valid)."""
+    monkeypatch.setattr(mla_decode_policy, "DEFAULT_SLICE_RELEASE", True)
+    on = mla_decode_config()
+    assert on.slice_release and on.schedule == "alternate" and on.tma
+    assert mla_decode_config(schedule="alternate").slice_release
+    for kw in ({"kv_dtype": "fp8_e4m3"}, {"schedule": "split"}, {"tma": False}, {"prefetch_tiles": 1}):
+        assert not mla_decode_config(**kw).slice_release
+    assert not mla_decode_policy.sparse_mla_config().slice_release
+    assert not mla_decode_config(slice_release=False).slice_release

@@ -24,7 +24,8 @@ DEFAULT_STAGES = 2
 #: the consumers' schedule: "alternate" (each warpgroup scores every other tile whole) measured 5-8% slower
 #: (docs/tuning.md "MLA decode")
 DEFAULT_SCHEDULE = "split"
-#: per-slice ring barriers (``MLADecodeConfig.slice_release``, alternating schedule only): opt-in until measured
+#: per-slice ring barriers (``MLADecodeConfig.slice_release``) where they apply (16-bit cache, tensor copies; with them
+#: the alternating schedule): opt-in until measured (docs/tuning.md "MLA decode")
 DEFAULT_SLICE_RELEASE = False
 #: full tiles of a 16-bit cache by TMA tensor copies (page sizes from 8 that tile 64): 4-12% faster than cp.async on
 #: every bench shape, same output bits (docs/tuning.md "MLA decode")
@@ -95,8 +96,9 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
     cache keeps the "split" schedule, the only one it compiles without spills, and cp.async; ``slice_release``
     asks for the alternating schedule)."""
-    if slice_release is None:
-        slice_release = DEFAULT_SLICE_RELEASE
+    if slice_release is None:  # the default where it applies: 16-bit rows by tensor copies, alternating consumers
+        slice_release = (DEFAULT_SLICE_RELEASE and kv_dtype is None and schedule in (None, "alternate")
+                         and tma is not False and not prefetch_tiles)
     if schedule is None:
         schedule = "alternate" if slice_release else DEFAULT_SCHEDULE if kv_dtype is None else "split"
     if tma is None:  # tensor copies feed 16-bit tiles and take no L2 prefetch
