@@ -173,10 +173,11 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         Alt::publish(p1, kBarH1);  // warpgroup 0 goes on with P1 V
         Alt::scale_o(a1);
         Alt::pv_issue(p1, t1 % STAGES);  // its own tile first: those slices free first
-        // P0 was scaled to m0 (0 where a max is still -inf, as probabilities() does); to m1 now
-        const float b0x = m0.x == -CUKV_INF ? 0.f : m0.x, b0y = m0.y == -CUKV_INF ? 0.f : m0.y;
+        // P0 was scaled to m0; to m1 now (a factor in (0, 1]). A row whose m0 is still -inf has P0 = 0: factor 0,
+        // never exp2 of a large difference (inf, and 0 * inf)
         const float b1x = mn.x == -CUKV_INF ? 0.f : mn.x, b1y = mn.y == -CUKV_INF ? 0.f : mn.y;
-        rescale_p(p0, make_float2(exp2f(b0x - b1x), exp2f(b0y - b1y)));
+        rescale_p(p0, make_float2(m0.x == -CUKV_INF ? 0.f : exp2f(m0.x - b1x),
+                                  m0.y == -CUKV_INF ? 0.f : exp2f(m0.y - b1y)));
         wait_v(t0);
         Alt::pv_issue(p0, t0 % STAGES);
         wgmma_wait<1>();  // P1 V is done

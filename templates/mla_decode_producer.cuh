@@ -178,7 +178,8 @@ struct MLAKVProducerPipeline {
   }
 
   // load_tile's copies (zero fill where `mine` is null), no arrival
-  __device__ __forceinline__ void copy_rows(const MLADecodeParams& a, const char* mine, int s, int warp, int lane) const {
+  __device__ __forceinline__ void copy_rows(const MLADecodeParams& a, const char* mine, int s, int warp,
+                                            int lane) const {
     constexpr int kRowsPerWarp = BN / 4;
     const u32 dst = stage(s);
 #pragma unroll 4
