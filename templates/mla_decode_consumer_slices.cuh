@@ -48,12 +48,14 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   static constexpr int kFirst = 5;  // Q K^T slices of warpgroup 0's next tile issued before P1 V is waited on
   static_assert(kSlices == 9 && STAGES >= 2, "9 slices of 64 columns per stage");
 
+  int cp_from = 0;  // the first tile that came by cp.async (Pipe::tma_tiles); the ones before by tensor copies
+
   __device__ __forceinline__ MLADecodeSliceConsumer(const Pipe& p, int g_, int t_) : Alt(p, g_, t_) {}
 
   // Slice c of tile `it` has landed (its wgmma reads may start).
   __device__ __forceinline__ void wait_slice(int it, int c) const {
     mbar_wait(pipe.full(it % STAGES, c), (it / STAGES) & 1);
-    fence_proxy_async();  // a cp.async tile's copies (generic proxy) -> wgmma reads
+    if (it >= cp_from) fence_proxy_async();  // a cp.async tile's copies (generic proxy) -> wgmma reads
   }
   // This warp is done with slice c of tile `it`.
   __device__ __forceinline__ void release(int it, int c) const {
@@ -202,7 +204,9 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     }
   }
 
-  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles) {
+  // tma_box_rows: the cache map's box rows (0: every tile by cp.async), as the producer was given them.
+  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int tma_box_rows) {
+    cp_from = Pipe::tma_tiles(w, tma_box_rows);
     const int warp = t >> 5;
     const int r0 = warp * 16 + (lane >> 2);
     const int len = a.seq_lens[w.batch];

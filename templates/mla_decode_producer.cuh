@@ -304,6 +304,12 @@ struct MLAKVProducerPipeline {
     return j == 0 ? kSlices - 1 : (j - 1 + 4 * owner) % 8;
   }
 
+  // Tiles 0 .. tma_tiles - 1 of the item come by tensor copies (wholly inside the chunk, box_rows > 0), the rest by
+  // cp.async (the consumers fence the generic-proxy copies of those before their wgmma reads).
+  static __device__ __forceinline__ int tma_tiles(const MLAWorkItem& w, int box_rows) {
+    return box_rows > 0 ? (w.end - w.begin) / BN : 0;
+  }
+
   // The barrier the producer warps sync on among themselves (1-4 are the consumers')
   static constexpr int kProducerBarrier = 5;
 
@@ -354,7 +360,7 @@ struct MLAKVProducerPipeline {
                                  const MLACacheMap& m) const {
     static_assert(SLICES_, "per-slice barriers");
     const int box_rows = m.box_rows;
-    const int full_tiles = box_rows > 0 ? (w.end - w.begin) / BN : 0;  // tiles wholly inside the chunk
+    const int full_tiles = tma_tiles(w, box_rows);
     load_q(a, w, warp, lane);
     if (warp < 2) {
       int2 next_box = warp < full_tiles ? lookup_box(a, w, warp, box_rows, lane) : make_int2(-1, 0);
