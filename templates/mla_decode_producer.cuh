@@ -297,8 +297,8 @@ struct MLAKVProducerPipeline {
   }
 
   // --- per-slice barriers (SLICES_) ---------------------------------------------------------------------------
-  // The order in which a tile's slices are loaded and read by Q K^T: the rope slice first (its only reader, the
-  // previous tile's Q K^T, released it long ago), then the V slices of the warpgroup that scores the tile (`owner`,
+  // The order in which a tile's slices are loaded and read by Q K^T: the rope slice first (its only reader, Q K^T of
+  // the stage's previous tile, released it long ago), then the V slices of the warpgroup that scores the tile (`owner`,
   // tile parity; released by that warpgroup's first P V), then the other warpgroup's (released by its second).
   static __device__ __forceinline__ constexpr int slice_order(int owner, int j) {
     return j == 0 ? kSlices - 1 : (j - 1 + 4 * owner) % 8;
