@@ -329,10 +329,8 @@ __device__ __forceinline__ void PrefillKernel<Traits>::store_output(const Prefil
   const float inv0 = d0 > 0.f ? vs / d0 : 0.f, inv1 = d1 > 0.f ? vs / d1 : 0.f;
   T* out = static_cast<T*>(a.out);
   const int col_base = vslice * kVCols;
-  // tma_store: the warp's 16 rows (from w0) through its staging tile when all are the item's (warp-uniform)
-  const int w0 = r0 & ~15;
-  if (kTmaStore && w0 + 16 <= rows) {
-    store_output_tma(sm, omap, o, inv0, inv1, w0, head, q_begin + q0 + w0, col_base);
+  if constexpr (kTmaStore) {
+    store_output_tma(a, sm, omap, o, inv0, inv1, r0, head, q_begin + q0, rows, col_base);
   } else {
 #pragma unroll
     for (int j = 0; j < kORegs / 4; ++j) {
@@ -353,15 +351,19 @@ __device__ __forceinline__ void PrefillKernel<Traits>::store_output(const Prefil
   }
 }
 
-// tma_store: rows w0 .. w0 + 15 (this warp's; tokens token0 ..) of O times inv0 / inv1 into the warp's staging tile,
-// then one tensor copy per 64-column atom. The warp's previous copies must have read the tile first (they were issued
-// an item earlier, so the wait rarely waits); the copies of this one complete while the warp goes on to its next item.
+// tma_store: this warp's 16 rows of the block (from w0 = r0 rounded down to 16; token `token0 + w0` on) times inv0 /
+// inv1 into the warp's staging tile, then one tensor copy per 64-column atom. The warp's previous copies must have
+// read the tile first (they were issued an item earlier, so the wait rarely waits); the copies of this one complete
+// while the warp goes on to its next item. A warp whose rows cross the item's end (`rows`) copies the rows below it
+// from the tile to global memory itself, 16 bytes a lane (a tensor copy's box would write past the sequence).
 template <class Traits>
-__device__ __forceinline__ void PrefillKernel<Traits>::store_output_tma(const Smem& sm, const CUtensorMap* omap,
+__device__ __forceinline__ void PrefillKernel<Traits>::store_output_tma(const PrefillArgs& a, const Smem& sm,
+                                                                        const CUtensorMap* omap,
                                                                         const float (&o)[kORegs], float inv0,
-                                                                        float inv1, int w0, int head, int token0,
-                                                                        int col_base) {
-  const int lane = threadIdx.x % 32;
+                                                                        float inv1, int r0, int head, int token0,
+                                                                        int rows, int col_base) {
+  const int lane = threadIdx.x % 32, w0 = r0 & ~15;
+  if (w0 >= rows) return;  // none of the warp's rows is the item's (warp-uniform)
   const u32 tile = sm.out + (u32)((w0 / 16) * kOutWarpBytes);
   if (lane == 0) tma_store_wait_read<0>();
   __syncwarp();
@@ -371,20 +373,38 @@ __device__ __forceinline__ void PrefillKernel<Traits>::store_output_tma(const Sm
 #pragma unroll
   for (int j = 0; j < kORegs / 4; j += 2) {
     const int chunk = j + half;
-    const u32 dst = tile + (u32)((chunk / 8) * kOutAtomBytes) + swizzle128(row, chunk % 8);
-    stmatrix_x4(dst, ElemTraits<T>::pack(o[4 * j] * inv0, o[4 * j + 1] * inv0),
+    stmatrix_x4(tile + (u32)((chunk / 8) * kOutAtomBytes) + swizzle128(row, chunk % 8),
+                ElemTraits<T>::pack(o[4 * j] * inv0, o[4 * j + 1] * inv0),
                 ElemTraits<T>::pack(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1),
                 ElemTraits<T>::pack(o[4 * j + 4] * inv0, o[4 * j + 5] * inv0),
                 ElemTraits<T>::pack(o[4 * j + 6] * inv1, o[4 * j + 7] * inv1));
   }
-  fence_proxy_async();  // the generic-proxy stores -> the tensor copies' reads
-  __syncwarp();
-  if (lane == 0) {
+  if (w0 + 16 <= rows) {  // warp-uniform
+    fence_proxy_async();  // the generic-proxy stores -> the tensor copies' reads
+    __syncwarp();
+    if (lane == 0) {
 #pragma unroll
-    for (int atom = 0; atom < kOutAtoms; ++atom)
-      tma_store_4d(omap, tile + (u32)(atom * kOutAtomBytes), (col_base + atom * kAtomCols) * (int)sizeof(T), head,
-                   token0, 0);
-    tma_store_commit();
+      for (int atom = 0; atom < kOutAtoms; ++atom)
+        tma_store_4d(omap, tile + (u32)(atom * kOutAtomBytes), (col_base + atom * kAtomCols) * (int)sizeof(T), head,
+                     token0 + w0, 0);
+      tma_store_commit();
+    }
+  } else {
+    __syncwarp();  // the tile's rows, which other lanes wrote
+    constexpr int kChunks = kOutAtoms * 8;  // 16-byte chunks per row
+    T* out = static_cast<T*>(a.out);
+#pragma unroll
+    for (int k = 0; k < 16 * kChunks / 32; ++k) {
+      const int r = (lane + 32 * k) / kChunks, chunk = (lane + 32 * k) % kChunks;
+      if (w0 + r < rows) {
+        u32 v0, v1, v2, v3;
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                     : "r"(tile + (u32)((chunk / 8) * kOutAtomBytes) + swizzle128(r, chunk % 8)) : "memory");
+        T* dst = out + (i64)(token0 + w0 + r) * a.o_stride[0] + (i64)head * a.o_stride[1] + col_base + chunk * 8;
+        asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(dst), "r"(v0), "r"(v1), "r"(v2), "r"(v3)
+                     : "memory");
+      }
+    }
   }
 }
 

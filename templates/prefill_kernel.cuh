@@ -136,8 +136,9 @@ struct PrefillKernel {
       (2 * STAGES + 1 + (kTma && QUANTIZED ? 2 : 0) + (PERSISTENT ? 1 + ((kItemInts + kNextInts) * 4 + 7) / 8 : 0)) * 8;
   // tma_store: each consumer warp writes its 16 output rows into its own staging tile (kOutAtoms 128-byte swizzle atoms
   // of 16 rows, through stmatrix: no bank conflict) and stores them with one tensor copy per atom (store_output_tma),
-  // instead of each thread's 4-byte pairs straight to global memory; a warp whose rows cross the item's end stores
-  // directly. Decided by the config's tma_store (cukv/configs/mla_prefill.py); the MHA prefill renders it off.
+  // instead of each thread's 4-byte pairs straight to global memory; a warp whose rows cross the item's end copies its
+  // rows from the tile with 16-byte stores. Decided by the config's tma_store (cukv/configs/mla_prefill.py); the MHA
+  // prefill renders it off.
   static constexpr bool kTmaStore = Traits::tma_store;
   static constexpr int kOutAtoms = (kVCols + 63) / 64, kOutAtomBytes = 16 * kAtomRowBytes;
   static constexpr int kOutWarpBytes = kOutAtoms * kOutAtomBytes;
@@ -294,9 +295,10 @@ struct PrefillKernel {
                                                       float sl0, float sl1, int r0, int r1, int head, int q_begin, int q0,
                                                       int rows, int vslice, int c, const Smem& sm,
                                                       const CUtensorMap* omap);
-  static __device__ __forceinline__ void store_output_tma(const Smem& sm, const CUtensorMap* omap,
-                                                          const float (&o)[kORegs], float inv0, float inv1, int w0,
-                                                          int head, int token0, int col_base);
+  static __device__ __forceinline__ void store_output_tma(const PrefillArgs& a, const Smem& sm,
+                                                          const CUtensorMap* omap, const float (&o)[kORegs],
+                                                          float inv0, float inv1, int r0, int head, int token0,
+                                                          int rows, int col_base);
   // tma_store: this warp's bulk groups have completed (before the block exits)
   static __device__ __forceinline__ void drain_output(int lane) {
     if constexpr (kTmaStore) {

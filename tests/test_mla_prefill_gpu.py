@@ -294,30 +294,44 @@ def _store_problem(heads, prefix):
     return make_problem(np.random.default_rng(heads * 10007 + prefix), [1, 17, 128, 1000], prefixes, heads, 16)
 
 
-@pytest.mark.parametrize("var", ["base", "pers_tma"])
-@pytest.mark.parametrize("mask", ["causal", "none"])
-@pytest.mark.parametrize("heads,prefix", [(1, 0), (1, 3000), (16, 0), (16, 3000), (128, 0), (128, 3000)])
-def test_tma_store_matches_direct_stores(rng, heads, prefix, mask, var):
-    """Ragged q lengths 1/17/128/1000 (warps whose rows cross a sequence's end store directly, the others by
-    tensor copies) over cached prefixes, NaN in unused cache slots and k_nope / v rows: tma_store=True writes every
-    row, matches the reference and equals tma_store=False bit for bit (out and LSE)."""
+def _compare_tma_store(rng, p, heads, cfg, blocks, mask):
+    """cfg with tma_store off and on over p (rope from its page-16 cache): every row written, the reference on sampled
+    rows, and the same bits (out and LSE)."""
     import cupy as cp
 
     from cukv.ops.mla_prefill import BatchMLAPrefill
 
-    p = _store_problem(heads, prefix)
-    src = dict(cache=p["cache"], block_table=p["table"])
-    cfg, blocks = variant(var, page_size=16)
     got = []
     for tma_store in (False, True):
         c = dataclasses.replace(cfg, tma_store=tma_store)
         pf = BatchMLAPrefill(heads, 16, config=c, max_blocks=blocks).plan(
             p["q_offsets"], p["kv_lengths"], kv_offsets=p["kv_offsets"], mask=mask)
-        got.append(_run_into(pf, p, src))
+        got.append(_run_into(pf, p, dict(cache=p["cache"], block_table=p["table"])))
     (o0, l0), (o1, l1) = got
     check(p, o1, l1, expected(p, rows_sampled(rng), mask), "bfloat16")
     assert bool((o1.view(cp.uint16) == o0.view(cp.uint16)).all()), "tma_store changed the output's bits"
     assert bool((l1.view(cp.uint32) == l0.view(cp.uint32)).all()), "tma_store changed the LSE's bits"
+
+
+@pytest.mark.parametrize("var", ["base", "pers_tma"])
+@pytest.mark.parametrize("mask", ["causal", "none"])
+@pytest.mark.parametrize("heads,prefix", [(1, 0), (1, 3000), (16, 0), (16, 3000), (128, 0), (128, 3000)])
+def test_tma_store_matches_direct_stores(rng, heads, prefix, mask, var):
+    """Ragged q lengths 1/17/128/1000 (warps whose rows cross a sequence's end copy them from their staging tile,
+    the others by tensor copies) over cached prefixes, NaN in unused cache slots and k_nope / v rows: tma_store=True
+    writes every row, matches the reference and equals tma_store=False bit for bit (out and LSE)."""
+    cfg, blocks = variant(var, page_size=16)
+    _compare_tma_store(rng, _store_problem(heads, prefix), heads, cfg, blocks, mask)
+
+
+@pytest.mark.parametrize("bn,stages", [(64, 4), (96, 2)])
+def test_tma_store_three_consumer_warpgroups(rng, bn, stages):
+    """BM 192 (12 consumer warps, 48 KB of staging) beside the rings that leave room for it."""
+    from cukv.configs.mla_prefill import MLAPrefillConfig
+
+    cfg = MLAPrefillConfig("bfloat16", BM=192, BN=bn, stages=stages, page_size=16, pingpong=True, pv_wait=True,
+                           persistent=True, tma=True)
+    _compare_tma_store(rng, _store_problem(16, 3000), 16, cfg, TEST_BLOCKS, "causal")
 
 
 def test_tma_store_float16_and_sink(rng):

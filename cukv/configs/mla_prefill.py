@@ -32,8 +32,8 @@ class MLAPrefillConfig(KernelConfig):
 tiles wholly inside a sequence come by tensor copies (k_nope / v boxes of BN / 4 tokens; the rope rows' boxes within
 a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32. ``tma_store``: each consumer warp
 stores its 16 output rows through a staging tile in shared memory (``out_bytes``: 256 bytes per query row) by tensor
-copies instead of 4-byte stores from every thread; a warp whose rows cross its sequence's end stores directly. The
-staging does not fit beside BM = 192's usual rings.
+copies instead of 4-byte stores from every thread (a warp whose rows cross its sequence's end copies them from the
+tile itself). The staging does not fit beside BM = 192's usual rings.
 
     Examples
     --------
