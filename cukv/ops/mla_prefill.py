@@ -173,6 +173,8 @@ class BatchMLAPrefill:
             once["flags"], once["num_work"] = ptr(self._counters) + 128, self._num_work
             args += (as_kernel_arg(once), _query_map(qd, cfg.BM))
             grid = (min(self._max_blocks or sm_count(), self._num_work * h), 1, 1)
+        if cfg.tma_store and self._num_work:
+            args += (_output_map(out),)
         if self._num_work:
             with (stream or cp.cuda.get_current_stream()):
                 self._fn(grid, (cfg.num_threads,), args, shared_mem=cfg.smem_bytes)
@@ -256,6 +258,17 @@ class BatchMLAPrefill:
         rec["num_pages"] = cache.num_pages
         self._keep = (cache, bt)
         return rec
+
+
+def _output_map(out):
+    """``config.tma_store``'s output tensor map (kernel argument): ``out[T, H, 128]`` as bytes ``[1, T, H, 256]`` in
+    boxes of one 128-byte swizzle atom x one head x 16 tokens (a consumer warp's rows; templates/prefill_consumer.cuh
+    ``store_output_tma``)."""
+    import cupy as cp
+
+    from .. import tma
+
+    return tma.as_maps_arg(tma.encode_pages("out", tma.OnePage(out.view(cp.uint8)), 128, 16, tma.SWIZZLE_128B))
 
 
 def _check_rows(name: str, a) -> None:
