@@ -113,8 +113,9 @@ def test_tma_store_variants_compile_without_spills(dtype, page_size, persistent,
 
     from cukv.policy.mla_prefill import default_config
 
-    cfg = dataclasses.replace(default_config(dtype, page_size), persistent=persistent, tma=tma, stages=stages,
-                              tma_store=True)
+    base = default_config(dtype, page_size)
+    cfg = dataclasses.replace(base, persistent=persistent, tma=tma, stages=stages, tma_store=True,
+                              pv_wait=base.pv_wait or not persistent)  # the stages rule off the persistent grid
     assert cfg.out_bytes == 128 * 128 * 2 and cfg.smem_bytes <= SMEM_LIMIT
     f = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a").functions[cfg.name]
     assert f.spills == 0 and f.stack_frame == 0, f
