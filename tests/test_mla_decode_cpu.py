@@ -242,14 +242,15 @@ def test_slice_release_rules():
         BatchMLADecode(16, slice_release="yes")
 
 
-def test_slice_release_default_applies_only_where_it_can(monkeypatch):
-    """Flipping DEFAULT_SLICE_RELEASE turns it on for the 16-bit TMA default only: FP8, sparse, cp.async, prefetch
-    and an explicit split schedule keep their configs (and stay valid)."""
-    monkeypatch.setattr(mla_decode_policy, "DEFAULT_SLICE_RELEASE", True)
-    on = mla_decode_config()
-    assert on.slice_release and on.schedule == "alternate" and on.tma
-    assert mla_decode_config(schedule="alternate").slice_release
+def test_slice_release_default_applies_only_where_it_can():
+    """From SLICE_RELEASE_MIN_HEADS heads the 16-bit TMA default takes per-slice barriers (and the alternating
+    schedule); FP8, sparse, cp.async, prefetch and an explicit split schedule keep their configs (and stay valid)."""
+    h = mla_decode_policy.SLICE_RELEASE_MIN_HEADS
+    on = mla_decode_config(num_heads=h)
+    assert on.slice_release and on.schedule == "alternate" and on.tma and on in mla_decode_policy.shipped()
+    assert BatchMLADecode(h).config == on and not BatchMLADecode(h - 1).config.slice_release
+    assert mla_decode_config(schedule="alternate", num_heads=h).slice_release
     for kw in ({"kv_dtype": "fp8_e4m3"}, {"schedule": "split"}, {"tma": False}, {"prefetch_tiles": 1}):
-        assert not mla_decode_config(**kw).slice_release
+        assert not mla_decode_config(num_heads=h, **kw).slice_release
     assert not mla_decode_policy.sparse_mla_config().slice_release
     assert not mla_decode_config(slice_release=False).slice_release

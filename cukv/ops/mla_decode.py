@@ -52,7 +52,7 @@ class BatchMLADecode:
     slice_release : bool, optional
         A full and an empty barrier per 64-column slice of each ring stage, so each slice is refilled as soon as its
         last reader is done (schedule 'alternate' with TMA; None or True with schedule None picks 'alternate');
-        None takes the policy's default, off (docs/mla.md, "Schedules").
+        None takes the policy's default: on from 128 heads (docs/mla.md, "Schedules").
     prefetch_tiles, fp8_rows : int, optional
         The producer's L2 prefetch distance in tiles (0..4) and, for an FP8 cache, the rows each producer lane
         loads before dequantizing them (8 or 16, 16 with block_n 64 only); None takes the policy's defaults for
@@ -112,7 +112,7 @@ class BatchMLADecode:
                              f"prefetch_tiles={prefetch_tiles!r} (use kv_dtype=None, schedule None or 'alternate', "
                              "tma None or True, prefetch_tiles None or 0)")
         self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows,
-                                        slice_release)
+                                        slice_release, self.num_heads)
         self.dtype = self.config.dtype
         self._planned = False
         self._device = None

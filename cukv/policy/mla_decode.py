@@ -24,9 +24,10 @@ DEFAULT_STAGES = 2
 #: the consumers' schedule: "alternate" (each warpgroup scores every other tile whole) measured 5-8% slower
 #: (docs/tuning.md "MLA decode")
 DEFAULT_SCHEDULE = "split"
-#: per-slice ring barriers (``MLADecodeConfig.slice_release``) where they apply (16-bit cache, tensor copies; with them
-#: the alternating schedule): opt-in until measured (docs/tuning.md "MLA decode")
-DEFAULT_SLICE_RELEASE = False
+#: per-slice ring barriers (``MLADecodeConfig.slice_release``, with the alternating schedule) from this many heads on,
+#: where they apply (16-bit cache, tensor copies): 1.02-1.10x the split schedule at h128, 0.93-0.95x at h16-h64 and
+#: b1, where memory binds (H200, docs/tuning.md "MLA decode")
+SLICE_RELEASE_MIN_HEADS = 128
 #: full tiles of a 16-bit cache by TMA tensor copies (page sizes from 8 that tile 64): 4-12% faster than cp.async on
 #: every bench shape, same output bits (docs/tuning.md "MLA decode")
 DEFAULT_TMA = True
@@ -92,12 +93,13 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
 def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
                       num_kv_stages: int | None = None, schedule: str | None = None,
                       tma: bool | None = None, prefetch_tiles: int | None = None,
-                      fp8_rows: int | None = None, slice_release: bool | None = None) -> MLADecodeConfig:
+                      fp8_rows: int | None = None, slice_release: bool | None = None,
+                      num_heads: int | None = None) -> MLADecodeConfig:
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
     cache keeps the "split" schedule, the only one it compiles without spills, and cp.async; ``slice_release``
-    asks for the alternating schedule)."""
+    asks for the alternating schedule, and is on by default from :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``)."""
     if slice_release is None:  # the default where it applies: 16-bit rows by tensor copies, alternating consumers
-        slice_release = (DEFAULT_SLICE_RELEASE and kv_dtype is None and schedule in (None, "alternate")
+        slice_release = (num_heads is not None and num_heads >= SLICE_RELEASE_MIN_HEADS and kv_dtype is None and schedule in (None, "alternate")
                          and tma is not False and not prefetch_tiles)
     if schedule is None:
         schedule = "alternate" if slice_release else DEFAULT_SCHEDULE if kv_dtype is None else "split"
@@ -123,9 +125,10 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
 
 
 def shipped() -> list[MLADecodeConfig]:
-    """The MLA decode specializations compiled ahead of time (cukv/specs.py): the default config of each 16-bit
-    dtype and of an FP8 cache."""
-    return [mla_decode_config(dt) for dt in ("bfloat16", "float16")] + [mla_decode_config(kv_dtype="fp8_e4m3")]
+    """The MLA decode specializations compiled ahead of time (cukv/specs.py): the default configs of each 16-bit
+    dtype (few heads, and from :data:`SLICE_RELEASE_MIN_HEADS` on) and of an FP8 cache."""
+    return ([mla_decode_config(dt, num_heads=h) for dt in ("bfloat16", "float16") for h in (None, SLICE_RELEASE_MIN_HEADS)]
+            + [mla_decode_config(kv_dtype="fp8_e4m3")])
 
 
 def sparse_shipped() -> list[SparseMLAConfig]:
