@@ -256,11 +256,10 @@ struct DecodeStreamingKVBuffer {
     if (base >= 0 && t0 >= start && t0 + BN <= end) {
       const int lane = threadIdx.x & 31;
       if (lane < 2 * ATOMS) {
-        const bool is_v = lane >= ATOMS;
-        const int atom = is_v ? lane - ATOMS : lane;
+        // lane l: atom l % ATOMS of K (l < ATOMS) or V; V's atoms follow K's in the slot, and v_map follows k_map
         mbar_expect_tx(bar, ATOM_BYTES);
-        tma_load_4d(codes + (u32)((is_v ? BN * ROW_PITCH : 0) + atom * ATOM_BYTES), is_v ? v_map : k_map,
-                    atom * kAtomRowBytes, head, (int)(base % Op::page_size), (int)(base / Op::page_size), bar);
+        tma_load_4d(codes + (u32)(lane * ATOM_BYTES), k_map + lane / ATOMS, (lane % ATOMS) * kAtomRowBytes, head,
+                    (int)(base % Op::page_size), (int)(base / Op::page_size), bar);
       }
     } else {
       issue_codes(op, b, head, t0, start, end, base, codes);
