@@ -35,6 +35,15 @@
 
 namespace cukv {
 
+// %laneid, read where it is used: asm volatile keeps the compiler from hoisting what is computed from it out of the strip
+// loop, so per-lane slot offsets are recomputed per strip rather than held in registers (the FP8 tma ring: 175 -> 167
+// registers at d128 g4, a third block per SM; docs/tuning.md)
+__device__ __forceinline__ int lane_here() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+
 template <typename Op, typename T, int DEPTH, int SCALE_BLOCK = 0, int BN = 16, bool TMA = false>
 struct DecodeStreamingKVBuffer {
   static constexpr bool quantized = Op::quantization_enabled;
@@ -182,7 +191,7 @@ struct DecodeStreamingKVBuffer {
   static __device__ __forceinline__ void issue_codes(const Op& op, int b, int head, int t0, int start, int end, i64 base,
                                                      u32 slot) {
     static_assert(quantized, "16-bit caches have their own ring (decode_ring.cuh)");
-    const int lane = threadIdx.x & 31;
+    const int lane = TMA ? lane_here() : threadIdx.x & 31;
     // A strip on one page (page_size % BN == 0) is BN rows at the token stride from its first row: one
     // address computation per strip instead of one per copy.
     constexpr bool ONE_PAGE = Op::page_size % BN == 0;
@@ -218,7 +227,7 @@ struct DecodeStreamingKVBuffer {
   // j % BN of block j / BN (per tensor: the one scalar for every token); skipped tokens get zeros.
   static __device__ __forceinline__ void issue_scales(const Op& op, int b, int head, int t0, int start, int end,
                                                       i64 base, u32 scales) {
-    const int lane = threadIdx.x & 31;
+    const int lane = TMA ? lane_here() : threadIdx.x & 31;
     constexpr bool ONE_PAGE = Op::page_size % BN == 0;
     const bool mapped = !ONE_PAGE || base >= 0;
     const i64 kss = op.p.ks_stride[1], vss = op.p.vs_stride[1];
@@ -310,7 +319,7 @@ struct DecodeStreamingKVBuffer {
     fetch_scales(sc, c, ks);
   }
   __device__ __forceinline__ void fetch_v(const unsigned char* sl, const unsigned char* sc) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int lane = lane_here(), g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int row = 2 * c + (r & 1) + (r >> 1) * 8;
