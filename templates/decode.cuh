@@ -208,7 +208,7 @@ struct DecodeKernel {
     auto scales_at = [&](int slot) { return SLOTS * Buf::CODE_BYTES + (my_first + slot) * Buf::SCALE_BYTES; };
     StripRing<Op, STAGES, BN, true> sr(op, b, my_lo + warp, my_hi, NUM_WARPS, my_bars);
     auto issue = [&](i64 base, int t0, int slot) {
-      Buf::issue_tma(op, &maps->k, &maps->v, b, hk, t0, start, len, base, ring_at + (u32)codes_at(slot),
+      Buf::issue_tma(op, &maps->k, b, hk, t0, start, len, base, ring_at + (u32)codes_at(slot),
                      ring_at + (u32)scales_at(slot), my_bars + 8 * slot);
     };
     sr.prologue(issue);

@@ -29,7 +29,7 @@ __device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, in
 // The K and V tensor maps of a `tma` ring (both kernels), encoded by cukv/ops/decode.py over the cache's bytes
 // ([pages][page_size][heads][row bytes], boxes of 128 bytes x 1 head x 16 tokens x 1 page, 128-byte swizzle).
 struct alignas(64) DecodeMaps {
-  CUtensorMap k, v;
+  CUtensorMap k, v;  // v == &k + 1 (the FP8 ring indexes them by lane)
 };
 
 // Makes this thread's mbarrier.init visible to the async proxy (the tensor copies that complete on the barriers).

@@ -258,16 +258,16 @@ struct DecodeStreamingKVBuffer {
   // comes by 2 * ATOMS tensor copies (boxes of 128 bytes x 1 head x BN tokens of one page, 128-byte swizzle), one per
   // lane, each lane first adding its box's bytes to the barrier's transaction count; any other strip by
   // issue_codes's zero-filling cp.async copies. The scales go by cp.async either way (a box row would be one float).
-  static __device__ __forceinline__ void issue_tma(const Op& op, const CUtensorMap* k_map, const CUtensorMap* v_map,
-                                                   int b, int head, int t0, int start, int end, i64 base, u32 codes,
-                                                   u32 scales, u32 bar) {
+  // maps: K's tensor map, V's right after it (DecodeMaps).
+  static __device__ __forceinline__ void issue_tma(const Op& op, const CUtensorMap* maps, int b, int head, int t0,
+                                                   int start, int end, i64 base, u32 codes, u32 scales, u32 bar) {
     static_assert(TMA && Op::page_size % BN == 0, "tensor copies take BN tokens of one page");
     if (base >= 0 && t0 >= start && t0 + BN <= end) {
       const int lane = threadIdx.x & 31;
       if (lane < 2 * ATOMS) {
-        // lane l: atom l % ATOMS of K (l < ATOMS) or V; V's atoms follow K's in the slot, and v_map follows k_map
+        // lane l: atom l % ATOMS of K (l < ATOMS) or V; V's atoms follow K's in the slot as V's map follows K's
         mbar_expect_tx(bar, ATOM_BYTES);
-        tma_load_4d(codes + (u32)(lane * ATOM_BYTES), k_map + lane / ATOMS, (lane % ATOMS) * kAtomRowBytes, head,
+        tma_load_4d(codes + (u32)(lane * ATOM_BYTES), maps + lane / ATOMS, (lane % ATOMS) * kAtomRowBytes, head,
                     (int)(base % Op::page_size), (int)(base / Op::page_size), bar);
       }
     } else {
