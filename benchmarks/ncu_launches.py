@@ -6,6 +6,8 @@ Prefill: cukv paged on the bf16 cache and on the same tokens quantized into an F
     ncu --section SpeedOfLight python3 benchmarks/ncu_launches.py decode 1x512 --peers
     ncu -k regex:cukv_prefill --launch-skip 4 --launch-count 2 --section WarpStateStats \\
         python3 benchmarks/ncu_launches.py prefill 2x4096x128
+    ncu -k regex:"cukv_mla_prefill|Fwd" --launch-skip 2 --launch-count 2 --section SpeedOfLight \\
+        python3 benchmarks/ncu_launches.py mla-prefill "h128 2048 x 16K chunk (no mask)" --peers
 """
 import argparse
 
@@ -49,6 +51,42 @@ def prefill_fns(args):
     return [lambda: bf.run(q, (cache, pt), out=out), lambda: f8.run(q, (fcache, pt), out=out)]
 
 
+def mla_prefill_fns(args):
+    """cukv's MLA prefill (its default tile, or ``--config BMxBNxS``) on one bench mla-prefill shape and, with
+    ``--peers``, FlashInfer's FA3 ragged prefill on the same tokens (K materialized whole, as the bench does)."""
+    import dataclasses
+
+    from cukv.bench.mla_prefill import PAGE, SHAPES, _peers, _problem, _rope_rows
+    from cukv.ops.mla_prefill import BatchMLAPrefill
+
+    name, batch, heads, q_len, prefix, mask = next(s for s in SHAPES if s[0] == args.shape)
+    q, k_nope, v, cache, table, qo, kl = _problem(batch, heads, q_len, prefix)
+    pf = BatchMLAPrefill(heads, PAGE)
+    if args.config:
+        bm, bn, st = map(int, args.config.split("x"))
+        pf = BatchMLAPrefill(heads, PAGE, config=dataclasses.replace(pf.config, BM=bm, BN=bn, stages=st))
+    pf.plan(qo, kl, mask=mask)
+    print("config:", pf.config.name, flush=True)
+    out = cp.empty((q.shape[0], heads, 128), cp.uint16)
+    fns = [lambda: pf.run(q, k_nope, v, cache=cache, block_table=table, out=out)]
+    torch, fi, why = _peers()
+    if args.peers and fi is not None:
+        kv_len = q_len + prefix
+        rope = _rope_rows(cache, table, kv_len)
+        k_full = cp.concatenate([k_nope, cp.broadcast_to(rope[:, None], (rope.shape[0], heads, 64))], axis=2)
+        dev = torch.device("cuda")
+        w = fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=dev),
+                                                            "NHD", backend="fa3")
+        w.plan(torch.tensor(qo, dtype=torch.int32, device=dev), torch.arange(batch + 1, dtype=torch.int32,
+               device=dev) * kv_len, heads, heads, head_dim_qk=192, head_dim_vo=128, causal=mask == "causal",
+               sm_scale=192 ** -0.5, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        tq, tk, tv = (torch.from_dlpack(x).view(torch.bfloat16) for x in (q, k_full, v))
+        fns.append(lambda: w.run(tq, tk, tv))
+    elif args.peers:
+        print("no FA3 peer:", why, flush=True)
+    return fns
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="op", required=True)
@@ -60,8 +98,12 @@ def main():
     p.add_argument("--heads", default="32/8")
     p.add_argument("--gran", default="token")
     p.add_argument("--strategy", default="auto", help="fp8_prefill of the FP8 plan")
+    m = sub.add_parser("mla-prefill")
+    m.add_argument("shape", nargs="?", default="h128 2048 x 16K chunk (no mask)", help="a bench mla-prefill shape name")
+    m.add_argument("--config", default="", help="BMxBNxSTAGES over the default tile's flags")
+    m.add_argument("--peers", action="store_true")
     args = ap.parse_args()
-    fns = decode_fns(args) if args.op == "decode" else prefill_fns(args)
+    fns = {"decode": decode_fns, "prefill": prefill_fns, "mla-prefill": mla_prefill_fns}[args.op](args)
     for _ in range(3):  # rounds 1-2 warm up, round 3 is the one to profile
         for fn in fns:
             fn()

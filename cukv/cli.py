@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8_e4m3: also time an FP8 cache beside bf16 on every shape")
     b.add_argument("--scale-granularity", default="token", help="FP8 scales: token, tensor, 32, 64 or 128")
     b.add_argument("--mla-configs", default="64x2", help="mla-decode: cukv configs to time in one process, "
-                   "comma-separated block_n x num_kv_stages[:schedule] (e.g. 64x2,64x2:alternate); the first is the "
+                   "comma-separated block_n x num_kv_stages[:schedule][:tma|:cpasync][:slices] (e.g. "
+                   "64x2,64x2:alternate,64x2:alternate:slices); the first is the "
                    "one compared with FlashMLA, the others are timed and checked against it")
     a = sub.add_parser("autotune", help="time prefill tile shapes on this GPU and keep the fastest (opt-in)",
                        description="prefill: time candidate (BM, BN, BK, stages) around the default on a causal "

@@ -26,12 +26,12 @@ def shipped():
             for ps in PAGE_SIZES:
                 out.append(AppendConfig(dt, d, ps))
                 for g in GROUPS:
-                    cfg = decode_config(dt, d, g, ps)
+                    cfg = decode_config(dt, d, g, ps, tma=None)  # BatchDecode's default
                     out.append(cfg)
                     if cfg.stages:  # plan() takes the register kernel for small steps: ship it too
                         out.append(decode_config(dt, d, g, ps, stages=0))
                     if d == 128 and g == 4 and ps == 16:  # the benchmark's clustered small steps
-                        out.extend(decode_config(dt, d, g, ps, cluster=c) for c in (2, 8))
+                        out.extend(decode_config(dt, d, g, ps, cluster=c, tma=None) for c in (2, 8))
         for d in PREFILL_HEAD_DIMS:
             for ps in (16, 0):  # page 16 and contiguous K/V
                 out.append(prefill_default(dt, d, ps))

@@ -30,6 +30,14 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
       :: "r"(bar), "r"(parity) : "memory");
 }
 
+// mbar_wait for a thread with nothing else to do: try_wait's suspend-time hint lets the warp sleep until the phase
+// completes (or the hint's nanoseconds pass) instead of polling, so it leaves its issue slots to the busy warps
+__device__ __forceinline__ void mbar_wait_sleep(u32 bar, int parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1, %2;\n @!p bra WAIT_%=;\n}\n"
+      :: "r"(bar), "r"(parity), "r"(0x989680) : "memory");
+}
+
 // A position in a ring of STAGES elements handed over by full/empty mbarrier pairs (FlashAttention's PipelineState):
 // `count` elements have passed, the next sits in slot stage(), and its full barrier completes phase() on this round
 // (the producer's wait on its empty barrier, for the consumers' release of the previous round, is empty_phase()).
@@ -72,6 +80,31 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const CUtensorMap* map, int
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
       :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+
+// One box of shared memory at src into a 4-d tensor map (coordinates innermost first), in this thread's current bulk
+// group; the box is clipped at the tensor's ends (nothing past them is written). The source must have been written
+// before a fence_proxy_async(), and stay unchanged until tma_store_wait_read() has seen the group read it.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, u32 src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+               :: "l"(map), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// all but N of this thread's bulk groups have read their shared memory (it may be written again)
+template <int N>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+// all but N of this thread's bulk groups are complete (written to global memory)
+template <int N>
+__device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory"); }
+
+// Four 8x8 matrices of 16-bit pairs to shared memory (stmatrix): register i of lane t holds row t / 4, columns
+// 2 (t % 4) and 2 (t % 4) + 1 of matrix i (the mma accumulators' layout); lane t gives the 16-byte row t % 8 of
+// matrix t / 8.
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
 // orders global accesses of the generic proxy with the async proxy's (tensor copies) on either side

@@ -27,9 +27,9 @@
 
 namespace cukv {
 
-template <typename T, int BN, int STAGES, bool FP8 = false>
-struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN, STAGES, FP8>> {
-  typedef MLAKVProducerPipeline<T, BN, STAGES, FP8> Pipe;
+template <typename T, int BN, int STAGES, bool FP8 = false, bool SLICES = false>
+struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN, STAGES, FP8, false, SLICES>> {
+  typedef MLAKVProducerPipeline<T, BN, STAGES, FP8, false, SLICES> Pipe;  // SLICES: mla_decode_consumer_slices.cuh
   typedef MLADecodeConsumerState<T, Pipe> State;
   using State::pipe, State::g, State::t, State::lane, State::m, State::l, State::o, State::kORegs, State::stats,
       State::pwords;
@@ -45,6 +45,11 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
   // become -inf: selected, never multiplied); returns the row maxima of this thread's two rows over the quad.
   __device__ __forceinline__ float2 scores(float (&s)[kSRegs], int stage, int tok0, int lim0, int lim1, float sl2) {
     State::template qk<MmaS>(s, pipe.stage(stage));
+    return mask_rowmax(s, tok0, lim0, lim1, sl2);
+  }
+
+  // scores()'s scaling and masking of S (tokens tok0 ..) already computed, and its row maxima
+  __device__ __forceinline__ float2 mask_rowmax(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2) {
     const int c0 = tok0 + 2 * (lane & 3);
     float mx[2] = {-CUKV_INF, -CUKV_INF};
 #pragma unroll

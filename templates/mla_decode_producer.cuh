@@ -36,9 +36,13 @@ struct alignas(64) MLACacheMap {
   int pad[15];
 };
 
-template <typename T, int BN_, int STAGES_, bool FP8_ = false, bool SPARSE_ = false>
+template <typename T, int BN_, int STAGES_, bool FP8_ = false, bool SPARSE_ = false, bool SLICES_ = false>
 struct MLAKVProducerPipeline {
-  static constexpr bool fp8 = FP8_, sparse = SPARSE_;
+  static constexpr bool fp8 = FP8_, sparse = SPARSE_, slices = SLICES_;
+  // SLICES_ (MLADecodeConfig.slice_release): each stage's 9 atom columns of 64 values ("slices": 0-7 are also V, 8 is
+  // the rope part, read by Q K^T only) have a full and an empty barrier of their own, so a slice is refilled as soon
+  // as its last reader is done (mla_decode_consumer_slices.cuh); else one pair per stage.
+  static constexpr int kSlices = SLICES_ ? kMlaDim / 64 : 1;
   static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
   static constexpr int k_nope_elements = BN * kMlaNope, k_rope_elements = BN * kMlaRope;
@@ -53,7 +57,7 @@ struct MLAKVProducerPipeline {
   static constexpr int half = BN / 2;                                          // tokens per consumer warpgroup
   static constexpr int p_bytes = 2 * 128 * (half / 4) * 4;                     // each thread's P words, both WGs
   static constexpr int stats_bytes = 2 * 128 * 8;                              // (m or l) x 2 rows per thread
-  static constexpr int barrier_bytes = (8 * (1 + 2 * num_kv_stages) + 63) / 64 * 64;
+  static constexpr int barrier_bytes = (8 * (1 + 2 * num_kv_stages * kSlices) + 63) / 64 * 64;
   // offsets: the query block, the ring, then the exchange buffers and barriers (swizzled parts 1 KB aligned)
   static constexpr int q_offset = 0;
   static constexpr int ring_offset = q_offset + q_bytes;
@@ -67,7 +71,8 @@ struct MLAKVProducerPipeline {
   static_assert(!FP8_ || sizeof(T) == 2, "FP8 rows dequantize into 16-bit tiles");
   static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
   static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
-  static_assert(8 * (1 + 2 * num_kv_stages) <= barrier_bytes, "barriers fit");
+  static_assert(8 * (1 + 2 * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
+  static_assert(!SLICES_ || (!FP8_ && !SPARSE_), "per-slice barriers: 16-bit dense tiles (tensor copies) only");
   static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
   u32 base;  // shared address of the dynamic shared memory (1 KB aligned)
@@ -78,8 +83,28 @@ struct MLAKVProducerPipeline {
   __device__ __forceinline__ u32 full(int s) const { return base + barrier_offset + 8 + 8 * s; }
   __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 8 + 8 * (num_kv_stages + s); }
 
+  // SLICES_: slice c of stage s. Full: one arrival (with the slice's bytes, or after every producer lane's cp.async
+  // copies, each netted out by cp.async.mbarrier.arrive). Empty: the scoring warpgroup's 4 warps after Q K^T, and for
+  // slices 0-7 also the 4 warps of the warpgroup whose output columns they hold, after its P V.
+  __device__ __forceinline__ u32 full(int s, int c) const { return base + barrier_offset + 8 + 8 * (kSlices * s + c); }
+  __device__ __forceinline__ u32 empty(int s, int c) const {
+    return base + barrier_offset + 8 + 8 * (kSlices * (num_kv_stages + s) + c);
+  }
+
   __device__ __forceinline__ void init_barriers() const {
     mbar_init(q_full(), 128);  // every producer thread arrives when its copies land
+    if constexpr (SLICES_) {
+      for (int s = 0; s < num_kv_stages; ++s)
+        for (int c = 0; c < kSlices; ++c) {
+          mbar_init(full(s, c), 1);
+          mbar_init(empty(s, c), c == kSlices - 1 ? 4 : 8);
+        }
+    } else {
+      init_stage_barriers();
+    }
+  }
+
+  __device__ __forceinline__ void init_stage_barriers() const {
     for (int s = 0; s < num_kv_stages; ++s) {
       // FP8: each producer thread arrives for its stores and its copies; sparse: for its validity word and copies
       mbar_init(full(s), FP8_ || SPARSE_ ? 256 : 128);
@@ -147,9 +172,16 @@ struct MLAKVProducerPipeline {
 
   // A tile into stage s: warp w copies rows w * BN/4 .. (w + 1) * BN/4 - 1, their addresses broadcast from `mine`.
   __device__ __forceinline__ void load_tile(const MLADecodeParams& a, const char* mine, int s, int warp, int lane) const {
+    if constexpr (SPARSE_) mbar_arrive(full(s));  // releases the validity word written before (produce)
+    copy_rows(a, mine, s, warp, lane);
+    mbar_arrive_cp_async(full(s));
+  }
+
+  // load_tile's copies (zero fill where `mine` is null), no arrival
+  __device__ __forceinline__ void copy_rows(const MLADecodeParams& a, const char* mine, int s, int warp,
+                                            int lane) const {
     constexpr int kRowsPerWarp = BN / 4;
     const u32 dst = stage(s);
-    if constexpr (SPARSE_) mbar_arrive(full(s));  // releases the validity word written before (produce)
 #pragma unroll 4
     for (int rr = 0; rr < kRowsPerWarp; ++rr) {
       const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, rr);
@@ -160,7 +192,6 @@ struct MLAKVProducerPipeline {
         if (c < 72) cp_async16(dst + chunk_offset(r, c, atom_col_bytes), src ? src + 16 * c : a.cache, src ? 16 : 0);
       }
     }
-    mbar_arrive_cp_async(full(s));
   }
 
   // The row of `mine` (null: none) into L2, ahead of its load.
@@ -263,6 +294,99 @@ struct MLAKVProducerPipeline {
       store_codes(b, a, mine, s, warp, r0, lane);
     }
     commit_fp8(s);
+  }
+
+  // --- per-slice barriers (SLICES_) ---------------------------------------------------------------------------
+  // The order in which a tile's slices are loaded and read by Q K^T: the rope slice first (its only reader, Q K^T of
+  // the stage's previous tile, released it long ago), then the V slices of the warpgroup that scores the tile (`owner`,
+  // tile parity; released by that warpgroup's first P V), then the other warpgroup's (released by its second).
+  static __device__ __forceinline__ constexpr int slice_order(int owner, int j) {
+    return j == 0 ? kSlices - 1 : (j - 1 + 4 * owner) % 8;
+  }
+
+  // Tiles 0 .. tma_tiles - 1 of the item come by tensor copies (wholly inside the chunk, box_rows > 0), the rest by
+  // cp.async (the consumers fence the generic-proxy copies of those before their wgmma reads).
+  static __device__ __forceinline__ int tma_tiles(const MLAWorkItem& w, int box_rows) {
+    return box_rows > 0 ? (w.end - w.begin) / BN : 0;
+  }
+
+  // The barrier the producer warps sync on among themselves (1-4 are the consumers')
+  static constexpr int kProducerBarrier = 5;
+
+  // A full tile `it` into stage it % STAGES by tensor copies, one slice at a time in slice_order, each once its empty
+  // barrier has completed for the stage's previous tile: lane 0 arms the slice's full barrier with its bytes (boxes
+  // outside the cache still count) and arrives; lane g < BN / box_rows copies box g (its page and offset from
+  // lookup_box) of the slice.
+  __device__ __forceinline__ void load_tile_tma_slices(const MLACacheMap& m, int2 box, int it, int lane) const {
+    const int s = it % num_kv_stages, owner = it & 1;
+#pragma unroll 1
+    for (int j = 0; j < kSlices; ++j) {
+      const int c = slice_order(owner, j);
+      if (it >= num_kv_stages) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
+      if (lane == 0) {
+        mbar_expect_tx(full(s, c), BN * kAtomRowBytes);
+        mbar_arrive(full(s, c));
+      }
+      __syncwarp();
+      if (lane * m.box_rows < BN)
+        tma_load_4d(stage(s) + (u32)(c * atom_col_bytes + lane * m.box_rows * kAtomRowBytes), &m.map,
+                    c * kAtomRowBytes, 0, box.y, box.x, full(s, c));
+    }
+  }
+
+  // A tile `it` by cp.async (a chunk's last, partial tile; every tile of a page size tensor copies do not suit) keeps
+  // whole-tile semantics: every producer lane waits for all 9 slices, copies its rows (copy_rows) and adds a
+  // cp.async arrival to every slice's full barrier (cp.async.mbarrier.arrive without .noinc raises the pending count
+  // now and counts it down once the lane's copies land); once all lanes have, lane 0 of warp 0 gives the one
+  // arrival each barrier expects.
+  __device__ __forceinline__ void load_tile_cp_async_slices(const MLADecodeParams& a, const char* mine, int it,
+                                                            int warp, int lane) const {
+    const int s = it % num_kv_stages;
+    if (it >= num_kv_stages)
+      for (int c = 0; c < kSlices; ++c) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
+    copy_rows(a, mine, s, warp, lane);
+    for (int c = 0; c < kSlices; ++c)
+      asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(full(s, c)) : "memory");
+    named_barrier_sync<128>(kProducerBarrier);
+    if (warp == 0 && lane == 0)
+      for (int c = 0; c < kSlices; ++c) mbar_arrive(full(s, c));
+  }
+
+  // produce() for per-slice barriers (TMA kernels): the query block; then the full tiles in two streams, producer warp
+  // 0 the even tiles (scored by consumer warpgroup 0) and warp 1 the odd ones, so neither scorer's next tile waits
+  // behind the other's slices; each stream looks up its next tile's pages one tile ahead. Then the tiles left (the
+  // partial last one, or all where m.box_rows is 0) by all four warps with cp.async.
+  __device__ void produce_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane,
+                                 const MLACacheMap& m) const {
+    static_assert(SLICES_, "per-slice barriers");
+    const int box_rows = m.box_rows;
+    const int full_tiles = tma_tiles(w, box_rows);
+    load_q(a, w, warp, lane);
+    if (warp < 2) {
+      int2 next_box = warp < full_tiles ? lookup_box(a, w, warp, box_rows, lane) : make_int2(-1, 0);
+#pragma unroll 1
+      for (int it = warp; it < full_tiles; it += 2) {
+        const int2 box = next_box;
+        if (it + 2 < full_tiles) next_box = lookup_box(a, w, it + 2, box_rows, lane);
+        load_tile_tma_slices(m, box, it, lane);
+      }
+    }
+    if (full_tiles >= n_tiles) {
+      cp_async_wait<0>();  // the query block's copies
+      return;
+    }
+    const char* next = lookup(a, w, full_tiles, warp, lane);
+    // A parity wait only tells the last two phases apart: warps 2-3 (and the stream of the other parity) skipped the
+    // tensor-copied tiles' empty waits, so they wait here until both streams have issued theirs; the stage's phase
+    // before the one load_tile_cp_async_slices waits for has then completed.
+    if (full_tiles > 0) named_barrier_sync<128>(kProducerBarrier);
+#pragma unroll 1
+    for (int it = full_tiles; it < n_tiles; ++it) {
+      const char* cur = next;
+      if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
+      load_tile_cp_async_slices(a, cur, it, warp, lane);
+    }
+    cp_async_wait<0>();
   }
 
   // The query block, then the tiles through the ring. Each tile's page lookups (a dependent load of the block

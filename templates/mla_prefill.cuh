@@ -26,8 +26,9 @@ struct MLAPrefillKernel : PrefillKernel<Traits> {
   static_assert(sizeof(typename Pipe::Buf) == sizeof(typename Base::Buf) && Pipe::Buf::stage_bytes == Base::Buf::stage_bytes,
                 "the pipeline's ring is the consumers'");
 
+  // omap: the output's tensor map (Traits::tma_store), [1][T][H][256] bytes in boxes of 128 bytes x 1 head x 16 tokens
   static __device__ void run(const PrefillArgs& a, const MLAPrefillArgs& m, const MLAPrefillMaps* maps,
-                             const OnceArgs* once, const CUtensorMap* qmap);
+                             const OnceArgs* once, const CUtensorMap* qmap, const CUtensorMap* omap);
 
   // producer warp pw of item t: the query's rows (PERSISTENT: warp 0 stages them with the item), then K and V of
   // every visited tile (the last tile first), through `pipe` (whose ring position carries across items)
@@ -82,7 +83,7 @@ struct MLAPrefillKernel : PrefillKernel<Traits> {
 
 template <class Traits>
 __device__ void MLAPrefillKernel<Traits>::run(const PrefillArgs& a, const MLAPrefillArgs& m, const MLAPrefillMaps* maps,
-                                              const OnceArgs* once, const CUtensorMap* qmap) {
+                                              const OnceArgs* once, const CUtensorMap* qmap, const CUtensorMap* omap) {
   extern __shared__ unsigned char smem_raw[];
   const typename Base::Smem sm = Base::carve(smem_raw);
   const typename Base::Cache rope(a.kv);
@@ -99,7 +100,7 @@ __device__ void MLAPrefillKernel<Traits>::run(const PrefillArgs& a, const MLAPre
                        [&](const typename Base::Item& t) { produce(a, m, maps, sm, rope, t, pipe, warp, lane); });
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Base::kConsumerRegs));
-      Base::consume_persistent(a, sm, buf, rope, warp, lane, once);
+      Base::consume_persistent(a, sm, buf, rope, warp, lane, once, omap);
     }
     return;
   }
@@ -113,7 +114,8 @@ __device__ void MLAPrefillKernel<Traits>::run(const PrefillArgs& a, const MLAPre
     if constexpr (Base::kProducerRegs > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Base::kConsumerRegs));
     typename Base::Ring ring{0};
     Base::consume(a, sm, buf, rope, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, 0,
-                  warp - 4, lane, ring, 0, nullptr);
+                  warp - 4, lane, ring, 0, nullptr, omap);
+    Base::drain_output(lane);
   }
 }
 

@@ -20,6 +20,7 @@ namespace cukv {
 template <class Traits>
 __device__ void PrefillKernel<Traits>::run(const PrefillArgs& a, const PrefillMaps* maps, const OnceArgs* once,
                                            const CUtensorMap* qmap) {
+  static_assert(!kTmaStore, "the MHA prefill has no output tensor map (tma_store: the MLA prefill's)");
   extern __shared__ unsigned char smem_raw[];
   const Smem sm = carve(smem_raw);
   const Cache cache(a.kv);
@@ -104,7 +105,8 @@ __device__ __forceinline__ void PrefillKernel<Traits>::init_barriers(const Smem&
 template <class Traits>
 __device__ __forceinline__ void PrefillKernel<Traits>::consume_persistent(const PrefillArgs& a, const Smem& sm,
                                                                           const Buf& buf, const Cache& cache, int warp,
-                                                                          int lane, const OnceArgs* once) {
+                                                                          int lane, const OnceArgs* once,
+                                                                          const CUtensorMap* omap) {
   Ring ring{0};
   for (int i = 0;; ++i) {
     const u64 tq0 = CUKV_ONCE_STATS ? globaltimer_ns() : 0;
@@ -118,10 +120,11 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume_persistent(const 
         atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 12), now);
         atomicMax(reinterpret_cast<unsigned long long*>(once->flags - 32 + 14), ~now);
       }
+      drain_output(lane);
       return;
     }
     consume(a, sm, buf, cache, t.head, t.q_begin, t.q0, t.rows, t.kv_len, t.shift, t.n_first, t.n_tiles, 0,
-            warp - 4, lane, ring, i & 1, once);
+            warp - 4, lane, ring, i & 1, once, omap);
   }
 }
 

@@ -75,7 +75,8 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
                                                                const Cache& cache, int head, int q_begin, int q0,
                                                                int rows, int kv_len, int shift, int n_first,
                                                                int n_tiles, int vslice, int warp, int lane, Ring& ring,
-                                                               int q_phase, const OnceArgs* once) {
+                                                               int q_phase, const OnceArgs* once,
+                                                               const CUtensorMap* omap) {
   float kb[MmaKs::kRegs];  // kKsMma: the score columns' K scales
   // the warpgroup, broadcast from lane 0 so that ptxas knows it is warp-uniform: the query descriptor built
   // from it then stays in uniform registers, one add per wgmma (desc_add) instead of moves from vector ones
@@ -212,7 +213,7 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
   if (PERSISTENT && n_tiles == 0 && lane == 0) mbar_arrive(sm.q_empty);
 ws.flush(wq == 0 && lane == 0, n_tiles);
 
-  store_output(a, cache, once, o, l0, l1, m0, m1, sl0, sl1, r0, r1, head, q_begin, q0, rows, vslice, c);
+  store_output(a, cache, once, o, l0, l1, m0, m1, sl0, sl1, r0, r1, head, q_begin, q0, rows, vslice, c, sm, omap);
 }
 
 // ---- S = Q K^T over the K elements of this tile (the next ring position on): issued and committed, not waited for
@@ -310,7 +311,8 @@ __device__ __forceinline__ void PrefillKernel<Traits>::store_output(const Prefil
                                                                     const OnceArgs* once, const float (&o)[kORegs],
                                                                     float l0, float l1, float m0, float m1, float sl0,
                                                                     float sl1, int r0, int r1, int head, int q_begin, int q0,
-                                                                    int rows, int vslice, int c) {
+                                                                    int rows, int vslice, int c, const Smem& sm,
+                                                                    const CUtensorMap* omap) {
   l0 = quad_sum(l0);
   l1 = quad_sum(l1);
   const float base0 = exp_base(m0, sl0), base1 = exp_base(m1, sl1);
@@ -327,21 +329,82 @@ __device__ __forceinline__ void PrefillKernel<Traits>::store_output(const Prefil
   const float inv0 = d0 > 0.f ? vs / d0 : 0.f, inv1 = d1 > 0.f ? vs / d1 : 0.f;
   T* out = static_cast<T*>(a.out);
   const int col_base = vslice * kVCols;
+  if constexpr (kTmaStore) {
+    store_output_tma(a, sm, omap, o, inv0, inv1, r0, head, q_begin + q0, rows, col_base);
+  } else {
 #pragma unroll
-  for (int j = 0; j < kORegs / 4; ++j) {
-    const int col = col_base + 8 * j + 2 * c;
-    if (r0 < rows)
-      *reinterpret_cast<u32*>(out + (i64)(q_begin + q0 + r0) * a.o_stride[0] + (i64)head * a.o_stride[1] + col) =
-          ElemTraits<T>::pack(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-    if (r1 < rows)
-      *reinterpret_cast<u32*>(out + (i64)(q_begin + q0 + r1) * a.o_stride[0] + (i64)head * a.o_stride[1] + col) =
-          ElemTraits<T>::pack(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+    for (int j = 0; j < kORegs / 4; ++j) {
+      const int col = col_base + 8 * j + 2 * c;
+      if (r0 < rows)
+        *reinterpret_cast<u32*>(out + (i64)(q_begin + q0 + r0) * a.o_stride[0] + (i64)head * a.o_stride[1] + col) =
+            ElemTraits<T>::pack(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+      if (r1 < rows)
+        *reinterpret_cast<u32*>(out + (i64)(q_begin + q0 + r1) * a.o_stride[0] + (i64)head * a.o_stride[1] + col) =
+            ElemTraits<T>::pack(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+    }
   }
   if (a.lse != nullptr && c == 0 && vslice == 0) {
     if (r0 < rows)
       a.lse[(i64)(q_begin + q0 + r0) * a.num_qo_heads + head] = l0 > 0.f ? (base0 + __log2f(l0)) * kLn2 : -CUKV_INF;
     if (r1 < rows)
       a.lse[(i64)(q_begin + q0 + r1) * a.num_qo_heads + head] = l1 > 0.f ? (base1 + __log2f(l1)) * kLn2 : -CUKV_INF;
+  }
+}
+
+// tma_store: this warp's 16 rows of the block (from w0 = r0 rounded down to 16; token `token0 + w0` on) times inv0 /
+// inv1 into the warp's staging tile, then one tensor copy per 64-column atom. The warp's previous copies must have
+// read the tile first (they were issued an item earlier, so the wait rarely waits); the copies of this one complete
+// while the warp goes on to its next item. A warp whose rows cross the item's end (`rows`) copies the rows below it
+// from the tile to global memory itself, 16 bytes a lane (a tensor copy's box would write past the sequence).
+template <class Traits>
+__device__ __forceinline__ void PrefillKernel<Traits>::store_output_tma(const PrefillArgs& a, const Smem& sm,
+                                                                        const CUtensorMap* omap,
+                                                                        const float (&o)[kORegs], float inv0,
+                                                                        float inv1, int r0, int head, int token0,
+                                                                        int rows, int col_base) {
+  const int lane = threadIdx.x % 32, w0 = r0 & ~15;
+  if (w0 >= rows) return;  // none of the warp's rows is the item's (warp-uniform)
+  const u32 tile = sm.out + (u32)((w0 / 16) * kOutWarpBytes);
+  if (lane == 0) tma_store_wait_read<0>();
+  __syncwarp();
+  // stmatrix x4 of 8-column chunks j, j + 1: matrices (rows 0-7, j), (rows 8-15, j), (rows 0-7, j + 1), (rows 8-15,
+  // j + 1), which are this thread's o[4j .. 4j + 7] in accumulator order; lane t addresses row t % 8 of matrix t / 8
+  const int row = (lane & 7) + (lane & 8), half = lane >> 4;
+#pragma unroll
+  for (int j = 0; j < kORegs / 4; j += 2) {
+    const int chunk = j + half;
+    stmatrix_x4(tile + (u32)((chunk / 8) * kOutAtomBytes) + swizzle128(row, chunk % 8),
+                ElemTraits<T>::pack(o[4 * j] * inv0, o[4 * j + 1] * inv0),
+                ElemTraits<T>::pack(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1),
+                ElemTraits<T>::pack(o[4 * j + 4] * inv0, o[4 * j + 5] * inv0),
+                ElemTraits<T>::pack(o[4 * j + 6] * inv1, o[4 * j + 7] * inv1));
+  }
+  if (w0 + 16 <= rows) {  // warp-uniform
+    fence_proxy_async();  // the generic-proxy stores -> the tensor copies' reads
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+      for (int atom = 0; atom < kOutAtoms; ++atom)
+        tma_store_4d(omap, tile + (u32)(atom * kOutAtomBytes), (col_base + atom * kAtomCols) * (int)sizeof(T), head,
+                     token0 + w0, 0);
+      tma_store_commit();
+    }
+  } else {
+    __syncwarp();  // the tile's rows, which other lanes wrote
+    constexpr int kChunks = kOutAtoms * 8;  // 16-byte chunks per row
+    T* out = static_cast<T*>(a.out);
+#pragma unroll
+    for (int k = 0; k < 16 * kChunks / 32; ++k) {
+      const int r = (lane + 32 * k) / kChunks, chunk = (lane + 32 * k) % kChunks;
+      if (w0 + r < rows) {
+        u32 v0, v1, v2, v3;
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                     : "r"(tile + (u32)((chunk / 8) * kOutAtomBytes) + swizzle128(r, chunk % 8)) : "memory");
+        T* dst = out + (i64)(token0 + w0 + r) * a.o_stride[0] + (i64)head * a.o_stride[1] + col_base + chunk * 8;
+        asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(dst), "r"(v0), "r"(v1), "r"(v2), "r"(v3)
+                     : "memory");
+      }
+    }
   }
 }
 

@@ -88,9 +88,9 @@ struct PrefillKernel {
   static constexpr int kQ8Steps = (DEPTH + 31) / 32;  // k32 steps of the e4m3 wgmma
   static constexpr int kQ8Half = BM * kQ8Atoms * kAtomRowBytes;
   // Shared memory, in this order from a 1024-byte aligned base: the staged query (kQBytes), the ring, the raw slots
-  // (kRawBytes), the K scales (kKScaleBytes), then the barriers and the persistent grid's staged item. The sizes are
-  // decided by PrefillConfig (q_bytes, raw_bytes, kscale_bytes, smem_bytes); here they are only checked to hold what
-  // the code below stores there.
+  // (kRawBytes), the K scales (kKScaleBytes), the output staging (kOutBytes, tma_store), then the barriers and the
+  // persistent grid's staged item. The sizes are decided by PrefillConfig (q_bytes, raw_bytes, kscale_bytes,
+  // smem_bytes; MLAPrefillConfig: out_bytes); here they are only checked to hold what the code below stores there.
   static constexpr int kQBytes = Traits::q_bytes;
   static_assert(kQBytes >= (FP8_SCORES ? 2 * kQ8Half : BM * kQAtoms * kAtomRowBytes) && kQBytes % 1024 == 0,
                 "the staged query: BM rows of every atom (FP8 scores: two e4m3 terms), whole 1024-byte swizzle groups");
@@ -134,8 +134,22 @@ struct PrefillKernel {
   static constexpr int kItemInts = 10, kNextInts = PERSISTENT && !kOnce ? 2 : 0;
   static constexpr int kBarBytes =
       (2 * STAGES + 1 + (kTma && QUANTIZED ? 2 : 0) + (PERSISTENT ? 1 + ((kItemInts + kNextInts) * 4 + 7) / 8 : 0)) * 8;
+  // tma_store: each consumer warp writes its 16 output rows into its own staging tile (kOutAtoms 128-byte swizzle atoms
+  // of 16 rows, through stmatrix: no bank conflict) and stores them with one tensor copy per atom (store_output_tma),
+  // instead of each thread's 4-byte pairs straight to global memory; a warp whose rows cross the item's end copies its
+  // rows from the tile with 16-byte stores. Decided by the config's tma_store (cukv/configs/mla_prefill.py); the MHA
+  // prefill renders it off.
+  static constexpr bool kTmaStore = Traits::tma_store;
+  static constexpr int kOutAtoms = (kVCols + 63) / 64, kOutAtomBytes = 16 * kAtomRowBytes;
+  static constexpr int kOutWarpBytes = kOutAtoms * kOutAtomBytes;
+  static constexpr int kOutBytes = Traits::out_bytes;
+  static_assert(!kTmaStore || (kOutBytes >= 4 * kConsumerWGs * kOutWarpBytes && kVSlices == 1 && kVCols % 64 == 0 &&
+                               sizeof(T) == 2 && (kQBytes + kRingBytes + kRawBytes + kKScaleBytes) % 1024 == 0),
+                "output staging: a tile per consumer warp of whole 64-column atoms (one V slice), 1024-byte aligned");
+  static_assert(kTmaStore || kOutBytes == 0, "output staging only with tma_store");
   static constexpr int kSmemBytes = Traits::smem_bytes;
-  static_assert(1024 /* alignment slack */ + kQBytes + kRingBytes + kRawBytes + kKScaleBytes + kBarBytes <= kSmemBytes,
+  static_assert(1024 /* alignment slack */ + kQBytes + kRingBytes + kRawBytes + kKScaleBytes + kOutBytes + kBarBytes <=
+                    kSmemBytes,
                 "the shared-memory layout fits the launch's dynamic shared memory");
   static_assert(kKScaleBytes % 16 == 0 && kRawBytes % 16 == 0 && Buf::stage_bytes % 1024 == 0,
                 "16-byte raw and scale rows, 1024-byte aligned ring elements");
@@ -159,7 +173,7 @@ struct PrefillKernel {
   static_assert(sizeof(Item) == kItemInts * 4, "Item is staged in shared memory as kItemInts ints");
 
   struct Smem {
-    u32 q, ring, raw, kscale;
+    u32 q, ring, raw, kscale, out;
     u32 full, empty, q_full, raw_full;  // barrier addresses
     u32 q_empty, item, next;            // PERSISTENT
   };
@@ -171,7 +185,8 @@ struct PrefillKernel {
     s.ring = base + kQBytes;
     s.raw = base + kQBytes + kRingBytes;
     s.kscale = s.raw + kRawBytes;
-    s.full = s.kscale + kKScaleBytes;
+    s.out = s.kscale + kKScaleBytes;
+    s.full = s.out + kOutBytes;
     s.empty = s.full + 8 * STAGES;
     s.q_full = s.empty + 8 * STAGES;
     s.raw_full = s.q_full + 8;
@@ -197,9 +212,10 @@ struct PrefillKernel {
                              const CUtensorMap* qmap = nullptr);
   static __device__ __forceinline__ void init_barriers(const Smem& sm);
   // PERSISTENT: a consumer warp's walk over the items the producer stages (sm.item), until one with b < 0
+  // (tma_store: omap is the output's tensor map, and every bulk group has completed when it returns)
   static __device__ __forceinline__ void consume_persistent(const PrefillArgs& a, const Smem& sm, const Buf& buf,
                                                             const Cache& cache, int warp, int lane,
-                                                            const OnceArgs* once);
+                                                            const OnceArgs* once, const CUtensorMap* omap = nullptr);
 
   // ---- producer (prefill_producer.cuh): the query and the K/V ring, by cp.async or TMA (16-bit and FP8 caches)
   static __device__ __forceinline__ void load_query(const PrefillArgs& a, const Smem& sm, int head, int q_begin, int q0,
@@ -260,7 +276,8 @@ struct PrefillKernel {
   static __device__ __forceinline__ void consume(const PrefillArgs& a, const Smem& sm, const Buf& buf,
                                                  const Cache& cache, int head, int q_begin, int q0, int rows,
                                                  int kv_len, int shift, int n_first, int n_tiles, int vslice, int warp,
-                                                 int lane, Ring& ring, int q_phase, const OnceArgs* once = nullptr);
+                                                 int lane, Ring& ring, int q_phase, const OnceArgs* once = nullptr,
+                                                 const CUtensorMap* omap = nullptr);
   static __device__ __forceinline__ void issue_scores(const Smem& sm, const Buf& buf, const Ring& ring, u64 q_desc,
                                                       float (&s)[kSRegs], float (&kb)[MmaKs::kRegs],
                                                       float (&o)[kORegs], int wg, int it, bool ring_wait,
@@ -276,7 +293,18 @@ struct PrefillKernel {
   static __device__ __forceinline__ void store_output(const PrefillArgs& a, const Cache& cache, const OnceArgs* once,
                                                       const float (&o)[kORegs], float l0, float l1, float m0, float m1,
                                                       float sl0, float sl1, int r0, int r1, int head, int q_begin, int q0,
-                                                      int rows, int vslice, int c);
+                                                      int rows, int vslice, int c, const Smem& sm,
+                                                      const CUtensorMap* omap);
+  static __device__ __forceinline__ void store_output_tma(const PrefillArgs& a, const Smem& sm,
+                                                          const CUtensorMap* omap, const float (&o)[kORegs],
+                                                          float inv0, float inv1, int r0, int head, int token0,
+                                                          int rows, int col_base);
+  // tma_store: this warp's bulk groups have completed (before the block exits)
+  static __device__ __forceinline__ void drain_output(int lane) {
+    if constexpr (kTmaStore) {
+      if (lane == 0) tma_store_wait<0>();
+    }
+  }
 };
 
 }  // namespace cukv

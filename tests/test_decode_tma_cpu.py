@@ -97,11 +97,15 @@ def test_tma_renders_maps_and_sizes():
     assert cfg.name == plain.name + "_tma" and cfg != plain and hash(cfg) != hash(plain)
 
 
-def test_tma_default_off():
-    assert DEFAULT_TMA is False
-    assert not decode_config("bfloat16", 128, 4, 16).tma
-    assert not decode_config("bfloat16", 128, 4, 16, tma=None).tma
-    assert not cukv.BatchDecode(32, 8, 128, 16, "bfloat16").config.tma
+def test_tma_default_on_where_the_ring_applies():
+    assert DEFAULT_TMA is True
+    assert not decode_config("bfloat16", 128, 4, 16).tma  # the config's own default stays off
+    assert decode_config("bfloat16", 128, 4, 16, tma=None).tma
+    assert not decode_config("bfloat16", 128, 4, 16, stages=0, tma=None).tma  # registers: no ring to fill
+    assert not decode_config("bfloat16", 128, 4, 8, tma=None).tma  # pages of 8: no whole 16-token strips
+    assert not decode_config("bfloat16", 128, 4, 16, kv_dtype="fp8_e4m3", tma=None).tma
+    assert cukv.BatchDecode(32, 8, 128, 16, "bfloat16").config.tma
+    assert not cukv.BatchDecode(32, 8, 128, 16, "bfloat16", tma=False).config.tma
     dec = cukv.BatchDecode(32, 8, 128, 16, "bfloat16", tma=True)
     assert dec.config.tma and dec.config.stages == 3
     # plan()'s register kernel for small steps has no tensor copies; the ring keeps them

@@ -204,3 +204,52 @@ def test_schedule_rules():
     assert BatchMLADecode(16, kv_dtype="fp8_e4m3").config.schedule == "split"
     assert BatchMLADecode(16, schedule="alternate").config == MLADecodeConfig(schedule="alternate", tma=DEFAULT_TMA)
     assert mla_decode_config().schedule == "split"
+
+
+SLICED = [MLADecodeConfig("bfloat16", 64, 2, schedule="alternate", tma=True, slice_release=True),
+          MLADecodeConfig("float16", 32, 4, schedule="alternate", tma=True, slice_release=True)]
+
+
+@pytest.mark.parametrize("cfg", SLICED, ids=lambda c: c.name)
+def test_slice_release_compiles_without_spills(cfg):
+    """Per-slice ring barriers (opt-in): 0 spills, no wgmma wait injected by ptxas (the overlapped P V and Q K^T
+    groups stay overlapped), 9 + 9 barriers per stage in the shared-memory plan, its own name and consumer."""
+    mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH)
+    for name, r in mod.functions.items():
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, r
+    assert "C7517" not in mod.log and "wgmma.wait_group is injected" not in mod.log, mod.log
+    alt = MLADecodeConfig(cfg.dtype, cfg.block_n, cfg.num_kv_stages, schedule="alternate", tma=True)
+    barriers = lambda n: (8 * (1 + 2 * cfg.num_kv_stages * n) + 63) // 64 * 64  # noqa: E731
+    assert cfg.name == alt.name + "_slices" and cfg.smem_bytes == alt.smem_bytes - barriers(1) + barriers(9)
+    assert "MLADecodeSliceConsumer" in cfg.render() and "MLADecodeSliceConsumer" not in alt.render()
+
+
+def test_slice_release_rules():
+    for kw in ({}, {"schedule": "alternate"}, {"tma": True}, {"schedule": "alternate", "tma": True,
+                                                              "kv_dtype": "fp8_e4m3"}):
+        with pytest.raises(ValueError, match=r"MLADecodeConfig\.(slice_release=True|schedule='alternate'|tma=True) "
+                                             r"is not valid"):
+            MLADecodeConfig(slice_release=True, **kw)
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.slice_release=1 is not valid"):
+        MLADecodeConfig(schedule="alternate", tma=True, slice_release=1)
+    dec = BatchMLADecode(16, slice_release=True)  # schedule None: the alternating one; tma: the policy's (on)
+    assert dec.config == MLADecodeConfig(schedule="alternate", tma=True, slice_release=True)
+    assert not mla_decode_config().slice_release
+    for kw in ({"schedule": "split"}, {"tma": False}, {"kv_dtype": "fp8_e4m3"}, {"prefetch_tiles": 1}):
+        with pytest.raises(ValueError, match=r"^slice_release=True needs the alternating schedule"):
+            BatchMLADecode(16, slice_release=True, **kw)
+    with pytest.raises(TypeError, match="slice_release"):
+        BatchMLADecode(16, slice_release="yes")
+
+
+def test_slice_release_default_applies_only_where_it_can(monkeypatch):
+    """Flipping DEFAULT_SLICE_RELEASE turns it on for the 16-bit TMA default only: FP8, sparse, cp.async, prefetch
+    and an explicit split schedule keep their configs (and stay valid)."""
+    monkeypatch.setattr(mla_decode_policy, "DEFAULT_SLICE_RELEASE", True)
+    on = mla_decode_config()
+    assert on.slice_release and on.schedule == "alternate" and on.tma
+    assert mla_decode_config(schedule="alternate").slice_release
+    for kw in ({"kv_dtype": "fp8_e4m3"}, {"schedule": "split"}, {"tma": False}, {"prefetch_tiles": 1}):
+        assert not mla_decode_config(**kw).slice_release
+    assert not mla_decode_policy.sparse_mla_config().slice_release
+    assert not mla_decode_config(slice_release=False).slice_release

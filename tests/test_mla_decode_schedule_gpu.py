@@ -1,7 +1,8 @@
-"""Absorbed MLA decode under both consumer schedules (MLADecodeConfig.schedule: "split", "alternate") on the GPU,
-against the float64 reference: a representative subset of tests/test_mla_decode_gpu.py (heads 16/64/128, s_q 1/2,
-contexts 1/140/4096 and tile counts odd and even, pages 64 and 16, zero-length rows, NaN in unused slots and pages,
-garbage past each table row), plus the two schedules against each other, repeat runs and graph replay."""
+"""Absorbed MLA decode under both consumer schedules (MLADecodeConfig.schedule: "split", "alternate") and the
+alternating one over per-slice ring barriers (MLADecodeConfig.slice_release) on the GPU, against the float64
+reference: a representative subset of tests/test_mla_decode_gpu.py (heads 16/64/128, s_q 1/2, contexts 1/140/4096
+and tile counts odd and even, pages 64 and 16 (tensor copies) and 48 (cp.async), zero-length rows, NaN in unused
+slots and pages, garbage past each table row), plus the variants against each other, repeat runs and graph replay."""
 import numpy as np
 import pytest
 
@@ -9,7 +10,11 @@ from test_mla_decode_gpu import _to_host, make_problem, run_check
 
 pytestmark = pytest.mark.gpu
 
-SCHEDULES = ["split", "alternate"]
+SCHEDULES = ["split", "alternate", "slices"]  # "slices": schedule="alternate", slice_release=True
+
+
+def _kw(schedule):
+    return {"schedule": "alternate", "slice_release": True} if schedule == "slices" else {"schedule": schedule}
 
 CASES = [  # (lens, s_q, heads, page_size)
     ([1], 1, 16, 64),                    # one tile: warpgroup 1 only takes P
@@ -19,64 +24,101 @@ CASES = [  # (lens, s_q, heads, page_size)
     ([4096, 1], 2, 128, 16),
     ([140, 4096], 2, 64, 16),
     ([20] * 40 + [4096], 1, 16, 64),     # many short rows beside one split long one
+    ([4096, 140, 0, 65], 2, 128, 48),    # page 48: every tile by cp.async (whole-tile arrivals on every slice)
 ]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("lens,s_q,heads,page_size", CASES, ids=lambda x: str(x)[:20])
 def test_schedule_grid(rng, schedule, lens, s_q, heads, page_size):
-    dec, *_ = run_check(rng, lens, s_q, heads, page_size, schedule=schedule)
-    assert dec.config.schedule == schedule
+    dec, *_ = run_check(rng, lens, s_q, heads, page_size, **_kw(schedule))
+    assert dec.config.schedule == _kw(schedule)["schedule"]
+    assert dec.config.slice_release == (schedule == "slices")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_schedule_sink_scale_dtype(rng, schedule, dtype):
-    run_check(rng, [700, 0, 65], 2, 16, 16, dtype=dtype, sink=True, scale=0.1, schedule=schedule)
+    run_check(rng, [700, 0, 65], 2, 16, 16, dtype=dtype, sink=True, scale=0.1, **_kw(schedule))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_small_tiles(rng, schedule):
-    run_check(rng, [3000, 0, 33], 2, 16, 16, block_n=32, num_kv_stages=4, sink=True, schedule=schedule)
+    run_check(rng, [3000, 0, 33], 2, 16, 16, block_n=32, num_kv_stages=4, sink=True, **_kw(schedule))
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("chunk_tiles", [1, 2, 3])
 def test_schedule_chunks_through_the_combine(rng, schedule, chunk_tiles):
     """Chunks of 1, 2 and 3 tiles (an odd last tile in every chunk, or none): partials merged by the combine."""
-    dec, *_ = run_check(rng, [4096, 300, 0], 2, 64, 64, sink=True, schedule=schedule,
-                        plan_kw={"chunk_tiles": chunk_tiles})
+    dec, *_ = run_check(rng, [4096, 300, 0], 2, 64, 64, sink=True, plan_kw={"chunk_tiles": chunk_tiles},
+                        **_kw(schedule))
     assert dec.chunk_tiles == chunk_tiles and dec.num_items > 3
 
 
-def test_alternate_matches_split(rng):
-    """The same inputs through both schedules: outputs within bf16 rounding, LSE within float32 noise."""
+@pytest.mark.parametrize("other", ["alternate", "slices"])
+def test_alternate_matches_split(rng, other):
+    """The same inputs through two schedules: outputs within bf16 rounding, LSE within float32 noise."""
     from cukv.ops.mla_decode import BatchMLADecode
 
     lens = [5000, 0, 77, 1, 640]
     cache, table, q, *_ = make_problem(rng, lens, 2, 128, 64)
     outs = {}
-    for schedule in SCHEDULES:
-        dec = BatchMLADecode(128, schedule=schedule).plan(lens, 2)
+    for schedule in ("split", other):
+        dec = BatchMLADecode(128, **_kw(schedule)).plan(lens, 2)
         outs[schedule] = dec.run(q, cache, table, return_lse=True)
-    (a, la), (b, lb) = outs["split"], outs["alternate"]
+    (a, la), (b, lb) = outs["split"], outs[other]
     np.testing.assert_allclose(_to_host(b, "bfloat16"), _to_host(a, "bfloat16"), atol=1e-2, rtol=1e-2)
     la, lb = la.get(), lb.get()
     assert np.array_equal(np.isinf(la), np.isinf(lb))
     np.testing.assert_allclose(lb[np.isfinite(la)], la[np.isfinite(la)], atol=1e-4, rtol=1e-5)
 
 
-def test_alternate_q_split_and_repeat(rng):
+@pytest.mark.parametrize("schedule", ["alternate", "slices"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_alternate_q_split_and_repeat(rng, schedule, page_size):
     """q_nope + q_pe give the same bits as q; repeated runs are bit-identical (the handover is deterministic)."""
     import cupy as cp
 
     from cukv.ops.mla_decode import BatchMLADecode
 
     lens = [3000, 5, 0, 900]
-    cache, table, q, *_ = make_problem(rng, lens, 2, 16, 16)
-    dec = BatchMLADecode(16, schedule="alternate").plan(lens, 2)
+    cache, table, q, *_ = make_problem(rng, lens, 2, 16, page_size)
+    dec = BatchMLADecode(16, **_kw(schedule)).plan(lens, 2)
     a = dec.run(q, cache, table)
     b = dec.run(q_nope=cp.ascontiguousarray(q[..., :512]), q_pe=cp.ascontiguousarray(q[..., 512:]),
                 cache=cache, block_table=table)
     runs = [dec.run(q, cache, table) for _ in range(5)]
     assert cp.array_equal(a, b) and all(cp.array_equal(a, c) for c in runs)
+
+
+@pytest.mark.parametrize("heads,s_q", [(16, 1), (128, 2)])
+def test_slices_cuda_graph_replay(rng, heads, s_q):
+    """slice_release: a captured run replayed after plan() with new lengths (a tile count that changes parity, an
+    empty row, a row that no longer splits) matches the reference."""
+    import cupy as cp
+
+    from cukv import reference
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    lens1, lens2 = [4000, 30, 0], [100, 5000, 64]
+    cache, table, q, qv, vals, table_h = make_problem(rng, [5000, 5000, 100], s_q, heads, 64, garbage=False)
+    dec = BatchMLADecode(heads, slice_release=True).plan(lens1, s_q)
+    out = cp.zeros((3, s_q, heads, 512), cp.uint16)
+    lse = cp.zeros((3, s_q, heads), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        dec.run(q, cache, table, out=out, lse=lse)  # load the module outside the capture
+        stream.begin_capture()
+        dec.run(q, cache, table, out=out, lse=lse, stream=stream)
+        graph = stream.end_capture()
+    dec.plan(lens2, s_q)  # new lengths, same buffers
+    graph.launch(stream)
+    stream.synchronize()
+    ro, rl = reference.mla_decode(qv, np.nan_to_num(vals), table_h, lens2)
+    np.testing.assert_allclose(_to_host(out, "bfloat16"), ro, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(lse.get(), rl, atol=2e-3)
+    first = out.copy()
+    graph.launch(stream)
+    stream.synchronize()
+    assert cp.array_equal(first, out)

@@ -15,7 +15,7 @@ from cukv.configs.prefill import SMEM_LIMIT
 from cukv.ops.mla_prefill import BatchMLAPrefill, mla_prefill_flops
 
 FIELD_RE = re.compile(r"MLAPrefillConfig\.(\w+)=")
-FIELDS = ("dtype", "BM", "BN", "stages", "page_size", "pingpong", "pv_wait", "persistent", "tma", "smem")
+FIELDS = ("dtype", "BM", "BN", "stages", "page_size", "pingpong", "pv_wait", "persistent", "tma", "tma_store", "smem")
 
 
 def config_args():
@@ -30,6 +30,7 @@ def config_args():
         "pv_wait": st.booleans(),
         "persistent": st.sampled_from((False, True, 1)),
         "tma": st.sampled_from((False, True, None)),
+        "tma_store": st.sampled_from((False, True, "yes")),
     })
 
 
@@ -52,6 +53,8 @@ def test_every_point_raises_naming_a_field_or_renders(a):
         assert f"== {getattr(cfg, key)}, \"{key}\"" in src
     assert ("_pers" in cfg.name) == cfg.persistent and ("OnceArgs once" in src) == cfg.persistent
     assert ("_tma" in cfg.name) == cfg.tma and ("MLAPrefillMaps maps" in src) == cfg.tma
+    assert ("_st" in cfg.name) == cfg.tma_store and ("CUtensorMap omap" in src) == cfg.tma_store
+    assert cfg.out_bytes == (cfg.BM * 256 if cfg.tma_store else 0)
     assert not cfg.persistent or cfg.BM >= 128
     if cfg.tma:  # boxes of whole 8-row swizzle groups, the rope's within a page (0: by cp.async)
         assert cfg.tma_rows == cfg.BN // 4 and cfg.tma_rows % 8 == 0
@@ -72,7 +75,7 @@ def test_names_identify_configs(a, b):
 
 def test_shipped_set():
     names = [c.name for c in shipped()]
-    assert len(names) == len(set(names)) == 2 * len(SHIPPED_PAGE_SIZES)
+    assert len(names) == len(set(names)) == 2 * 2 * len(SHIPPED_PAGE_SIZES)  # dtypes x (TILE, WIDE_TILE)
 
 
 @pytest.mark.parametrize("cfg", shipped(), ids=lambda c: c.name)
@@ -92,9 +95,39 @@ def test_grid_and_tma_variants_compile_without_spills(dtype, page_size, persiste
 
     from cukv.policy.mla_prefill import default_config
 
-    cfg = dataclasses.replace(default_config(dtype, page_size), persistent=persistent, tma=tma, stages=stages)
+    # off the persistent grid a one-tile ring of 128 keys needs pv_wait (the config's stages rule)
+    cfg = dataclasses.replace(default_config(dtype, page_size), persistent=persistent, tma=tma, stages=stages,
+                              pv_wait=not persistent or default_config(dtype, page_size).pv_wait)
     f = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a").functions[cfg.name]
     assert f.spills == 0 and f.stack_frame == 0, f
+
+
+@pytest.mark.parametrize("persistent,tma,stages", [(True, True, 3), (False, False, 2), (False, True, 2)],
+                         ids=["pers_tma_s3", "base", "tma"])
+@pytest.mark.parametrize("page_size", SHIPPED_PAGE_SIZES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tma_store_variants_compile_without_spills(dtype, page_size, persistent, tma, stages):
+    """The output through shared memory by TMA beside the default tile (the persistent grid with tensor copies) and
+    beside one block per item, every shipped rope source."""
+    import dataclasses
+
+    from cukv.policy.mla_prefill import default_config
+
+    cfg = dataclasses.replace(default_config(dtype, page_size), persistent=persistent, tma=tma, stages=stages,
+                              tma_store=True)
+    assert cfg.out_bytes == 128 * 128 * 2 and cfg.smem_bytes <= SMEM_LIMIT
+    f = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a").functions[cfg.name]
+    assert f.spills == 0 and f.stack_frame == 0, f
+
+
+def test_tma_store_errors():
+    with pytest.raises(ValueError, match=r"MLAPrefillConfig\.tma_store=True .*49152-byte output staging .* over 232448"):
+        MLAPrefillConfig("bfloat16", BM=192, BN=96, stages=3, pv_wait=True, pingpong=True, persistent=True,
+                         tma=True, tma_store=True)
+    MLAPrefillConfig("bfloat16", BM=192, BN=96, stages=3, pv_wait=True, pingpong=True, persistent=True, tma=True)
+    with pytest.raises(ValueError, match=r"MLAPrefillConfig\.tma_store=1"):
+        MLAPrefillConfig("bfloat16", tma_store=1)
+    assert MLAPrefillConfig("bfloat16", BM=64, tma_store=True).out_bytes == 64 * 256
 
 
 def test_persistent_and_tma_errors():

@@ -6,6 +6,7 @@ The default subset runs in about a minute; the issue's full grid (q lengths up t
 to 128 heads) is marked ``slow``. Long sequences are checked on sampled query rows (the float64 reference of every
 row would take minutes)."""
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -17,9 +18,10 @@ pytestmark = pytest.mark.gpu
 
 #: every row of a sequence up to this many queries is checked; longer ones on FULL_ROWS sampled rows
 FULL_ROWS = 160
-#: the kernel variants (MLAPrefillConfig.persistent, .tma, .stages) the correctness tests run over the default tile
-#: (3 stages only on the persistent grid: one block per item spills there)
-VARIANTS = {"base": (False, False, 2), "pers": (True, False, 3), "tma": (False, True, 2), "pers_tma": (True, True, 3)}
+#: the kernel variants (MLAPrefillConfig.persistent, .tma, .stages, .tma_store) the correctness tests run over the
+#: default tile (3 stages only on the persistent grid: one block per item spills there); "wide": plan's 192 x 96 tile
+VARIANTS = {"base": (False, False, 2, False), "pers": (True, False, 3, False), "tma": (False, True, 2, False),
+            "pers_tma": (True, True, 3, False), "pers_tma_st": (True, True, 3, True), "wide": (True, True, 3, False)}
 #: a persistent grid this small walks several items per block in the tests' small batches
 TEST_BLOCKS = 5
 
@@ -28,9 +30,11 @@ def variant(name, dtype="bfloat16", page_size=None):
     """(config, max_blocks) of variant ``name`` over the default tile."""
     from cukv.policy.mla_prefill import default_config
 
-    persistent, tma, stages = VARIANTS[name]
-    cfg = dataclasses.replace(default_config(dtype, 0 if page_size is None else page_size), persistent=persistent,
-                              tma=tma, stages=stages)
+    persistent, tma, stages, tma_store = VARIANTS[name]
+    base = default_config(dtype, 0 if page_size is None else page_size, name == "wide")
+    # off the persistent grid a one-tile ring of 128 keys needs pv_wait (the config's stages rule)
+    cfg = dataclasses.replace(base, persistent=persistent, tma=tma, stages=stages, tma_store=tma_store,
+                              pv_wait=base.pv_wait or not persistent)
     return cfg, (TEST_BLOCKS if persistent else None)
 
 
@@ -268,6 +272,101 @@ def test_graph_replay(rng, var):
         graph.launch(stream)
         stream.synchronize()
         check(p, out, lse, expected(p, rows_sampled(rng)), "bfloat16")
+
+
+# ---- tma_store: the output through shared memory by TMA gives the direct stores' bits
+
+def _run_into(pf, p, src, **kw):
+    """pf.run into an output and an LSE prefilled with NaN (0x7FFF is a NaN in bf16 and fp16): a row the kernel
+    does not write stays NaN."""
+    import cupy as cp
+
+    out = cp.empty((p["dq"].shape[0], pf.num_heads, 128), p["dq"].dtype)
+    out.view(cp.uint16).fill(0x7FFF)
+    lse = cp.full((p["dq"].shape[0], pf.num_heads), np.nan, cp.float32)
+    pf.run(p["dq"], p["dkn"], p["dv"], **src, out=out, lse=lse, **kw)
+    return out, lse
+
+
+@functools.lru_cache(maxsize=1)
+def _store_problem(heads, prefix):
+    """test_tma_store_matches_direct_stores's operands, shared by its masks and variants (the float64 operands of
+    128 heads take seconds to draw). At 128 heads only the first sequence has the prefix."""
+    prefixes = [prefix, 0, 0, 0] if heads == 128 else [prefix, 0, prefix, 0]
+    return make_problem(np.random.default_rng(heads * 10007 + prefix), [1, 17, 128, 1000], prefixes, heads, 16)
+
+
+def _compare_tma_store(rng, p, heads, cfg, blocks, mask):
+    """cfg with tma_store off and on over p (rope from its page-16 cache): every row written, the reference on sampled
+    rows, and the same bits (out and LSE)."""
+    import cupy as cp
+
+    from cukv.ops.mla_prefill import BatchMLAPrefill
+
+    got = []
+    for tma_store in (False, True):
+        c = dataclasses.replace(cfg, tma_store=tma_store)
+        pf = BatchMLAPrefill(heads, 16, config=c, max_blocks=blocks).plan(
+            p["q_offsets"], p["kv_lengths"], kv_offsets=p["kv_offsets"], mask=mask)
+        got.append(_run_into(pf, p, dict(cache=p["cache"], block_table=p["table"])))
+    (o0, l0), (o1, l1) = got
+    check(p, o1, l1, expected(p, rows_sampled(rng), mask), "bfloat16")
+    assert bool((o1.view(cp.uint16) == o0.view(cp.uint16)).all()), "tma_store changed the output's bits"
+    assert bool((l1.view(cp.uint32) == l0.view(cp.uint32)).all()), "tma_store changed the LSE's bits"
+
+
+@pytest.mark.parametrize("var", ["base", "pers_tma"])
+@pytest.mark.parametrize("mask", ["causal", "none"])
+@pytest.mark.parametrize("heads,prefix", [(1, 0), (1, 3000), (16, 0), (16, 3000), (128, 0), (128, 3000)])
+def test_tma_store_matches_direct_stores(rng, heads, prefix, mask, var):
+    """Ragged q lengths 1/17/128/1000 (warps whose rows cross a sequence's end copy them from their staging tile,
+    the others by tensor copies) over cached prefixes, NaN in unused cache slots and k_nope / v rows: tma_store=True
+    writes every row, matches the reference and equals tma_store=False bit for bit (out and LSE)."""
+    cfg, blocks = variant(var, page_size=16)
+    _compare_tma_store(rng, _store_problem(heads, prefix), heads, cfg, blocks, mask)
+
+
+@pytest.mark.parametrize("bn,stages", [(64, 4), (96, 2)])
+def test_tma_store_three_consumer_warpgroups(rng, bn, stages):
+    """BM 192 (12 consumer warps, 48 KB of staging) beside the rings that leave room for it."""
+    from cukv.configs.mla_prefill import MLAPrefillConfig
+
+    cfg = MLAPrefillConfig("bfloat16", BM=192, BN=bn, stages=stages, page_size=16, pingpong=True, pv_wait=True,
+                           persistent=True, tma=True)
+    _compare_tma_store(rng, _store_problem(16, 3000), 16, cfg, TEST_BLOCKS, "causal")
+
+
+def test_tma_store_float16_and_sink(rng):
+    import cupy as cp
+
+    from cukv.ops.mla_prefill import BatchMLAPrefill
+
+    p = make_problem(rng, [300, 33], [70, 0], 4, None, dtype="float16")
+    sink = cp.asarray(rng.standard_normal(4).astype(np.float32))
+    cfg, blocks = variant("pers_tma", "float16")
+    got = []
+    for tma_store in (False, True):
+        pf = BatchMLAPrefill(4, None, "float16", config=dataclasses.replace(cfg, tma_store=tma_store),
+                             max_blocks=blocks).plan(p["q_offsets"], p["kv_lengths"], kv_offsets=p["kv_offsets"])
+        got.append(_run_into(pf, p, dict(k_rope=p["dkr"]), sink=sink))
+    (o0, l0), (o1, l1) = got
+    check(p, o1, l1, expected(p, rows_sampled(rng), sink=sink.get()), "float16")
+    assert bool((o1.view(cp.uint16) == o0.view(cp.uint16)).all())
+    assert bool((l1.view(cp.uint32) == l0.view(cp.uint32)).all())
+
+
+def test_tma_store_refuses_a_misaligned_output(rng):
+    import cupy as cp
+
+    from cukv.ops.mla_prefill import BatchMLAPrefill
+
+    p = make_problem(rng, [40], [0], 2, None)
+    cfg, _ = variant("pers_tma_st")
+    pf = BatchMLAPrefill(2, None, config=cfg).plan(p["q_offsets"], p["kv_lengths"], kv_offsets=p["kv_offsets"])
+    n = 40 * 2 * 128
+    out = cp.empty(n + 1, p["dq"].dtype)[1:].reshape(40, 2, 128)  # 2 bytes past an allocation's start
+    with pytest.raises(ValueError, match="out: base address .* 16-byte aligned"):
+        pf.run(p["dq"], p["dkn"], p["dv"], k_rope=p["dkr"], out=out)
 
 
 def test_checked_mode_refuses_pages_out_of_range(rng):

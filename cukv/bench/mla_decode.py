@@ -81,42 +81,48 @@ def _fp8_copy(cache):
 
 
 def parse_mla_configs(text: str) -> tuple:
-    """``--mla-configs``: comma-separated ``BNxS`` with optional ``:schedule`` and ``:tma`` or ``:cpasync``
-    (``64x2``, ``64x2:alternate``, ``64x2:cpasync``) -> ``((block_n, num_kv_stages, schedule, tma), ...)``, ``tma``
-    None (the policy's choice) unless a flag sets it; a malformed entry is a ValueError naming it.
+    """``--mla-configs``: comma-separated ``BNxS`` with optional ``:schedule``, ``:tma`` or ``:cpasync``, and
+    ``:slices`` (per-slice ring barriers, ``slice_release``; with ``:alternate``) (``64x2``, ``64x2:alternate``,
+    ``64x2:cpasync``, ``64x2:alternate:slices``) -> ``((block_n, num_kv_stages, schedule, tma, slice_release), ...)``,
+    ``tma`` None (the policy's choice) unless a flag sets it; a malformed entry is a ValueError naming it.
 
     >>> from cukv.bench.mla_decode import parse_mla_configs
-    >>> parse_mla_configs("64x2,64x2:alternate:cpasync")
-    ((64, 2, 'split', None), (64, 2, 'alternate', False))
+    >>> parse_mla_configs("64x2,64x2:alternate:cpasync,64x2:alternate:slices")
+    ((64, 2, 'split', None, False), (64, 2, 'alternate', False, False), (64, 2, 'alternate', None, True))
     """
     from ..configs.mla_decode import SCHEDULES
 
+    flags_ok = SCHEDULES + ("tma", "cpasync", "slices")
     out = []
     for entry in text.split(","):
         tile, *flags = entry.strip().split(":")
         bn, _, st = tile.partition("x")
         schedules = [f for f in flags if f in SCHEDULES]
         copies = [f for f in flags if f in ("tma", "cpasync")]
+        slices = "slices" in flags
         if not (bn.isdigit() and st.isdigit()) or len(schedules) > 1 or len(copies) > 1 or any(
-                f not in SCHEDULES + ("tma", "cpasync") for f in flags):
+                f not in flags_ok for f in flags) or len(flags) != len(set(flags)) or (
+                slices and (schedules != ["alternate"] or copies == ["cpasync"])):
             raise ValueError(f"--mla-configs entry {entry!r} is not valid; expected BNxS with optional :schedule "
-                             f"(one of {', '.join(SCHEDULES)}) and :tma or :cpasync, e.g. 64x2,64x2:alternate,"
-                             "64x2:cpasync")
+                             f"(one of {', '.join(SCHEDULES)}), :tma or :cpasync, and :slices (with :alternate, not "
+                             ":cpasync), e.g. 64x2,64x2:alternate,64x2:cpasync,64x2:alternate:slices")
         out.append((int(bn), int(st), schedules[0] if schedules else "split",
-                    {"tma": True, "cpasync": False}[copies[0]] if copies else None))
+                    {"tma": True, "cpasync": False}[copies[0]] if copies else None, slices))
     return tuple(out)
 
 
-def config_label(block_n: int, num_kv_stages: int, schedule: str = "split", tma: bool | None = None) -> str:
-    """The bench's name for a cukv config other than the first: ``cukv_n64s2``, ``cukv_n64s2_alternate_cpasync``
-    (``tma`` None: the policy's choice, unnamed)."""
+def config_label(block_n: int, num_kv_stages: int, schedule: str = "split", tma: bool | None = None,
+                 slice_release: bool = False) -> str:
+    """The bench's name for a cukv config other than the first: ``cukv_n64s2``, ``cukv_n64s2_alternate_cpasync``,
+    ``cukv_n64s2_alternate_slices`` (``tma`` None: the policy's choice, unnamed)."""
     return (f"cukv_n{block_n}s{num_kv_stages}" + ("" if schedule == "split" else f"_{schedule}")
-            + {None: "", True: "_tma", False: "_cpasync"}[tma])
+            + {None: "", True: "_tma", False: "_cpasync"}[tma] + ("_slices" if slice_release else ""))
 
 
 def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: bool = True,
-        configs=((64, 2, "split", None),), fp8: bool = False) -> dict:
-    """Time every shape; ``configs`` lists (block_n, num_kv_stages[, schedule[, tma]]) of cukv to time in one process
+        configs=((64, 2, "split", None, False),), fp8: bool = False) -> dict:
+    """Time every shape; ``configs`` lists (block_n, num_kv_stages[, schedule[, tma[, slice_release]]]) of cukv to
+    time in one process
     (the first is the one FlashMLA is compared with, reported as ``cukv``; the others as ``config_label(...)``,
     each with its largest difference from the first's output)."""
     import cupy as cp
@@ -124,7 +130,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
     from ..ops.mla_decode import BatchMLADecode
     from ..policy.mla_decode import mla_decode_config
 
-    configs = tuple((c[0], c[1], c[2] if len(c) > 2 else "split", c[3] if len(c) > 3 else None) for c in configs)
+    configs = tuple((c[0], c[1], c[2] if len(c) > 2 else "split", c[3] if len(c) > 3 else None,
+                     bool(c[4]) if len(c) > 4 else False) for c in configs)
 
     timer = Timer()
     ceiling, ceiling_variants = read_ceiling(timer)
@@ -135,8 +142,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
             continue
         lens = _lengths(batch, ctx)
         cache, table, q = _problem(batch, heads, s_q, lens)
-        decs = [BatchMLADecode(heads, block_n=bn, num_kv_stages=st, schedule=sc, tma=tm).plan(lens, s_q)
-                for bn, st, sc, tm in configs]
+        decs = [BatchMLADecode(heads, block_n=bn, num_kv_stages=st, schedule=sc, tma=tm,
+                               slice_release=sl).plan(lens, s_q) for bn, st, sc, tm, sl in configs]
         dec = decs[0]
         out = cp.empty((batch, s_q, heads, 512), cp.uint16)
         lse = cp.empty((batch, s_q, heads), cp.float32)
@@ -191,8 +198,9 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
         print(_fmt(r), flush=True)
         fns = cache = table = q = out = lse = dec = decs = fcache = fdec = None  # free this shape's buffers
         cp.get_default_memory_pool().free_all_blocks()
+    first = mla_decode_config("bfloat16", None, *configs[0][:4], slice_release=configs[0][4])
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
-              "read_ceiling_variants": ceiling_variants, "flashmla": why or "imported", "cukv": mla_decode_config("bfloat16", None, *configs[0]).name,
+              "read_ceiling_variants": ceiling_variants, "flashmla": why or "imported", "cukv": first.name,
               "rows": rows}
     h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]
     if h128:

@@ -134,7 +134,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
         fn()
         cp.cuda.Device().synchronize()
         r = {"shape": name, "batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len, "mask": mask,
-             "cukv_ms": timer.median_ms(fn, reps=reps)}
+             "cukv_ms": timer.median_ms(fn, reps=reps), "config": pf.config.name}
         mine = None
         if torch is not None:
             mine = torch.from_dlpack(out).view(torch.bfloat16).float()
@@ -164,7 +164,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
     from ..policy.mla_prefill import default_config
 
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "peers": why or "imported",
-              "date": time.strftime("%Y-%m-%d"), "cukv": default_config("bfloat16", PAGE).name, "rows": rows}
+              "date": time.strftime("%Y-%m-%d"), "cukv": [default_config("bfloat16", PAGE, w).name for w in (False, True)], "rows": rows}
     for peer in PEERS:
         ratios = [r[f"cukv_over_{peer}"] for r in rows if f"cukv_over_{peer}" in r]
         if ratios:

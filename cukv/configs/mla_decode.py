@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 
 from .base import KernelConfig
-from .checks import CTYPES, SHORT, check_in, check_range, check_rule
+from .checks import CTYPES, SHORT, check_bool, check_in, check_range, check_rule
 
 NOPE, ROPE, DIM = 512, 64, 576
 BLOCK_M = 64              # query rows per block (one wgmma M); heads x s_q fold into them
@@ -21,6 +21,10 @@ BLOCK_NS = (32, 64)
 #: templates/mla_decode_consumer_alt.cuh)
 SCHEDULES = ("split", "alternate")
 CONSUMERS = {"split": "MLADecodeConsumer", "alternate": "MLADecodeAltConsumer"}
+#: the alternating consumers over per-slice barriers (``slice_release``; templates/mla_decode_consumer_slices.cuh)
+SLICE_CONSUMER = "MLADecodeSliceConsumer"
+#: 64-column slices of a K tile with barriers of their own under ``slice_release`` (0-7 are also V, 8 is the rope part)
+SLICES = DIM // 64
 # register split: the producer only forms addresses (56 like prefill's); the consumers get the rest of
 # 3 x 168 (the 384-thread launch allocation) for O's 128 accumulators beside S and P. An FP8 producer holds
 # 8 rows of codes and scales (96); the consumers then get 200 (they use 168 in the 16-bit kernel).
@@ -86,6 +90,11 @@ class MLADecodeConfig(KernelConfig):
     prefetch_tiles: int = 0
     #: FP8 cache rows each producer lane loads before it dequantizes them (8 or 16; ``FP8_ROWS_REGS``)
     fp8_rows: int = 8
+    #: a full and an empty barrier per 64-column slice of each stage (``SLICES`` = 9), so a slice is refilled as soon as
+    #: its last reader is done (Q K^T for the rope slice, the P V of the warpgroup owning its columns for the others),
+    #: with the alternating consumers in FlashMLA's order; needs ``schedule="alternate"`` and ``tma`` (docs/mla.md,
+    #: "Schedules")
+    slice_release: bool = False
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -108,6 +117,11 @@ class MLADecodeConfig(KernelConfig):
                    "tensor copies take no L2 prefetch: use prefetch_tiles=0 with tma=True")
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
+        check_bool(c, "slice_release", self.slice_release)
+        check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
+            self.schedule == "alternate" and self.tma and self.kv_dtype is None),
+            "per-slice barriers are built for the alternating consumers fed by tensor copies: use "
+            "schedule='alternate' and tma=True with a 16-bit cache (kv_dtype=None), or slice_release=False")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
                    f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
                    f"at most {SMEM_LIMIT} (227 KB) fit")
@@ -145,7 +159,8 @@ class MLADecodeConfig(KernelConfig):
 
     @property
     def smem_bytes(self) -> int:
-        barriers = (8 * (1 + 2 * self.num_kv_stages) + 63) // 64 * 64
+        slices = SLICES if self.slice_release else 1
+        barriers = (8 * (1 + 2 * self.num_kv_stages * slices) + 63) // 64 * 64
         return self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
 
     @property
@@ -164,7 +179,8 @@ class MLADecodeConfig(KernelConfig):
         tma = "_tma" if self.tma else ""
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
-        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}"
+        sl = "_slices" if self.slice_release else ""
+        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}{sl}"
 
     def render_params(self) -> dict:
         return dict(
@@ -172,7 +188,8 @@ class MLADecodeConfig(KernelConfig):
             num_kv_stages=self.num_kv_stages, k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes,
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
             args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
-            schedule=self.schedule, consumer=CONSUMERS[self.schedule], tma=self.tma,
+            schedule=self.schedule, consumer=SLICE_CONSUMER if self.slice_release else CONSUMERS[self.schedule],
+            tma=self.tma, slice_release=self.slice_release,
             prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
             producer_regs=self.regs[0], consumer_regs=self.regs[1])
 

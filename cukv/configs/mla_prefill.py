@@ -30,7 +30,10 @@ class MLAPrefillConfig(KernelConfig):
     its strides). ``pingpong`` and ``pv_wait`` are the MHA prefill consumer's switches (:class:`PrefillConfig`).
 ``persistent``: one block per SM walks the work items (the MHA prefill's persistent grid; BM >= 128). ``tma``: the
 tiles wholly inside a sequence come by tensor copies (k_nope / v boxes of BN / 4 tokens; the rope rows' boxes within
-a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32.
+a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32. ``tma_store``: each consumer warp
+stores its 16 output rows through a staging tile in shared memory (``out_bytes``: 256 bytes per query row) by tensor
+copies instead of 4-byte stores from every thread (a warp whose rows cross its sequence's end copies them from the
+tile itself). The staging does not fit beside BM = 192's usual rings.
 
     Examples
     --------
@@ -60,6 +63,8 @@ a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32
     persistent: bool = False
     #: k_nope / v (and the rope rows where a page holds 8 or more) of tiles inside the sequence by TMA
     tma: bool = False
+    #: the output through shared memory by TMA (per consumer warp; LSE stays a direct store)
+    tma_store: bool = False
 
     def __post_init__(self):
         c = "MLAPrefillConfig"
@@ -72,6 +77,7 @@ a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32
         check_bool(c, "pv_wait", self.pv_wait)
         check_bool(c, "persistent", self.persistent)
         check_bool(c, "tma", self.tma)
+        check_bool(c, "tma_store", self.tma_store)
         if self.pingpong:
             check_rule(c, "pingpong", True, self.BM >= 128,
                        f"needs two or more consumer warpgroups (BM >= 128, not {self.BM})")
@@ -88,6 +94,10 @@ a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32
                    or (self.stages == 2 and self.pv_wait),
                    "must be 4, or 2 with pv_wait=True, when BM=128 and BN>=96 off the persistent grid (other depths "
                    "spill there)")
+        if self.tma_store:
+            check_rule(c, "tma_store", True, self.smem_bytes <= SMEM_LIMIT,
+                       f"its {self.out_bytes}-byte output staging (256 bytes per query row) brings shared memory to "
+                       f"{self.smem_bytes} bytes, over {SMEM_LIMIT}; lower BM, BN or stages (BM=192 fits only small rings)")
         check_rule(c, "smem", self.smem_bytes, self.smem_bytes <= SMEM_LIMIT,
                    f"{self.smem_bytes} bytes of shared memory exceed {SMEM_LIMIT}; lower stages, BN or BM")
         limit = self.consumer_registers - 24
@@ -189,22 +199,29 @@ a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32
         return self.BM * QK_DIM * 2
 
     @property
+    def out_bytes(self) -> int:
+        """``tma_store``'s output staging: a 16-row tile of 128 values per consumer warp (BM x 128 x 2 bytes)."""
+        return self.BM * V_DIM * 2 if self.tma_store else 0
+
+    @property
     def smem_bytes(self) -> int:
         # full/empty per element, the query's; persistent: q_empty, the staged item (10 ints) and two next-item slots
         barriers = 2 * self.stages + 1 + (7 if self.persistent else 0)
-        return 1024 + self.q_bytes + self.stages * self.kv_buffer.stage_bytes + barriers * 8
+        return 1024 + self.q_bytes + self.stages * self.kv_buffer.stage_bytes + self.out_bytes + barriers * 8
 
     @property
     def name(self) -> str:
         return (f"cukv_mla_prefill_{SHORT[self.dtype]}_p{self.page_size}_m{self.BM}_n{self.BN}_s{self.stages}"
                 + ("_pp" if self.pingpong else "") + ("_pvw" if self.pv_wait else "")
-                + ("_pers" if self.persistent else "") + ("_tma" if self.tma else ""))
+                + ("_pers" if self.persistent else "") + ("_tma" if self.tma else "")
+                + ("_st" if self.tma_store else ""))
 
     def render_params(self) -> dict:
         return dict(
             name=self.name, ctype=CTYPES[self.dtype], BM=self.BM, BN=self.BN, stages=self.stages,
             page_size=self.page_size, pingpong=self.pingpong, pv_wait=self.pv_wait, persistent=self.persistent,
             tma=self.tma, tma_rows=self.tma_rows, rope_tma_rows=self.rope_tma_rows, maps_bytes=3 * MAP_BYTES,
+            tma_store=self.tma_store, out_bytes=self.out_bytes,
             once_args_bytes=ONCE_ARGS.itemsize,
             producer_registers=self.producer_registers, consumer_registers=self.consumer_registers,
             q_bytes=self.q_bytes, smem_bytes=self.smem_bytes, num_threads=self.num_threads,

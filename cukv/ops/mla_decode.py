@@ -49,6 +49,10 @@ class BatchMLADecode:
     schedule : {None, 'split', 'alternate'}
         How the two consumer warpgroups share the K tiles: 'split' halves every tile, 'alternate' gives each every
         other tile whole (16-bit caches only); None takes the policy's default (docs/mla.md, "Schedules").
+    slice_release : bool, optional
+        A full and an empty barrier per 64-column slice of each ring stage, so each slice is refilled as soon as its
+        last reader is done (schedule 'alternate' with TMA; None or True with schedule None picks 'alternate');
+        None takes the policy's default, off (docs/mla.md, "Schedules").
     prefetch_tiles, fp8_rows : int, optional
         The producer's L2 prefetch distance in tiles (0..4) and, for an FP8 cache, the rows each producer lane
         loads before dequantizing them (8 or 16, 16 with block_n 64 only); None takes the policy's defaults for
@@ -83,12 +87,13 @@ class BatchMLADecode:
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
                  num_kv_stages: int | None = None, schedule: str | None = None, tma: bool | None = None,
-                 prefetch_tiles: int | None = None, fp8_rows: int | None = None):
+                 prefetch_tiles: int | None = None, fp8_rows: int | None = None, slice_release: bool | None = None):
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
         schedule = check_choice("schedule", schedule, (None,) + SCHEDULES)
         tma = check_bool("tma", tma) if tma is not None else None
+        slice_release = check_bool("slice_release", slice_release) if slice_release is not None else None
         prefetch_tiles = check_choice("prefetch_tiles", prefetch_tiles, (None,) + PREFETCH_TILES)
         fp8_rows = check_choice("fp8_rows", fp8_rows, (None,) + tuple(FP8_ROWS_REGS))
         dt, kvd = mla_dtypes(dtype, kv_dtype)
@@ -101,7 +106,13 @@ class BatchMLADecode:
         if kvd is None and fp8_rows not in (None, 8):
             raise ValueError(f"fp8_rows={fp8_rows!r} applies to an FP8 cache only (kv_dtype='fp8_e4m3'); "
                              "use None or 8 with a 16-bit cache")
-        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows)
+        if slice_release and (kvd is not None or schedule == "split" or tma is False or prefetch_tiles):
+            raise ValueError(f"slice_release=True needs the alternating schedule over tensor copies of a 16-bit cache; "
+                             f"got kv_dtype={kvd!r}, schedule={schedule!r}, tma={tma!r}, "
+                             f"prefetch_tiles={prefetch_tiles!r} (use kv_dtype=None, schedule None or 'alternate', "
+                             "tma None or True, prefetch_tiles None or 0)")
+        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows,
+                                        slice_release)
         self.dtype = self.config.dtype
         self._planned = False
         self._device = None

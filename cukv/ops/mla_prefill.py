@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from ..configs.mla_prefill import QK_DIM, V_DIM, MLAPrefillConfig
-from ..policy.mla_prefill import default_config
+from ..policy.mla_prefill import default_config, wide_tile
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import NOPE, MLAKVCache
 from ..operand import KV_PARAMS, MLA_PREFILL_ARGS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, ptr
@@ -48,7 +48,8 @@ class BatchMLAPrefill:
     dtype : {'bfloat16', 'float16'}
         Query, ``k_nope``, ``v``, rope and output type (the bf16 rope of an FP8 cache needs 'bfloat16').
     config : MLAPrefillConfig, optional
-        Tile shape (default: :func:`cukv.policy.mla_prefill.default_config`).
+        Tile shape (default: :func:`cukv.policy.mla_prefill.default_config` for the dtype and page size; :meth:`plan`
+        then takes the wider tile where :func:`~cukv.policy.mla_prefill.wide_tile` says so).
     max_blocks : int, optional
         Caps the blocks of a persistent grid (``config.persistent``; default one per SM).
 
@@ -87,6 +88,7 @@ class BatchMLAPrefill:
         page_size = check_int("page_size", page_size, 1, 4096, none_ok=True, note="a contiguous k_rope")
         self.dtype = canonical_dtype(dtype)
         ps = 0 if page_size is None else int(page_size)
+        self._auto = config is None  # plan() picks the tile (cukv.policy.mla_prefill.wide_tile)
         if config is None:
             config = default_config(self.dtype, ps)
         elif not isinstance(config, MLAPrefillConfig):
@@ -107,6 +109,8 @@ class BatchMLAPrefill:
         qo, kl, ko = mla_prefill_batch(q_offsets, kv_lengths, kv_offsets)
         b = qo.size - 1
         check_choice("mask", mask, MASKS)
+        if self._auto:
+            self.config = default_config(self.dtype, self.config.page_size, wide_tile(np.diff(qo), kl, mask))
         cfg = self.config
         self._work, self._num_work = _work_array(_work_list(np.diff(qo), kl, cfg, mask, None, None))
         self.batch_size, self.total_q, self.kv_rows = b, int(qo[-1]), int(ko[-1])
@@ -169,6 +173,8 @@ class BatchMLAPrefill:
             once["flags"], once["num_work"] = ptr(self._counters) + 128, self._num_work
             args += (as_kernel_arg(once), _query_map(qd, cfg.BM))
             grid = (min(self._max_blocks or sm_count(), self._num_work * h), 1, 1)
+        if cfg.tma_store and self._num_work:
+            args += (_output_map(out),)
         if self._num_work:
             with (stream or cp.cuda.get_current_stream()):
                 self._fn(grid, (cfg.num_threads,), args, shared_mem=cfg.smem_bytes)
@@ -252,6 +258,17 @@ class BatchMLAPrefill:
         rec["num_pages"] = cache.num_pages
         self._keep = (cache, bt)
         return rec
+
+
+def _output_map(out):
+    """``config.tma_store``'s output tensor map (kernel argument): ``out[T, H, 128]`` as bytes ``[1, T, H, 256]`` in
+    boxes of one 128-byte swizzle atom x one head x 16 tokens (a consumer warp's rows; templates/prefill_consumer.cuh
+    ``store_output_tma``)."""
+    import cupy as cp
+
+    from .. import tma
+
+    return tma.as_maps_arg(tma.encode_pages("out", tma.OnePage(out.view(cp.uint8)), 128, 16, tma.SWIZZLE_128B))
 
 
 def _check_rows(name: str, a) -> None:

@@ -26,9 +26,9 @@ from ..configs.decode import CLUSTERS, SMEM_LIMIT, DecodeConfig, DecodeShape
 #: ring slots per warp to try, first that fits shared memory wins: 16-bit caches, then FP8 (docs/tuning.md)
 DEFAULT_STAGES = (3, 2)
 DEFAULT_FP8_STAGES = (2, 3)  # two slots as fast as three at 3 blocks per SM (docs/tuning.md)
-#: the 16-bit ring's whole strips by TMA tensor copies (DecodeConfig.tma) where it applies: built, not yet measured
-#: (docs/tuning.md "decode `tma`"), so off
-DEFAULT_TMA = False
+#: the 16-bit ring's whole strips by TMA tensor copies (DecodeConfig.tma) where it applies: 1.04-1.09x the cp.async
+#: ring with bitwise the same output (H200, docs/tuning.md "decode `tma`")
+DEFAULT_TMA = True
 #: plan() stages strips in registers below this much K/V (latency-bound), the ring above it (docs/tuning.md)
 RING_MIN_BYTES = 192 << 20
 #: a cluster merge's splits stay at most this many tokens: longer ones stream too long (docs/tuning.md)

@@ -24,6 +24,9 @@ DEFAULT_STAGES = 2
 #: the consumers' schedule: "alternate" (each warpgroup scores every other tile whole) measured 5-8% slower
 #: (docs/tuning.md "MLA decode")
 DEFAULT_SCHEDULE = "split"
+#: per-slice ring barriers (``MLADecodeConfig.slice_release``) where they apply (16-bit cache, tensor copies; with them
+#: the alternating schedule): opt-in until measured (docs/tuning.md "MLA decode")
+DEFAULT_SLICE_RELEASE = False
 #: full tiles of a 16-bit cache by TMA tensor copies (page sizes from 8 that tile 64): 4-12% faster than cp.async on
 #: every bench shape, same output bits (docs/tuning.md "MLA decode")
 DEFAULT_TMA = True
@@ -89,11 +92,15 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
 def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
                       num_kv_stages: int | None = None, schedule: str | None = None,
                       tma: bool | None = None, prefetch_tiles: int | None = None,
-                      fp8_rows: int | None = None) -> MLADecodeConfig:
+                      fp8_rows: int | None = None, slice_release: bool | None = None) -> MLADecodeConfig:
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
-    cache keeps the "split" schedule, the only one it compiles without spills, and cp.async)."""
+    cache keeps the "split" schedule, the only one it compiles without spills, and cp.async; ``slice_release``
+    asks for the alternating schedule)."""
+    if slice_release is None:  # the default where it applies: 16-bit rows by tensor copies, alternating consumers
+        slice_release = (DEFAULT_SLICE_RELEASE and kv_dtype is None and schedule in (None, "alternate")
+                         and tma is not False and not prefetch_tiles)
     if schedule is None:
-        schedule = DEFAULT_SCHEDULE if kv_dtype is None else "split"
+        schedule = "alternate" if slice_release else DEFAULT_SCHEDULE if kv_dtype is None else "split"
     if tma is None:  # tensor copies feed 16-bit tiles and take no L2 prefetch
         tma = DEFAULT_TMA and kv_dtype is None and not prefetch_tiles
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
@@ -102,7 +109,8 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64)
         fp8_rows = DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4 else 8
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
-                           schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows)
+                           schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
+                           slice_release=slice_release)
 
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,

@@ -1,0 +1,225 @@
+// The consumer warpgroups of absorbed MLA decode, alternating schedule with per-slice barriers
+// (MLADecodeConfig.slice_release; TMA kernels of 16-bit caches). The alternating schedule's work
+// (mla_decode_consumer_alt.cuh: warpgroup g scores tiles 2k + g whole, the running max handed over in tile order,
+// each warpgroup adds P V for its 256 output columns over both tiles of a pair) in FlashMLA's SM90 order, over a ring
+// whose stages are 9 slices of 64 columns with a full and an empty barrier each (MLAKVProducerPipeline, SLICES_):
+//
+//   warpgroup 0, pair k (S0 = Q K[2k]^T done)      warpgroup 1, pair k (S1 = Q K[2k+1]^T done)
+//   m0, P0 from S0; publish ---------H0-------->   read m0, P0; m1 = max(m0, rowmax S1); P1 from S1
+//   O0 += P0 V[2k] (slices 0-3); release them <-H1- publish m1, P1
+//   read m1, P1; O0 += P1 V[2k+1] (slices 0-3)     O1 += P1 V[2k+1] (slices 4-7)
+//   S0 = Q K[2k+2]^T, rope + slices 0-3 first      P0 *= exp2(m0 - m1); O1 += P0 V[2k] (slices 4-7)
+//   (P1 V done: release K[2k+1] slices 0-3)        (P1 V done: release K[2k+1] slices 4-7)
+//   S0 slices 4-7                                  (P0 V done: release K[2k] slices 4-7)
+//                                                  S1 = Q K[2k+3]^T: rope, slices 4-7, then 0-3
+//
+// So every slice is refilled as soon as its last reader is done: the rope slice right after its tile's Q K^T, a V
+// slice after the P V of the warpgroup owning its columns. Warpgroup 1 adds its own tile's P V first (P0 from
+// warpgroup 0 is rescaled to m1 in registers: one more rounding of P0 to T), so the slices of the tile it scores next
+// free first; warpgroup 0 issues its next Q K^T behind P1 V, and Q K^T reads the slices in the order the producer
+// refills them (slice_order), waiting on each slice's full barrier right before its 4 k-steps.
+//
+// Barrier arrivals (lane 0 of each warp, after the wgmma_wait covering its last read): after Q K^T of a tile, the
+// scoring warpgroup's 4 warps on all 9 slices; after P V, each warpgroup's 4 warps on its 4 V slices. So the rope
+// slice's empty barrier counts 4 arrivals, the others 8, and every arrival on a slice for a tile comes from a warp
+// that waited on that slice's full barrier for the same tile (it cannot run a phase ahead).
+#pragma once
+#include "mla_decode_consumer_alt.cuh"
+
+namespace cukv {
+
+template <typename T> __device__ __forceinline__ float2 unpack2(u32 w);
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(u32 w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 unpack2<__half>(u32 w) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+
+template <typename T, int BN, int STAGES>
+struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true> {
+  typedef MLADecodeAltConsumer<T, BN, STAGES, false, true> Alt;
+  typedef typename Alt::Pipe Pipe;
+  typedef typename Alt::State State;
+  typedef typename Alt::MmaS MmaS;
+  using State::pipe, State::g, State::t, State::lane, State::m, State::o;
+  static constexpr int kSRegs = Alt::kSRegs, kPWords = Alt::kPWords, kSlices = Pipe::kSlices;
+  static constexpr int kBarH0 = Alt::kBarH0, kBarH1 = Alt::kBarH1;
+  static constexpr int kFirst = 5;  // Q K^T slices of warpgroup 0's next tile issued before P1 V is waited on
+  static_assert(kSlices == 9 && STAGES >= 2, "9 slices of 64 columns per stage");
+
+  int cp_from = 0;  // the first tile that came by cp.async (Pipe::tma_tiles); the ones before by tensor copies
+
+  __device__ __forceinline__ MLADecodeSliceConsumer(const Pipe& p, int g_, int t_) : Alt(p, g_, t_) {}
+
+  // Slice c of tile `it` has landed (its wgmma reads may start).
+  __device__ __forceinline__ void wait_slice(int it, int c) const {
+    mbar_wait(pipe.full(it % STAGES, c), (it / STAGES) & 1);
+    if (it >= cp_from) fence_proxy_async();  // a cp.async tile's copies (generic proxy) -> wgmma reads
+  }
+  // This warp is done with slice c of tile `it`.
+  __device__ __forceinline__ void release(int it, int c) const {
+    if (lane == 0) mbar_arrive(pipe.empty(it % STAGES, c));
+  }
+  __device__ __forceinline__ void release_v(int it) const {  // this warpgroup's V slices (its output columns)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) release(it, 4 * g + q);
+  }
+  __device__ __forceinline__ void release_scored(int it) const {  // all 9, after this warpgroup's Q K^T of `it`
+#pragma unroll
+    for (int c = 0; c < kSlices; ++c) release(it, c);
+  }
+  __device__ __forceinline__ void wait_v(int it) const {  // this warpgroup's V slices of a tile it did not score
+#pragma unroll
+    for (int q = 0; q < 4; ++q) wait_slice(it, 4 * g + q);
+  }
+
+  // Issue slices J0 .. J1 - 1 (in warpgroup G's slice_order) of S = Q K^T for tile `it`, each slice's 4 k-steps
+  // right after its full barrier, one commit group per slice (the first k-step of slice 0 overwrites s).
+  template <int G, int J0, int J1>
+  __device__ __forceinline__ void qk_slices(float (&s)[kSRegs], int it) const {
+    const u64 qd = sw128_desc(pipe.q(), 1, 1024);
+    const u64 kd = sw128_desc(pipe.stage(it % STAGES), 1, 1024);
+#pragma unroll
+    for (int j = J0; j < J1; ++j) {
+      const int c = Pipe::slice_order(G, j);
+      wait_slice(it, c);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        MmaS::ss(s, desc_add(qd, (u32)(c * Pipe::q_atom_col_bytes + kk * 32)),
+                 desc_add(kd, (u32)(c * Pipe::atom_col_bytes + kk * 32)), j > 0 || kk > 0);
+      wgmma_commit();
+    }
+  }
+
+  // P words (rows r0 and r0 + 8 alternate, as probabilities() packs them) scaled by r.x, r.y and rounded to T again.
+  __device__ __forceinline__ void rescale_p(u32 (&p)[kPWords], float2 r) const {
+#pragma unroll
+    for (int q = 0; q < kPWords; ++q) {
+      const float2 f = unpack2<T>(p[q]);
+      const float k = q & 1 ? r.y : r.x;
+      p[q] = ElemTraits<T>::pack(f.x * k, f.y * k);
+    }
+  }
+
+  // Warpgroup 0: tiles 2k.
+  __device__ __forceinline__ void consume0(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int lim0,
+                                           int lim1) {
+    float s[kSRegs];
+    if (n_tiles > 0) {
+      qk_slices<0, 0, kSlices>(s, 0);
+      wgmma_wait<0>();
+      fence_regs(s);
+      release_scored(0);
+    }
+#pragma unroll 1
+    for (int t0 = 0; t0 < n_tiles; t0 += 2) {
+      const int t1 = t0 + 1, t2 = t0 + 2;
+      u32 p[kPWords];
+      const float2 mx = Alt::mask_rowmax(s, w.begin + t0 * BN, lim0, lim1, a.scale_log2);
+      const float2 a0 = Alt::follow(make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y)));
+      Alt::probabilities(s, p);
+      Alt::publish(p, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
+      Alt::scale_o(a0);
+      Alt::pv_issue(p, t0 % STAGES);
+      wgmma_wait<0>();
+      fence_regs(o);
+      release_v(t0);
+      if (t1 >= n_tiles) break;
+      u32 p1[kPWords];
+      const float2 m1 = Alt::receive(p1, kBarH1);
+      Alt::scale_o(Alt::follow(m1));
+      wait_v(t1);
+      Alt::pv_issue(p1, t1 % STAGES);
+      if (t2 < n_tiles) {  // the next tile's Q K^T behind P1 V: the slices it freed first, then the rest
+        qk_slices<0, 0, kFirst>(s, t2);
+        wgmma_wait<kFirst>();  // P1 V is done
+        release_v(t1);
+        qk_slices<0, kFirst, kSlices>(s, t2);
+        wgmma_wait<0>();
+        fence_regs(o);
+        fence_regs(s);
+        release_scored(t2);
+      } else {
+        wgmma_wait<0>();
+        fence_regs(o);
+        release_v(t1);
+      }
+    }
+  }
+
+  // Warpgroup 1: tiles 2k + 1.
+  __device__ __forceinline__ void consume1(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int lim0,
+                                           int lim1) {
+    float s[kSRegs];
+    if (n_tiles > 1) {
+      qk_slices<1, 0, kSlices>(s, 1);
+      wgmma_wait<0>();
+      fence_regs(s);
+      release_scored(1);
+    }
+#pragma unroll 1
+    for (int t0 = 0; t0 < n_tiles; t0 += 2) {
+      const int t1 = t0 + 1, t3 = t0 + 3;
+      const bool pair = t1 < n_tiles;  // the same in both warpgroups
+      float2 mx = make_float2(-CUKV_INF, -CUKV_INF);
+      if (pair) mx = Alt::mask_rowmax(s, w.begin + t1 * BN, lim0, lim1, a.scale_log2);
+      u32 p0[kPWords];
+      const float2 m0 = Alt::receive(p0, kBarH0);  // read before this warpgroup publishes P1 into the same buffer
+      if (pair) {
+        const float2 mn = make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y));
+        const float2 a1 = Alt::follow(mn);  // O and l from this warpgroup's old max straight to m1
+        u32 p1[kPWords];
+        Alt::probabilities(s, p1);
+        Alt::publish(p1, kBarH1);  // warpgroup 0 goes on with P1 V
+        Alt::scale_o(a1);
+        Alt::pv_issue(p1, t1 % STAGES);  // its own tile first: those slices free first
+        // P0 was scaled to m0; to m1 now (a factor in (0, 1]). A row whose m0 is still -inf has P0 = 0: factor 0,
+        // never exp2 of a large difference (inf, and 0 * inf)
+        const float b1x = mn.x == -CUKV_INF ? 0.f : mn.x, b1y = mn.y == -CUKV_INF ? 0.f : mn.y;
+        rescale_p(p0, make_float2(m0.x == -CUKV_INF ? 0.f : exp2f(m0.x - b1x),
+                                  m0.y == -CUKV_INF ? 0.f : exp2f(m0.y - b1y)));
+        wait_v(t0);
+        Alt::pv_issue(p0, t0 % STAGES);
+        wgmma_wait<1>();  // P1 V is done
+        release_v(t1);
+        wgmma_wait<0>();
+        fence_regs(o);
+        release_v(t0);
+      } else {
+        Alt::scale_o(Alt::follow(m0));
+        wait_v(t0);
+        Alt::pv_issue(p0, t0 % STAGES);
+        wgmma_wait<0>();
+        fence_regs(o);
+        release_v(t0);
+      }
+      if (t3 < n_tiles) {
+        qk_slices<1, 0, kSlices>(s, t3);
+        wgmma_wait<0>();
+        fence_regs(s);
+        release_scored(t3);
+      }
+    }
+  }
+
+  // tma_box_rows: the cache map's box rows (0: every tile by cp.async), as the producer was given them.
+  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int tma_box_rows) {
+    cp_from = Pipe::tma_tiles(w, tma_box_rows);
+    const int warp = t >> 5;
+    const int r0 = warp * 16 + (lane >> 2);
+    const int len = a.seq_lens[w.batch];
+    const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
+    const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
+    mbar_wait(pipe.q_full(), 0);
+    fence_proxy_async();
+    if (g == 0)
+      consume0(a, w, n_tiles, lim0, lim1);
+    else
+      consume1(a, w, n_tiles, lim0, lim1);
+    State::template finish<true>(a, w, r0);
+  }
+};
+
+}  // namespace cukv
