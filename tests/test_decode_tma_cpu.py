@@ -40,7 +40,7 @@ def test_tma_configs_compile_without_spills(dt, d, group, ps, stages):
 # per-token (scale_block = head_dim), per-tensor (0) and block scales; min_blocks 3 (168 registers: 3 blocks per SM)
 FP8_GRID = [(128, g, ps, sb, 2, 1) for g in (4, 8) for ps in (16, 64) for sb in (128, 0)]
 FP8_GRID += [(128, 4, 16, sb, 2, 1) for sb in (64, 32)] + [(128, g, 16, 128, 3, 1) for g in (1, 16)]
-FP8_GRID += [(128, g, 16, sb, 2, 3) for g in (4, 8) for sb in (128, 0)]
+FP8_GRID += [(128, g, 16, sb, 2, 3) for g in (4, 8) for sb in (128, 0)] + [(128, 4, 16, 128, 3, mb) for mb in (1, 3)]
 FP8_GRID += [(256, 4, 16, 256, 2, 1), (256, 8, 64, 64, 2, 1)]
 
 
