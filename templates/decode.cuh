@@ -15,7 +15,8 @@ namespace cukv {
 // Traits (DecodeTraits, rendered by DecodeConfig): T, page_size, head_dim, group, num_warps; quantized: the cache
 // holds FP8 e4m3 codes (scales per scale_block dims, 0 = per tensor), dequantized to T in registers; sub: strips
 // each warp keeps in flight in registers; stages > 0: instead a ring of that many shared-memory slots per warp,
-// filled with whole code rows by cp.async (DecodeStreamingKVBuffer::issue); cluster: see decode_epilogue;
+// filled with whole code rows by cp.async (DecodeStreamingKVBuffer::issue); tma: the ring's whole strips by tensor
+// copies instead (DecodeStreamingKVBuffer::issue_tma; one mbarrier per slot); cluster: see decode_epilogue;
 // q_in_smem: where Q lives (DecodeConfig.q_in_smem decides); warp_slots: see DecodeSmem.
 template <class Traits>
 struct DecodeKernel {
@@ -26,8 +27,9 @@ struct DecodeKernel {
   static constexpr int SCALE_BLOCK = Traits::scale_block, SUB = Traits::sub, STAGES = Traits::stages;
   static constexpr int CLUSTER = Traits::cluster;
   static constexpr bool WARP_SLOTS = Traits::warp_slots;
+  static constexpr bool TMA = Traits::tma;
   typedef KVCacheOperand<typename Select<QUANTIZED, unsigned char, T>::type, PAGE_SIZE, QUANTIZED> Op;
-  typedef DecodeStreamingKVBuffer<Op, T, DEPTH, SCALE_BLOCK> Buf;
+  typedef DecodeStreamingKVBuffer<Op, T, DEPTH, SCALE_BLOCK, 16, TMA> Buf;
   static constexpr int BN = 16;
   static constexpr bool TWO_ROWS = GROUP > 8;       // rows g+8 carry heads too
   static constexpr int NK = Buf::num_k_strips;
@@ -46,7 +48,9 @@ struct DecodeKernel {
   static_assert(PAGE_SIZE >= 1, "page size must be positive");
   static_assert(SUB >= 1 && SUB <= 4, "1..4 strips in flight per warp");
   static_assert(STAGES == 0 || (SUB == 1 && STAGES >= 2 && STAGES <= 8), "a ring of 2..8 slots replaces SUB");
-  static constexpr int RING_BYTES = NUM_WARPS * STAGES * Buf::SLOT_BYTES;
+  static_assert(!TMA || (QUANTIZED && STAGES > 0), "tensor copies fill the FP8 ring");
+  // TMA: the code slots (1024-byte aligned: 1024 bytes of slack), then the slots' scale blocks, then one mbarrier per slot
+  static constexpr int RING_BYTES = NUM_WARPS * STAGES * Buf::SLOT_BYTES + (TMA ? 1024 + 8 * NUM_WARPS * STAGES : 0);
   // FP8: the query is pre-multiplied by a power of two (bf16) and scores by kKFactor * K scale (see fp8.cuh:
   // codes enter the mma exactly). P.V runs in f16 on the codes' exact f16 values (one cvt per pair, no bit
   // moves): P is multiplied by its token's V scale over gv, the warp's running power-of-two bound on the V
@@ -180,6 +184,42 @@ struct DecodeKernel {
     });
   }
 
+  // The ring by tensor copies (TMA): the same strips, slots and reads, but the code slots start on 1024 bytes (the
+  // 128-byte swizzle's pattern), the scales sit in blocks of their own after them, and a slot's strip lands on its own
+  // mbarrier (each lane arrives once per strip, after its cp.async copies; tensor copies count their bytes).
+  template <class Strip>
+  static __device__ __forceinline__ void ring_strips_tma(const Op& op, const DecodeMaps* maps, const int& b,
+                                                         const int& hk, const int& warp, const int& start, const int& len,
+                                                         const int& my_lo, const int& my_hi, Buf& buf, Strip&& strip) {
+    extern __shared__ __align__(16) unsigned char ring_raw[];
+    const u32 raw_at = smem_addr(ring_raw);
+    const u32 ring_at = (raw_at + 1023u) & ~1023u;
+    const unsigned char* ring = ring_raw + (ring_at - raw_at);
+    constexpr int SLOTS = NUM_WARPS * STAGES;
+    const int my_first = warp * STAGES;  // this warp's first slot
+    const u32 my_bars = ring_at + (u32)(SLOTS * Buf::SLOT_BYTES + 8 * my_first);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) mbar_init(my_bars + 8 * s, 32);
+      fence_mbarrier_init();
+    }
+    __syncwarp();
+    auto codes_at = [&](int slot) { return (my_first + slot) * Buf::CODE_BYTES; };
+    auto scales_at = [&](int slot) { return SLOTS * Buf::CODE_BYTES + (my_first + slot) * Buf::SCALE_BYTES; };
+    StripRing<Op, STAGES, BN, true> sr(op, b, my_lo + warp, my_hi, NUM_WARPS, my_bars);
+    auto issue = [&](i64 base, int t0, int slot) {
+      Buf::issue_tma(op, &maps->k, b, hk, t0, start, len, base, ring_at + (u32)codes_at(slot),
+                     ring_at + (u32)scales_at(slot), my_bars + 8 * slot);
+    };
+    sr.prologue(issue);
+    sr.run(issue, [&](int t0, int slot) {
+      const unsigned char* codes = ring + codes_at(slot);
+      const unsigned char* scales = ring + scales_at(slot);
+      buf.fetch_k(codes, scales);
+      strip(buf, t0, [&] { buf.fetch_v(codes, scales); }, [] {});
+    });
+  }
+
   // The register pipeline's first round: buf[sub] and base[sub] for strip ch + sub * NUM_WARPS (its K and V
   // loads already out where PIPELINE). The strip loop itself stays in run (as a function of its own, it
   // changes ptxas's register allocation of the 16-head kernels).
@@ -198,7 +238,7 @@ struct DecodeKernel {
     }
   }
 
-  static __device__ __forceinline__ void run(const DecodeArgs& a) {
+  static __device__ __forceinline__ void run(const DecodeArgs& a, const DecodeMaps* maps = nullptr) {
     __shared__ Smem sm;
     const Op op(a.kv);
     // Chunks are 16-token strips aligned to absolute positions (so a strip never straddles a page whose
@@ -274,7 +314,8 @@ struct DecodeKernel {
     };
     if constexpr (STAGES > 0) {
       Buf buf;
-      ring_strips(op, b, hk, warp, start, len, my_lo, my_hi, buf, strip);
+      if constexpr (TMA) ring_strips_tma(op, maps, b, hk, warp, start, len, my_lo, my_hi, buf, strip);
+      else ring_strips(op, b, hk, warp, start, len, my_lo, my_hi, buf, strip);
     } else {
       // Software pipeline (depth <= 128): strip i+1's K loads go out right after strip i's scores, its V loads
       // right after strip i's P.V, and its page lookup at the top of strip i, so every warp keeps SUB strips

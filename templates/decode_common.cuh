@@ -26,6 +26,17 @@ struct alignas(8) DecodeArgs {
 template <typename T, int DEPTH>
 __device__ __forceinline__ void merge_row(const DecodeArgs& a, int b, int hq, int batch);
 
+// The K and V tensor maps of a `tma` ring (both kernels), encoded by cukv/ops/decode.py over the cache's bytes
+// ([pages][page_size][heads][row bytes], boxes of 128 bytes x 1 head x 16 tokens x 1 page, 128-byte swizzle).
+struct alignas(64) DecodeMaps {
+  CUtensorMap k, v;  // v == &k + 1 (the FP8 ring indexes them by lane)
+};
+
+// Makes this thread's mbarrier.init visible to the async proxy (the tensor copies that complete on the barriers).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 // Static shared memory of a decode block: what decode_epilogue merges through, and Q (16 rows of Q_PITCH
 // elements, rows past the group zero) when the head is too wide to keep Q in registers. WARP_SLOTS gives each
 // warp its own slot for its output (one barrier instead of one per warp in the merge); without it the warps

@@ -54,17 +54,6 @@ struct DecodeRingStrip {
   }
 };
 
-// The K and V tensor maps of a `tma` ring, encoded by cukv/ops/decode.py over the cache's bytes
-// ([pages][page_size][heads][head_dim * 2], boxes of 128 bytes x 1 head x 16 tokens x 1 page, 128-byte swizzle).
-struct alignas(64) DecodeMaps {
-  CUtensorMap k, v;
-};
-
-// Makes this thread's mbarrier.init visible to the async proxy (the tensor copies that complete on the barriers).
-__device__ __forceinline__ void fence_mbarrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
 // Traits: DecodeTraits (decode.cu.j2) with quantized false and stages > 0; sub, scale_block and warp_slots unused
 // (a warp's merge slot is its own ring slots).
 template <class Traits>

@@ -22,6 +22,12 @@
 // fetch_k/fetch_v read back exactly the registers load_k/load_v would have loaded. Rows are XOR-swizzled
 // by 16-byte chunk, differently for K and V, so both read patterns are free of bank conflicts. Skipped rows
 // are zero-filled (src size 0): zero codes and zero scales, as in the register form.
+//
+// TMA (the ring's tensor-copy form, DecodeConfig.tma; FP8 rows of a multiple of 128 bytes): the code rows of a slot
+// are atom columns of BN rows x 128 bytes in the 128-byte swizzle's pattern (hopper.cuh swizzle128), what one tensor
+// copy per atom writes (issue_tma); cut strips and the scales still go by cp.async (issue_codes into the same layout,
+// issue_scales into the slot's scale block, kept apart so the code slots stay on 1024 bytes). V's reads are free of
+// bank conflicts in that layout as they are; K's take the strip's pieces in a lane-dependent order (fetch_k).
 #pragma once
 #include "kv_operand.cuh"
 #include "fp8.cuh"
@@ -29,7 +35,16 @@
 
 namespace cukv {
 
-template <typename Op, typename T, int DEPTH, int SCALE_BLOCK = 0, int BN = 16>
+// %laneid, read where it is used: asm volatile keeps the compiler from hoisting what is computed from it out of the strip
+// loop, so per-lane slot offsets are recomputed per strip rather than held in registers (the FP8 tma ring: 175 -> 167
+// registers at d128 g4, a third block per SM; docs/tuning.md)
+__device__ __forceinline__ int lane_here() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+
+template <typename Op, typename T, int DEPTH, int SCALE_BLOCK = 0, int BN = 16, bool TMA = false>
 struct DecodeStreamingKVBuffer {
   static constexpr bool quantized = Op::quantization_enabled;
   typedef typename Select<quantized, uint2, uint4>::type Raw;  // 8 elements as stored
@@ -148,17 +163,35 @@ struct DecodeStreamingKVBuffer {
   static constexpr int SLOT_BYTES = V_SCALES_AT + 4 * BN * num_v_scales;
   static_assert(!quantized || (ROW_BYTES <= ROW_PITCH && ROW_BYTES % 16 == 0 && (BN * CHUNKS) % 32 == 0),
                 "whole 16-byte copies");
+  // TMA: a slot's code rows (CODE_BYTES, K then V, each ATOMS atom columns) and, elsewhere, its scales (SCALE_BYTES:
+  // K's [num_k_scales][BN] then V's); together SLOT_BYTES, as without TMA
+  static constexpr int CODE_BYTES = K_SCALES_AT;
+  static constexpr int SCALE_BYTES = SLOT_BYTES - CODE_BYTES;
+  static constexpr int ATOMS = ROW_BYTES / kAtomRowBytes;    // 128-byte atom columns per row (one tensor copy each)
+  static constexpr int ATOM_BYTES = BN * kAtomRowBytes;
+  static_assert(!TMA || (quantized && ROW_BYTES % kAtomRowBytes == 0 && ROW_PITCH == ROW_BYTES && CODE_BYTES % 1024 == 0),
+                "tensor copies: FP8 rows of whole 128-byte atoms (head dim a multiple of 128)");
   // K is read as rows g (4 consecutive per half warp), V as rows 2c + const (4 with stride 2): each pattern's
-  // eight 16-byte pieces land in distinct bank groups
-  static __device__ __forceinline__ u32 k_at(int row, int chunk) { return row * ROW_PITCH + ((chunk ^ ((row & 3) << 1)) << 4); }
+  // eight 16-byte pieces land in distinct bank groups (TMA: see fetch_k)
+  static __device__ __forceinline__ u32 k_at(int row, int chunk) {
+    if constexpr (TMA) return (u32)((chunk >> 3) * ATOM_BYTES) + swizzle128(row, chunk & 7);
+    else return row * ROW_PITCH + ((chunk ^ ((row & 3) << 1)) << 4);
+  }
   static __device__ __forceinline__ u32 v_at(int row, int chunk) {
-    return BN * ROW_PITCH + row * ROW_PITCH + ((chunk ^ (((row >> 1) & 3) << 1)) << 4);
+    if constexpr (TMA) return (u32)(BN * ROW_PITCH + (chunk >> 3) * ATOM_BYTES) + swizzle128(row, chunk & 7);
+    else return BN * ROW_PITCH + row * ROW_PITCH + ((chunk ^ (((row >> 1) & 3) << 1)) << 4);
   }
 
   // Copies strip t0 of (b, head) into the slot at shared address `slot`; every lane of the warp calls it.
   static __device__ __forceinline__ void issue(const Op& op, int b, int head, int t0, int start, int end, i64 base, u32 slot) {
+    issue_codes(op, b, head, t0, start, end, base, slot);
+    issue_scales(op, b, head, t0, start, end, base, slot + K_SCALES_AT);
+  }
+  // The strip's K and V code rows into the slot's rows at `slot` (skipped rows zero-filled).
+  static __device__ __forceinline__ void issue_codes(const Op& op, int b, int head, int t0, int start, int end, i64 base,
+                                                     u32 slot) {
     static_assert(quantized, "16-bit caches have their own ring (decode_ring.cuh)");
-    const int lane = threadIdx.x & 31;
+    const int lane = TMA ? lane_here() : threadIdx.x & 31;
     // A strip on one page (page_size % BN == 0) is BN rows at the token stride from its first row: one
     // address computation per strip instead of one per copy.
     constexpr bool ONE_PAGE = Op::page_size % BN == 0;
@@ -189,7 +222,14 @@ struct DecodeStreamingKVBuffer {
       cp_async16_l2<L2_PREFETCH>(slot + k_at(row, chunk), live ? pk : k0, live ? 16 : 0);
       cp_async16_l2<L2_PREFETCH>(slot + v_at(row, chunk), live ? pv : v0, live ? 16 : 0);
     }
-    // scales: lane j copies token j % BN of block j / BN (per tensor: the one scalar for every token)
+  }
+  // The strip's scales into the scale block at `scales` (K's [num_k_scales][BN], then V's): lane j copies token
+  // j % BN of block j / BN (per tensor: the one scalar for every token); skipped tokens get zeros.
+  static __device__ __forceinline__ void issue_scales(const Op& op, int b, int head, int t0, int start, int end,
+                                                      i64 base, u32 scales) {
+    const int lane = TMA ? lane_here() : threadIdx.x & 31;
+    constexpr bool ONE_PAGE = Op::page_size % BN == 0;
+    const bool mapped = !ONE_PAGE || base >= 0;
     const i64 kss = op.p.ks_stride[1], vss = op.p.vs_stride[1];
 #pragma unroll
     for (int j0 = 0; j0 < BN * (num_k_scales > num_v_scales ? num_k_scales : num_v_scales); j0 += 32) {
@@ -208,9 +248,33 @@ struct DecodeStreamingKVBuffer {
         sv = op.template scale_ptr<SCALE_BLOCK>(false, r >= 0 ? r : 0, head, i * SB);
         live = r >= 0;
       }
-      if (i < num_k_scales) cp_async4(slot + K_SCALES_AT + 4 * j, sk, live ? 4 : 0);
-      if (i < num_v_scales) cp_async4(slot + V_SCALES_AT + 4 * j, sv, live ? 4 : 0);
+      if (i < num_k_scales) cp_async4(scales + 4 * j, sk, live ? 4 : 0);
+      if (i < num_v_scales) cp_async4(scales + (V_SCALES_AT - K_SCALES_AT) + 4 * j, sv, live ? 4 : 0);
     }
+  }
+
+  // TMA: strip t0 into the code slot at `codes` and the scale block at `scales`, every lane arriving once on the slot's
+  // barrier `bar` when its copies have landed. A strip wholly inside [start, end) on a mapped page (warp-uniform)
+  // comes by 2 * ATOMS tensor copies (boxes of 128 bytes x 1 head x BN tokens of one page, 128-byte swizzle), one per
+  // lane, each lane first adding its box's bytes to the barrier's transaction count; any other strip by
+  // issue_codes's zero-filling cp.async copies. The scales go by cp.async either way (a box row would be one float).
+  // maps: K's tensor map, V's right after it (DecodeMaps).
+  static __device__ __forceinline__ void issue_tma(const Op& op, const CUtensorMap* maps, int b, int head, int t0,
+                                                   int start, int end, i64 base, u32 codes, u32 scales, u32 bar) {
+    static_assert(TMA && Op::page_size % BN == 0, "tensor copies take BN tokens of one page");
+    if (base >= 0 && t0 >= start && t0 + BN <= end) {
+      const int lane = threadIdx.x & 31;
+      if (lane < 2 * ATOMS) {
+        // lane l: atom l % ATOMS of K (l < ATOMS) or V; V's atoms follow K's in the slot as V's map follows K's
+        mbar_expect_tx(bar, ATOM_BYTES);
+        tma_load_4d(codes + (u32)(lane * ATOM_BYTES), maps + lane / ATOMS, (lane % ATOMS) * kAtomRowBytes, head,
+                    (int)(base % Op::page_size), (int)(base / Op::page_size), bar);
+      }
+    } else {
+      issue_codes(op, b, head, t0, start, end, base, codes);
+    }
+    issue_scales(op, b, head, t0, start, end, base, scales);
+    mbar_arrive_cp_async(bar);
   }
 
   // Scales [N][BN] of a slot -> the lane's tokens 2c + (r & 1) + 8 (r >> 1), as load_k / load_v hold them.
@@ -232,6 +296,38 @@ struct DecodeStreamingKVBuffer {
       for (int s = 0; s < num_k_strips; ++s)
         k[nt][s] = *reinterpret_cast<const Raw*>(sl + k_at(nt * MMA_N + g, 2 * s + (c >> 1)) + 8 * (c & 1));
     if constexpr (quantized) fetch_scales(sl + K_SCALES_AT, c, ks);
+  }
+  // TMA: the same registers from the code slot `sl` and the scale block `sc`. In the swizzle's pattern rows g and g ^ 1
+  // hold piece s (32 bytes) in the same banks, so odd rows read the pieces in the order s ^ 2: each half warp's eight
+  // 16-byte reads then land in eight different bank groups; selects put the pieces back in place.
+  __device__ __forceinline__ void fetch_k(const unsigned char* sl, const unsigned char* sc) {
+    static_assert(num_k_strips % 4 == 0, "pieces reordered within groups of four");
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int x = (g & 1) << 1;
+#pragma unroll
+    for (int nt = 0; nt < num_n_tiles; ++nt) {
+      Raw r[num_k_strips];
+#pragma unroll
+      for (int i = 0; i < num_k_strips; ++i)
+        r[i] = *reinterpret_cast<const Raw*>(sl + k_at(nt * MMA_N + g, 2 * (i ^ x) + (c >> 1)) + 8 * (c & 1));
+#pragma unroll
+      for (int s = 0; s < num_k_strips; ++s) {
+        k[nt][s].x = x ? r[s ^ 2].x : r[s].x;
+        k[nt][s].y = x ? r[s ^ 2].y : r[s].y;
+      }
+    }
+    fetch_scales(sc, c, ks);
+  }
+  __device__ __forceinline__ void fetch_v(const unsigned char* sl, const unsigned char* sc) {
+    const int lane = lane_here(), g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = 2 * c + (r & 1) + (r >> 1) * 8;
+#pragma unroll
+      for (int grp = 0; grp < num_v_groups; ++grp)
+        v[grp][r] = *reinterpret_cast<const Raw*>(sl + v_at(row, 4 * grp + (g >> 1)) + 8 * (g & 1));
+    }
+    fetch_scales(sc + (V_SCALES_AT - K_SCALES_AT), c, vs);
   }
   __device__ __forceinline__ void fetch_v(const unsigned char* sl) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;

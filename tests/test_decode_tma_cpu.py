@@ -1,5 +1,5 @@
-"""The decode ring's tensor-copy form (``DecodeConfig.tma``) without a GPU: its domain and named errors, what it
-renders, and that every tma config of the bench grid's shapes compiles for sm_90a without spills."""
+"""The decode rings' tensor-copy form (``DecodeConfig.tma``, 16-bit and FP8 caches) without a GPU: its domain and named
+errors, what it renders, and that every tma config of the bench grid's shapes compiles for sm_90a without spills."""
 import dataclasses
 
 import pytest
@@ -34,6 +34,46 @@ def test_tma_configs_compile_without_spills(dt, d, group, ps, stages):
         pytest.skip(str(e))
     assert cfg.tma and cfg.name.endswith(f"_r{stages}_tma")
     _resources(cfg)
+
+
+# FP8 ring: d128 (one atom per row) and d256 (two), groups 4 and 8 (the bench's 32/8 heads and 64/8), pages 16 and 64,
+# per-token (scale_block = head_dim), per-tensor (0) and block scales; min_blocks 3 (168 registers: 3 blocks per SM)
+FP8_GRID = [(128, g, ps, sb, 2, 1) for g in (4, 8) for ps in (16, 64) for sb in (128, 0)]
+FP8_GRID += [(128, 4, 16, sb, 2, 1) for sb in (64, 32)] + [(128, g, 16, 128, 3, 1) for g in (1, 16)]
+FP8_GRID += [(128, g, 16, sb, 2, 3) for g in (4, 8) for sb in (128, 0)] + [(128, 4, 16, 128, 3, mb) for mb in (1, 3)]
+FP8_GRID += [(256, 4, 16, 256, 2, 1), (256, 8, 64, 64, 2, 1)]
+
+
+@pytest.mark.parametrize("d,group,ps,sb,stages,min_blocks", FP8_GRID, ids=lambda v: str(v))
+def test_fp8_tma_configs_compile_without_spills(d, group, ps, sb, stages, min_blocks):
+    cfg = decode_config("bfloat16", d, group, ps, 4, min_blocks, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages,
+                        tma=True)
+    assert cfg.tma and cfg.name.endswith(f"_r{stages}_tma")
+    _resources(cfg)
+
+
+def test_fp8_tma_renders_maps_and_sizes():
+    plain = decode_config("bfloat16", 128, 4, 16, kv_dtype="fp8_e4m3", scale_block=128, stages=2)
+    cfg = dataclasses.replace(plain, tma=True)
+    src = cfg.render()
+    assert "static constexpr bool tma = true;" in src and "typedef DecodeKernel<DecodeTraits> K;" in src
+    assert f"sizeof(DecodeMaps) == {2 * MAP_BYTES}," in src and "K::run(a, &maps);" in src
+    # the same slot bytes (code rows, then scales kept apart), plus one mbarrier per slot and 1024 bytes of slack
+    assert cfg.ring_slot_bytes == plain.ring_slot_bytes
+    assert cfg.ring_smem_bytes == plain.ring_smem_bytes + 1024 + 8 * cfg.num_warps * cfg.stages
+    assert f"K::RING_BYTES == {cfg.ring_smem_bytes}," in src
+    assert cfg.name == plain.name + "_tma"
+
+
+def test_fp8_tma_default_off():
+    from cukv.policy.decode import DEFAULT_FP8_TMA
+
+    assert DEFAULT_FP8_TMA is False
+    assert not decode_config("bfloat16", 128, 4, 16, kv_dtype="fp8_e4m3", scale_block=128, tma=None).tma
+    assert not cukv.BatchDecode(32, 8, 128, 16, "bfloat16", kv_dtype="fp8_e4m3").config.tma
+    dec = cukv.BatchDecode(32, 8, 128, 16, "bfloat16", kv_dtype="fp8_e4m3", tma=True)
+    assert dec.config.tma and dec.config.stages == 2
+    assert [c.tma for c in dec._configs] == [True, False]  # plan()'s register kernel for small steps: no copies
 
 
 @pytest.mark.parametrize("cluster", [2, 8])
@@ -77,8 +117,10 @@ def test_tma_default_on_where_the_ring_applies():
     ({"stages": 3, "page_size": 8}, "page_size=8 must be a multiple of 16"),
     ({"stages": 3, "page_size": 24}, "page_size=24 must be a multiple of 16"),
     ({"stages": 3, "head_dim": 96}, "head_dim=96 must be a multiple of 64"),
-    ({"stages": 2, "kv_dtype": "fp8_e4m3", "scale_block": 128}, "16-bit caches only"),
-    ({"stages": 0, "kv_dtype": "fp8_e4m3", "scale_block": 128}, "16-bit caches only"),
+    ({"stages": 2, "kv_dtype": "fp8_e4m3", "head_dim": 64, "scale_block": 64}, "128 FP8 dims.*head_dim=64 must be a multiple of 128"),
+    ({"stages": 2, "kv_dtype": "fp8_e4m3", "head_dim": 96, "scale_block": 32}, "head_dim=96 must be a multiple of 128"),
+    ({"stages": 2, "kv_dtype": "fp8_e4m3", "scale_block": 128, "page_size": 8}, "page_size=8 must be a multiple of 16"),
+    ({"stages": 0, "kv_dtype": "fp8_e4m3", "scale_block": 128}, "stages must be 2..8"),
 ])
 def test_tma_domain_errors_are_named(kw, why):
     with pytest.raises(ValueError, match=f"DecodeConfig.tma=True is not valid: .*{why}"):
@@ -98,8 +140,10 @@ def test_batch_decode_tma_errors():
         cukv.BatchDecode(8, 2, 128, 1, tma=True)  # the policy stages page size 1 in registers
     with pytest.raises(ValueError, match="DecodeConfig.tma=True is not valid: .*stages must be 2..8"):
         cukv.BatchDecode(8, 2, 128, 16, stages=0, tma=True)
-    with pytest.raises(ValueError, match="DecodeConfig.tma=True is not valid: .*16-bit caches only"):
-        cukv.BatchDecode(8, 2, 128, 16, kv_dtype="fp8_e4m3", tma=True)
+    with pytest.raises(ValueError, match="DecodeConfig.tma=True is not valid: .*head_dim=64 must be a multiple of 128"):
+        cukv.BatchDecode(8, 2, 64, 16, kv_dtype="fp8_e4m3", tma=True)
+    with pytest.raises(ValueError, match="DecodeConfig.tma=True is not valid: .*stages must be 2..8"):
+        cukv.BatchDecode(8, 2, 128, 16, kv_dtype="fp8_e4m3", stages=0, tma=True)
 
 
 @pytest.mark.parametrize("layout", ["combined", "separate", "head_major"])

@@ -88,7 +88,8 @@ class DecodeShape:
     @property
     def ring_smem_bytes(self) -> int:
         """Dynamic shared memory of the ring: per warp, ``stages`` slots; with ``tma`` also one 8-byte mbarrier per
-        slot and 1024 bytes of slack to align the slots to the 128-byte swizzle's 1024-byte pattern."""
+        slot and 1024 bytes of slack to align the slots to the 128-byte swizzle's 1024-byte pattern (FP8: the code
+        rows of every slot, then the slots' scales, the same bytes)."""
         slots = self.num_warps * self.stages * self.ring_slot_bytes
         return slots + 1024 + 8 * self.num_warps * self.stages if self.tma else slots
 
@@ -177,10 +178,10 @@ class DecodeConfig(DecodeShape, KernelConfig):
     #: splits merged inside one thread-block cluster of this many blocks through distributed shared memory
     #: (2..8; the launch then needs num_splits == cluster); 0 merges through global memory (any split count)
     cluster: int = 0
-    #: the 16-bit ring's whole strips by TMA tensor copies (64-dim atom columns, 128-byte swizzle, one mbarrier per
-    #: slot) instead of cp.async; strips cut by the context's ends or on unmapped pages still go by cp.async. Needs
-    #: the ring (stages > 0), a 16-bit cache, page_size a multiple of 16 and head_dim a multiple of 64. Off by
-    #: default until measured (docs/tuning.md).
+    #: the ring's whole strips by TMA tensor copies (128-byte atom columns, 128-byte swizzle, one mbarrier per slot)
+    #: instead of cp.async; strips cut by the context's ends or on unmapped pages still go by cp.async, and so do FP8
+    #: scales. Needs the ring (stages > 0), page_size a multiple of 16 and rows of whole 128-byte atoms: head_dim a
+    #: multiple of 64 (16-bit cache) or of 128 (FP8). Defaults: docs/tuning.md.
     tma: bool = False
 
     def __post_init__(self):
@@ -209,11 +210,13 @@ class DecodeConfig(DecodeShape, KernelConfig):
         check_in(c, "sub", self.sub, (1, 2, 3, 4))
         check_bool(c, "tma", self.tma)
         if self.tma:
-            check_rule(c, "tma", self.tma, not self.quantized, "tensor copies stage 16-bit caches only (kv_dtype=None)")
             check_rule(c, "tma", self.tma, self.page_size % 16 == 0,
                        f"a tensor copy takes 16 tokens of one page: page_size={self.page_size} must be a multiple of 16")
-            check_rule(c, "tma", self.tma, self.head_dim % 64 == 0,
-                       f"tensor copies move 128-byte atoms (64 dims): head_dim={self.head_dim} must be a multiple of 64")
+            atom = 128 if self.quantized else 64  # dims per 128-byte atom
+            kind = "FP8" if self.quantized else "16-bit"
+            check_rule(c, "tma", self.tma, self.head_dim % atom == 0,
+                       f"tensor copies move 128-byte atoms ({atom} {kind} dims): head_dim={self.head_dim} must be a "
+                       f"multiple of {atom}")
             check_rule(c, "tma", self.tma, self.stages > 0, "tensor copies fill the shared-memory ring: stages must be 2..8")
         if self.stages:
             check_rule(c, "stages", self.stages, ring_ok,

@@ -42,11 +42,12 @@ class BatchDecode:
         :meth:`plan` choose: the ring where it applies and the step reads at least ``RING_MIN_BYTES`` of K/V
         (or clusters its splits), registers otherwise.
     tma : bool, optional
-        The ring's whole strips by TMA tensor copies instead of ``cp.async`` (``DecodeConfig.tma``): 16-bit caches,
-        the ring (``stages`` 2..8 or None), page_size a multiple of 16 and head_dim 64, 128 or 256. None takes
-        :data:`cukv.policy.decode.DEFAULT_TMA` (on) where it applies; the cache then needs a 16-byte aligned base and
-        token/page strides that are multiples of 16 bytes (else pass ``tma=False``). :meth:`plan` still
-        stages small steps in registers (no tensor copies) when ``stages`` is None.
+        The ring's whole strips by TMA tensor copies instead of ``cp.async`` (``DecodeConfig.tma``): the ring
+        (``stages`` 2..8 or None), page_size a multiple of 16, and head_dim 64, 128 or 256 (16-bit caches) or 128 or
+        256 (FP8 caches, whose scales still go by ``cp.async``). None takes :data:`cukv.policy.decode.DEFAULT_TMA`
+        (16-bit: on) or :data:`cukv.policy.decode.DEFAULT_FP8_TMA` (FP8: off, not yet measured) where it applies; the
+        cache then needs a 16-byte aligned base and token/page strides that are multiples of 16 bytes (else pass
+        ``tma=False``). :meth:`plan` still stages small steps in registers (no tensor copies) when ``stages`` is None.
     cluster_merge : bool
         Let the splits of one (sequence, KV head) form a thread-block cluster that merges through distributed
         shared memory (default); False always merges through global memory. :meth:`plan` uses a cluster for
@@ -209,8 +210,9 @@ class BatchDecode:
 
 
 def _page_bytes(a) -> tuple:
-    """A 16-bit cache's K (or V) ``[pages][page_size][heads][head_dim]`` as the byte tensor ``[..][head_dim * 2]``
-    :func:`cukv.tma.encode_bytes` reads: ``(shape, strides)`` in bytes; any strides but a unit dim stride."""
+    """A cache's K (or V) ``[pages][page_size][heads][head_dim]`` as the byte tensor ``[..][head_dim * itemsize]``
+    (16-bit values, or FP8 codes as they are) :func:`cukv.tma.encode_bytes` reads: ``(shape, strides)`` in bytes;
+    any strides but a unit dim stride."""
     if a.strides[3] != a.itemsize:
         raise ValueError(f"cache rows must have a unit dim stride for tensor copies; strides (bytes) {a.strides}")
     shape = tuple(int(n) for n in a.shape[:3]) + (int(a.shape[3]) * a.itemsize,)
@@ -218,9 +220,10 @@ def _page_bytes(a) -> tuple:
 
 
 def _tma_maps(cache):
-    """The ``DecodeMaps`` kernel argument of a ``tma`` config (templates/decode_ring.cuh): the K and V tensor maps over
-    the cache's bytes ``[pages][page_size][heads][head_dim * 2]``, boxes of one 64-dim atom (128 bytes) x 16 tokens of
-    one head and page, with the ring's 128-byte swizzle (encodings are memoized by cukv/tma.py)."""
+    """The ``DecodeMaps`` kernel argument of a ``tma`` config (templates/decode_common.cuh): the K and V tensor maps
+    over the cache's bytes ``[pages][page_size][heads][row bytes]``, boxes of one 128-byte atom (64 16-bit dims or 128
+    FP8 codes) x 16 tokens of one head and page, with the ring's 128-byte swizzle (encodings are memoized by
+    cukv/tma.py). The FP8 scales are not mapped: they go by cp.async."""
     from .. import tma
 
     return tma.as_maps_arg(*(tma.encode_bytes(f"cache.{n}", int(a.data.ptr), *_page_bytes(a), 128, 16, tma.SWIZZLE_128B)

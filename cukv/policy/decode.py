@@ -33,6 +33,9 @@ DEFAULT_TMA = True
 RING_MIN_BYTES = 192 << 20
 #: a cluster merge's splits stay at most this many tokens: longer ones stream too long (docs/tuning.md)
 CLUSTER_MAX_TOKENS = 256
+#: the FP8 ring's whole strips by TMA tensor copies (DecodeConfig.tma) where it applies: built, not yet measured
+#: (docs/tuning.md "decode `tma`, FP8"), so off
+DEFAULT_FP8_TMA = False
 
 
 def staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub, stages,
@@ -71,11 +74,14 @@ def decode_config(dtype: str = "bfloat16", head_dim: int = 128, group: int = 4, 
                   scale_block: int = 0, sub: int | None = None, stages: int | None = None,
                   cluster: int = 0, tma: bool | None = False) -> DecodeConfig:
     """A :class:`DecodeConfig` with ``stages``/``sub`` left None set to the default staging (:func:`staging`), and
-    ``tma`` None set to :data:`DEFAULT_TMA` where the 16-bit ring applies (off elsewhere)."""
+    ``tma`` None set to :data:`DEFAULT_TMA` (16-bit caches) or :data:`DEFAULT_FP8_TMA` where tensor copies apply
+    (off elsewhere)."""
+    default_tma = DEFAULT_TMA if kv_dtype is None else DEFAULT_FP8_TMA
     stages, sub = staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub,
-                          stages, cluster, (DEFAULT_TMA if tma is None else tma) is True)
+                          stages, cluster, (default_tma if tma is None else tma) is True)
     if tma is None:
-        tma = DEFAULT_TMA and bool(stages) and kv_dtype is None and page_size % 16 == 0 and head_dim % 64 == 0
+        atom = 64 if kv_dtype is None else 128  # dims per 128-byte row atom
+        tma = default_tma and bool(stages) and page_size % 16 == 0 and head_dim % atom == 0
     return DecodeConfig(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub,
                         stages, cluster, tma)
 
