@@ -218,6 +218,11 @@ class DecodeConfig(DecodeShape, KernelConfig):
                        f"tensor copies move 128-byte atoms ({atom} {kind} dims): head_dim={self.head_dim} must be a "
                        f"multiple of {atom}")
             check_rule(c, "tma", self.tma, self.stages > 0, "tensor copies fill the shared-memory ring: stages must be 2..8")
+            # measured: with 32- or 64-dim scale blocks the FP8 tensor-copy ring's output differed from the cp.async
+            # ring's on an H100 (docs/tuning.md "decode `tma`"); one scale per token or per tensor matched bit for bit
+            check_rule(c, "tma", self.tma, not self.quantized or self.scale_block in (0, self.head_dim),
+                       f"an FP8 cache by tensor copies takes token or tensor scales (scale_block {self.head_dim} or "
+                       f"0), not scale_block={self.scale_block}")
         if self.stages:
             check_rule(c, "stages", self.stages, ring_ok,
                        "the shared-memory ring needs a 16-bit cache, page_size a multiple of 16 and head_dim a "
