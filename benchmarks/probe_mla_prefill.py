@@ -4,8 +4,7 @@ interleaved rounds (the first config is the baseline) and prints one line per sh
     python benchmarks/probe_mla_prefill.py --configs 128x64x4,128x128x2:pvw,128x96x4:pp [--shapes 4x16x4096,...]
 
 A config is ``BMxBNxSTAGES`` with optional ``:pp`` (pingpong), ``:pvw`` (pv_wait), ``:pers`` (persistent grid),
-``:tma`` (tensor copies), ``:st`` (the output through shared memory by TMA, ``tma_store``) and ``:ov`` (S(t) beside
-P V(t - 1), ``overlap``) flags, and ``:D=NAME``
+``:tma`` (tensor copies) and ``:st`` (the output through shared memory by TMA, ``tma_store``) flags, and ``:D=NAME``
 compiles that variant with the preprocessor define NAME (an experiment switch, e.g. ``:D=CUKV_MLA_PRODUCER_SLEEP``);
 ``--unchecked`` skips the measured domain rules (ptxas and the static_asserts still
 apply)."""
@@ -28,7 +27,7 @@ def parse(text: str, page: int):
         DEFINES[entry] = " ".join(f[2:] for f in flags if f.startswith("D="))
         out[entry] = MLAPrefillConfig("bfloat16", BM=bm, BN=bn, stages=st, page_size=page, pingpong="pp" in flags,
                                       pv_wait="pvw" in flags, persistent="pers" in flags, tma="tma" in flags,
-                                      tma_store="st" in flags, overlap="ov" in flags)
+                                      tma_store="st" in flags)
     return out
 
 

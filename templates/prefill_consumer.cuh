@@ -119,65 +119,48 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
   // PINGPONG: wait for the previous warpgroup's S issue, then let the next one go. Warpgroup 0 goes first
   // and the last skips its final pass, so every named barrier sees as many passes as waits.
   const int ring_next = 4 + (wg + 1) % kConsumerWGs;
-  if constexpr (OVERLAP) {
-    // FlashAttention-3's intra-warpgroup overlap: S(t) and P V(t - 1) are issued together (in warpgroup order
-    // under PINGPONG); the softmax of S(t) runs while P V(t - 1) is still on the tensor cores, its exponentials in
-    // S's registers; O is rescaled and P(t) packed once P V(t - 1) has retired (its registers then hold P(t)).
-    u32 p[BN / 2];
-    Ring vring = ring;  // the V element of the tile whose P waits in p
-    for (int it = 0; it < n_tiles; ++it) {
-      const int n = n_first + n_tiles - 1 - it;
-      float s[kSRegs];
-      const bool ring_wait = PINGPONG && !(wg == 0 && it == 0);
-      const bool ring_pass = PINGPONG && !(wg == kConsumerWGs - 1 && it == n_tiles - 1);
-      issue_scores(sm, buf, ring, q_desc, s, kb, o, wg, it, ring_wait, ws);
-      if (it > 0) {  // P V(t - 1) behind S(t); then S(t) completes while P V(t - 1) may still run
-        mbar_wait(sm.full + 8 * vring.stage(), vring.phase());
-        fence_proxy_async();
-        wgmma_fence();
+  for (int it = 0; it < n_tiles; ++it) {
+    const int n = n_first + n_tiles - 1 - it;
+    float s[kSRegs];
+    trace_mark(it, 0);
+    const bool ring_wait = PINGPONG && !(wg == 0 && it == 0);
+    const bool ring_pass = PINGPONG && !(wg == kConsumerWGs - 1 && it == n_tiles - 1);
+    issue_scores(sm, buf, ring, q_desc, s, kb, o, wg, it, ring_wait, ws);
+    if (ring_pass) named_barrier_arrive<256>(ring_next);
+    wgmma_wait<0>();
+    trace_mark(it, 2);
+    // PERSISTENT: the item's last S has read the staged query; warp 0 may stage the next item's
+    if (PERSISTENT && it == n_tiles - 1 && lane == 0) mbar_arrive(sm.q_empty);
+    fence_regs(s);
+    fence_regs(o);
+    scale_scores(sm, ring, s, kb, c);
+    // every wgmma so far is complete: release this tile's K elements and the previous tile's V
+    if (lane == 0) {
+      for (int e = 0; e < kKElems; ++e) mbar_arrive(sm.empty + 8 * ring.ahead(e).stage());
+      if (pending_v >= 0) mbar_arrive(sm.empty + 8 * pending_v);
+    }
+    ring.advance(kKElems);
+
+    // ---- scores, mask, online softmax (rows r0 and r1; 4 lanes share a row). Scores stay unscaled
+    // until the exponent (one FMA); soft-cap and masks are uniform branches, not per-element selects.
+    if (capped) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          const u32 frag[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
-          MmaO::rs(o, frag, buf.v_desc(vring.stage(), kk), 1);
-        }
-        wgmma_commit();
-        if (ring_pass) named_barrier_arrive<256>(ring_next);
-        wgmma_wait<1>();
-      } else {
-        if (ring_pass) named_barrier_arrive<256>(ring_next);
-        wgmma_wait<0>();
-      }
-      if (PERSISTENT && it == n_tiles - 1 && lane == 0) mbar_arrive(sm.q_empty);
-      fence_regs(s);
-      if (lane == 0) mbar_arrive(sm.empty + 8 * ring.stage());  // K(t) is read
-      ring.advance(kKElems);
-      if (capped) {
-#pragma unroll
-        for (int i = 0; i < kSRegs; ++i) s[i] = a.softcap * tanhf(s[i] * (i % 4 < 2 ? cap0 : cap1));
-      }
-      const int key0 = n * BN;
-      if (key0 + BN > wg_hi_min || key0 < wg_lo_max) mask_scores(s, key0, c, lo0, hi0, lo1, hi1);
-      float mx0 = m0, mx1 = m1;
-      row_max(s, mx0, mx1);
+      for (int i = 0; i < kSRegs; ++i) s[i] = a.softcap * tanhf(s[i] * (i % 4 < 2 ? cap0 : cap1));
+    }
+    const int key0 = n * BN;
+    if (key0 + BN > wg_hi_min || key0 < wg_lo_max) mask_scores(s, key0, c, lo0, hi0, lo1, hi1);
+    float mx0 = m0, mx1 = m1;
+    row_max(s, mx0, mx1);
+    // The running max moves (and O is rescaled) only when some row of the warp grew past kRescaleLog2; a row
+    // seeing its first keys (m = -inf) always counts as grown, one with none still visible never does.
+    const bool grow = !kLazyRescale || (mx0 - m0) * sl0 > (float)kRescaleLog2 ||
+                      (mx1 - m1) * sl1 > (float)kRescaleLog2;
+    if (!kLazyRescale || __any_sync(0xffffffffu, grow)) {
       const float alpha0 = fast_exp2(m0 * sl0 - exp_base(mx0, sl0)), alpha1 = fast_exp2(m1 * sl1 - exp_base(mx1, sl1));
       m0 = mx0;
       m1 = mx1;
-      const float base0 = exp_base(m0, sl0), base1 = exp_base(m1, sl1);
-      float t0 = 0.f, t1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        s[4 * j] = fast_exp2(fmaf(s[4 * j], sl0, -base0));
-        s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], sl0, -base0));
-        s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], sl1, -base1));
-        s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], sl1, -base1));
-        t0 += s[4 * j] + s[4 * j + 1];
-        t1 += s[4 * j + 2] + s[4 * j + 3];
-      }
-      l0 = l0 * alpha0 + t0;
-      l1 = l1 * alpha1 + t1;
-      wgmma_wait<0>();  // P V(t - 1): O is whole and p is free
-      fence_regs(o);
-      if (it > 0 && lane == 0) mbar_arrive(sm.empty + 8 * vring.stage());
+      l0 *= alpha0;
+      l1 *= alpha1;
 #pragma unroll
       for (int j = 0; j < kORegs / 4; ++j) {
         o[4 * j] *= alpha0;
@@ -185,115 +168,44 @@ __device__ __forceinline__ void PrefillKernel<Traits>::consume(const PrefillArgs
         o[4 * j + 2] *= alpha1;
         o[4 * j + 3] *= alpha1;
       }
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        p[2 * j] = ElemTraits<PT>::pack(s[4 * j], s[4 * j + 1]);
-        p[2 * j + 1] = ElemTraits<PT>::pack(s[4 * j + 2], s[4 * j + 3]);
-      }
-      vring = ring;
-      ring.advance();
     }
-    if (n_tiles > 0) {  // the last tile's P V; the common tail below waits for it and releases its V
-      mbar_wait(sm.full + 8 * vring.stage(), vring.phase());
-      fence_proxy_async();
-      wgmma_fence();
+    const float base0 = exp_base(m0, sl0), base1 = exp_base(m1, sl1);
+    u32 p[BN / 2];
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const u32 frag[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
-        MmaO::rs(o, frag, buf.v_desc(vring.stage(), kk), 1);
-      }
-      wgmma_commit();
-      pending_v = vring.stage();
+    for (int j = 0; j < BN / 8; ++j) {
+      const float e0 = fast_exp2(fmaf(s[4 * j], sl0, -base0)), e1 = fast_exp2(fmaf(s[4 * j + 1], sl0, -base0));
+      const float e2 = fast_exp2(fmaf(s[4 * j + 2], sl1, -base1)), e3 = fast_exp2(fmaf(s[4 * j + 3], sl1, -base1));
+      l0 += e0 + e1;
+      l1 += e2 + e3;
+      p[2 * j] = ElemTraits<PT>::pack(e0, e1);
+      p[2 * j + 1] = ElemTraits<PT>::pack(e2, e3);
     }
-  } else {
-    for (int it = 0; it < n_tiles; ++it) {
-      const int n = n_first + n_tiles - 1 - it;
-      float s[kSRegs];
-      trace_mark(it, 0);
-      const bool ring_wait = PINGPONG && !(wg == 0 && it == 0);
-      const bool ring_pass = PINGPONG && !(wg == kConsumerWGs - 1 && it == n_tiles - 1);
-      issue_scores(sm, buf, ring, q_desc, s, kb, o, wg, it, ring_wait, ws);
-      if (ring_pass) named_barrier_arrive<256>(ring_next);
+
+    // ---- O += P V (P from registers: k16 step kk uses score columns 16kk .. 16kk + 15)
+    const int vstage = ring.stage();
+    trace_mark(it, 3);
+    const u32 tv0 = WaitStats::now();
+    mbar_wait(sm.full + 8 * vstage, ring.phase());
+    WaitStats::add(ws.v, tv0);
+    trace_mark(it, 4);
+    fence_proxy_async();
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const u32 frag[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
+      MmaO::rs(o, frag, buf.v_desc(vstage, kk), 1);
+    }
+    wgmma_commit();
+    trace_mark(it, 5);
+    if constexpr (PV_WAIT) {
       wgmma_wait<0>();
-      trace_mark(it, 2);
-      // PERSISTENT: the item's last S has read the staged query; warp 0 may stage the next item's
-      if (PERSISTENT && it == n_tiles - 1 && lane == 0) mbar_arrive(sm.q_empty);
-      fence_regs(s);
       fence_regs(o);
-      scale_scores(sm, ring, s, kb, c);
-      // every wgmma so far is complete: release this tile's K elements and the previous tile's V
-      if (lane == 0) {
-        for (int e = 0; e < kKElems; ++e) mbar_arrive(sm.empty + 8 * ring.ahead(e).stage());
-        if (pending_v >= 0) mbar_arrive(sm.empty + 8 * pending_v);
-      }
-      ring.advance(kKElems);
-
-      // ---- scores, mask, online softmax (rows r0 and r1; 4 lanes share a row). Scores stay unscaled
-      // until the exponent (one FMA); soft-cap and masks are uniform branches, not per-element selects.
-      if (capped) {
-  #pragma unroll
-        for (int i = 0; i < kSRegs; ++i) s[i] = a.softcap * tanhf(s[i] * (i % 4 < 2 ? cap0 : cap1));
-      }
-      const int key0 = n * BN;
-      if (key0 + BN > wg_hi_min || key0 < wg_lo_max) mask_scores(s, key0, c, lo0, hi0, lo1, hi1);
-      float mx0 = m0, mx1 = m1;
-      row_max(s, mx0, mx1);
-      // The running max moves (and O is rescaled) only when some row of the warp grew past kRescaleLog2; a row
-      // seeing its first keys (m = -inf) always counts as grown, one with none still visible never does.
-      const bool grow = !kLazyRescale || (mx0 - m0) * sl0 > (float)kRescaleLog2 ||
-                        (mx1 - m1) * sl1 > (float)kRescaleLog2;
-      if (!kLazyRescale || __any_sync(0xffffffffu, grow)) {
-        const float alpha0 = fast_exp2(m0 * sl0 - exp_base(mx0, sl0)), alpha1 = fast_exp2(m1 * sl1 - exp_base(mx1, sl1));
-        m0 = mx0;
-        m1 = mx1;
-        l0 *= alpha0;
-        l1 *= alpha1;
-  #pragma unroll
-        for (int j = 0; j < kORegs / 4; ++j) {
-          o[4 * j] *= alpha0;
-          o[4 * j + 1] *= alpha0;
-          o[4 * j + 2] *= alpha1;
-          o[4 * j + 3] *= alpha1;
-        }
-      }
-      const float base0 = exp_base(m0, sl0), base1 = exp_base(m1, sl1);
-      u32 p[BN / 2];
-  #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const float e0 = fast_exp2(fmaf(s[4 * j], sl0, -base0)), e1 = fast_exp2(fmaf(s[4 * j + 1], sl0, -base0));
-        const float e2 = fast_exp2(fmaf(s[4 * j + 2], sl1, -base1)), e3 = fast_exp2(fmaf(s[4 * j + 3], sl1, -base1));
-        l0 += e0 + e1;
-        l1 += e2 + e3;
-        p[2 * j] = ElemTraits<PT>::pack(e0, e1);
-        p[2 * j + 1] = ElemTraits<PT>::pack(e2, e3);
-      }
-
-      // ---- O += P V (P from registers: k16 step kk uses score columns 16kk .. 16kk + 15)
-      const int vstage = ring.stage();
-      trace_mark(it, 3);
-      const u32 tv0 = WaitStats::now();
-      mbar_wait(sm.full + 8 * vstage, ring.phase());
-      WaitStats::add(ws.v, tv0);
-      trace_mark(it, 4);
-      fence_proxy_async();
-      wgmma_fence();
-  #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const u32 frag[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
-        MmaO::rs(o, frag, buf.v_desc(vstage, kk), 1);
-      }
-      wgmma_commit();
-      trace_mark(it, 5);
-      if constexpr (PV_WAIT) {
-        wgmma_wait<0>();
-        fence_regs(o);
-        if (lane == 0) mbar_arrive(sm.empty + 8 * vstage);
-      } else {
-        fence_regs(o);
-        pending_v = vstage;
-      }
-      ring.advance();
+      if (lane == 0) mbar_arrive(sm.empty + 8 * vstage);
+    } else {
+      fence_regs(o);
+      pending_v = vstage;
     }
+    ring.advance();
   }
   wgmma_wait<0>();
   fence_regs(o);

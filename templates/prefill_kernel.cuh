@@ -16,7 +16,7 @@ struct PrefillKernel {
                        STAGES = Traits::stages, PAGE_SIZE = Traits::page_size, SCALE_BLOCK = Traits::scale_block,
                        TMA_ROWS = Traits::tma_rows, ONCE_PAGE = Traits::once_page;
   static constexpr bool QUANTIZED = Traits::quantized, FP8_SCORES = Traits::fp8_scores, PINGPONG = Traits::pingpong,
-                        PERSISTENT = Traits::persistent, PV_WAIT = Traits::pv_wait, OVERLAP = Traits::overlap;
+                        PERSISTENT = Traits::persistent, PV_WAIT = Traits::pv_wait;
 
   typedef KVBuffer<T, BN, BK, DEPTH, STAGES> Buf;
   typedef RingState<STAGES> Ring;  // a role's position in the K/V ring (Buf)
@@ -43,8 +43,6 @@ struct PrefillKernel {
                 "the persistent grid: convert-once's, or a 16-bit cache's by tensor copies (the MLA producer: either), "
                 "the whole head in one element, beside a producer warpgroup");
   static_assert(!PINGPONG || kConsumerWGs > 1, "PINGPONG orders two or three consumer warpgroups");
-  static_assert(!OVERLAP || (!FP8_SCORES && !PV_WAIT && !QUANTIZED && Buf::num_k_tiles == 1),
-                "OVERLAP: 16-bit scores of one K element a tile, P V(t - 1) beside S(t)");
   static constexpr int kThreads = (kConsumerWGs + 1) * 128;  // warpgroup 0 produces
   // Register split between the producer warpgroup and the consumers (setmaxnreg), decided by
   // PrefillConfig.producer_registers / consumer_registers (cukv/prefill_config.py); 0: no setmaxnreg (one consumer

@@ -246,26 +246,3 @@ def test_bench_shapes_and_table():
     text = b.format_table({"device": "H100", "peers": "imported", "rows": [r], "geomean_cukv_over_cudnn": 1.2})
     assert "peer/cukv 1.200" in text and "flashinfer failed: x" in text and "geomean_cukv_over_cudnn: 1.200" in text
     assert build_parser().parse_args(["bench", "mla-prefill", "--quick"]).what == "mla-prefill"
-
-
-@pytest.mark.parametrize("page_size", [0, 64])
-def test_overlap_compiles_without_spills_or_serialized_wgmma(page_size):
-    """S(t) beside P V(t - 1) (MLAPrefillConfig.overlap) on the default tile: no spills, and ptxas keeps the wgmmas
-    asynchronous (no C7514/C7512 serialization: the S accumulators are read only after the wait that covers them)."""
-    import dataclasses
-
-    from cukv.policy.mla_prefill import default_config
-
-    cfg = dataclasses.replace(default_config("bfloat16", page_size), overlap=True)
-    mod = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a")
-    f = mod.functions[cfg.name]
-    assert cfg.name.endswith("_ov") and f.spills == 0 and f.stack_frame == 0, f
-    assert "C7514" not in str(mod.log) and "C7512" not in str(mod.log)
-
-
-def test_overlap_domain():
-    from cukv.configs.mla_prefill import MLAPrefillConfig
-
-    for kw in ({"BM": 192, "BN": 64}, {"BN": 128, "pv_wait": True}):
-        with pytest.raises(ValueError, match="overlap"):
-            MLAPrefillConfig("bfloat16", stages=3, persistent=True, tma=True, overlap=True, **kw)

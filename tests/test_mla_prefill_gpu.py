@@ -18,13 +18,10 @@ pytestmark = pytest.mark.gpu
 
 #: every row of a sequence up to this many queries is checked; longer ones on FULL_ROWS sampled rows
 FULL_ROWS = 160
-#: the kernel variants (MLAPrefillConfig.persistent, .tma, .stages, .tma_store, .overlap) the correctness tests run
-#: over the default tile (3 stages only on the persistent grid: one block per item spills there); "wide": plan's
-#: 192 x 96 tile
-VARIANTS = {"base": (False, False, 2, False, False), "pers": (True, False, 3, False, False),
-            "tma": (False, True, 2, False, False), "pers_tma": (True, True, 3, False, False),
-            "pers_tma_st": (True, True, 3, True, False), "pers_tma_ov": (True, True, 3, False, True),
-            "wide": (True, True, 3, False, False)}
+#: the kernel variants (MLAPrefillConfig.persistent, .tma, .stages, .tma_store) the correctness tests run over the
+#: default tile (3 stages only on the persistent grid: one block per item spills there); "wide": plan's 192 x 96 tile
+VARIANTS = {"base": (False, False, 2, False), "pers": (True, False, 3, False), "tma": (False, True, 2, False),
+            "pers_tma": (True, True, 3, False), "pers_tma_st": (True, True, 3, True), "wide": (True, True, 3, False)}
 #: a persistent grid this small walks several items per block in the tests' small batches
 TEST_BLOCKS = 5
 
@@ -33,11 +30,11 @@ def variant(name, dtype="bfloat16", page_size=None):
     """(config, max_blocks) of variant ``name`` over the default tile."""
     from cukv.policy.mla_prefill import default_config
 
-    persistent, tma, stages, tma_store, overlap = VARIANTS[name]
+    persistent, tma, stages, tma_store = VARIANTS[name]
     base = default_config(dtype, 0 if page_size is None else page_size, name == "wide")
     # off the persistent grid a one-tile ring of 128 keys needs pv_wait (the config's stages rule)
     cfg = dataclasses.replace(base, persistent=persistent, tma=tma, stages=stages, tma_store=tma_store,
-                              pv_wait=(base.pv_wait or not persistent) and not overlap, overlap=overlap)
+                              pv_wait=base.pv_wait or not persistent)
     return cfg, (TEST_BLOCKS if persistent else None)
 
 

@@ -65,8 +65,6 @@ tile itself). The staging does not fit beside BM = 192's usual rings.
     tma: bool = False
     #: the output through shared memory by TMA (per consumer warp; LSE stays a direct store)
     tma_store: bool = False
-    #: FlashAttention-3's intra-warpgroup overlap: the softmax of S(t) runs while P V(t - 1) is on the tensor cores
-    overlap: bool = False
 
     def __post_init__(self):
         c = "MLAPrefillConfig"
@@ -80,11 +78,6 @@ tile itself). The staging does not fit beside BM = 192's usual rings.
         check_bool(c, "persistent", self.persistent)
         check_bool(c, "tma", self.tma)
         check_bool(c, "tma_store", self.tma_store)
-        check_bool(c, "overlap", self.overlap)
-        if self.overlap:  # S, the previous P and O live together: two consumer warpgroups' registers hold them
-            check_rule(c, "overlap", True, self.BM == 128 and not self.pv_wait,
-                       f"needs BM=128 (not {self.BM}) and pv_wait=False (not {self.pv_wait}): S, the previous tile's "
-                       "P and O are live together")
         if self.pingpong:
             check_rule(c, "pingpong", True, self.BM >= 128,
                        f"needs two or more consumer warpgroups (BM >= 128, not {self.BM})")
@@ -221,14 +214,14 @@ tile itself). The staging does not fit beside BM = 192's usual rings.
         return (f"cukv_mla_prefill_{SHORT[self.dtype]}_p{self.page_size}_m{self.BM}_n{self.BN}_s{self.stages}"
                 + ("_pp" if self.pingpong else "") + ("_pvw" if self.pv_wait else "")
                 + ("_pers" if self.persistent else "") + ("_tma" if self.tma else "")
-                + ("_st" if self.tma_store else "") + ("_ov" if self.overlap else ""))
+                + ("_st" if self.tma_store else ""))
 
     def render_params(self) -> dict:
         return dict(
             name=self.name, ctype=CTYPES[self.dtype], BM=self.BM, BN=self.BN, stages=self.stages,
             page_size=self.page_size, pingpong=self.pingpong, pv_wait=self.pv_wait, persistent=self.persistent,
             tma=self.tma, tma_rows=self.tma_rows, rope_tma_rows=self.rope_tma_rows, maps_bytes=3 * MAP_BYTES,
-            tma_store=self.tma_store, out_bytes=self.out_bytes, overlap=self.overlap,
+            tma_store=self.tma_store, out_bytes=self.out_bytes,
             once_args_bytes=ONCE_ARGS.itemsize,
             producer_registers=self.producer_registers, consumer_registers=self.consumer_registers,
             q_bytes=self.q_bytes, smem_bytes=self.smem_bytes, num_threads=self.num_threads,
