@@ -5,7 +5,7 @@ Examples
 --------
 >>> from cukv.policy.mla_prefill import default_config, wide_tile
 >>> default_config("bfloat16", page_size=64).name
-'cukv_mla_prefill_bf16_p64_m128_n128_s3_pp_pers_tma'
+'cukv_mla_prefill_bf16_p64_m128_n128_s3_pp_pers_tma_st'
 >>> default_config("bfloat16", page_size=64, wide=True).name     # three consumer warpgroups
 'cukv_mla_prefill_bf16_p64_m192_n96_s3_pp_pvw_pers_tma'
 >>> wide_tile([8192], [8192], "causal"), wide_tile([2048] * 4, [2048] * 4, "causal")   # 4096 vs 1024 keys a query
@@ -19,6 +19,9 @@ from ..configs.mla_prefill import MLAPrefillConfig
 #: ring by 9-18% on every bench shape, 3 stages (persistent grid only: off it they spill) another 1.7%; on three
 #: stages P V(t) overlaps S(t + 1) (no pv_wait): 1.01-1.05x on short prompts and h16 (docs/tuning.md "MLA prefill")
 TILE = (128, 128, 3, True, False)
+#: TILE stores O through shared memory by TMA (MLAPrefillConfig.tma_store): the batches it serves (short prompts) have
+#: short items, whose direct stores held the consumers before the next item: 1.01-1.05x there (docs/tuning.md)
+TILE_TMA_STORE = True
 #: the tile where queries see WIDE_MIN_KEYS keys or more on average: 192 query rows (three consumer warpgroups) x 96
 #: keys, 1.03-1.06x TILE on long prompts and over long prefixes, 0.93-0.99x on short causal prompts (2048-4096 tokens,
 #: where the 192-row tiles split sequences unevenly) (H200, docs/tuning.md "MLA prefill")
@@ -43,11 +46,12 @@ def wide_tile(q_lengths, kv_lengths, mask: str) -> bool:
 
 
 def default_config(dtype: str, page_size: int, wide: bool = False) -> MLAPrefillConfig:
-    """The default tile (:data:`TILE`, or :data:`WIDE_TILE` when ``wide``; :data:`PERSISTENT`, :data:`TMA`) for
+    """The default tile (:data:`TILE` with :data:`TILE_TMA_STORE`, or :data:`WIDE_TILE` when ``wide``;
+    :data:`PERSISTENT`, :data:`TMA`) for
     ``dtype`` and a rope source of ``page_size`` (0: contiguous)."""
     bm, bn, stages, pingpong, pv_wait = WIDE_TILE if wide else TILE
     return MLAPrefillConfig(dtype, BM=bm, BN=bn, stages=stages, page_size=page_size, pingpong=pingpong,
-                            pv_wait=pv_wait, persistent=PERSISTENT, tma=TMA)
+                            pv_wait=pv_wait, persistent=PERSISTENT, tma=TMA, tma_store=TILE_TMA_STORE and not wide)
 
 
 def shipped() -> list:
