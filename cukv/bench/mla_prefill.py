@@ -2,8 +2,8 @@
 beside, in the same process, cuDNN through ``torch.nn.functional.scaled_dot_product_attention`` (which needs K
 materialized as ``[k_nope | k_rope broadcast]``: the kernel alone is timed, not the copy) and FlashInfer's ragged
 FA3 prefill (``head_dim_qk=192, head_dim_vo=128``) when ``flashinfer`` imports (../shared/peers/README.md: source
-``.peers/activate.sh`` first). L2 flushed before every call, CUDA events, medians. TFLOP/s count
-``B*H*Sq*Sk*(192+128)*2`` over the (query, key) pairs the mask keeps (:func:`cukv.ops.mla_prefill.mla_prefill_flops`).
+``.peers/activate.sh`` first). L2 flushed before every call, CUDA events; cukv and the peers in interleaved rounds,
+median of the round medians. TFLOP/s count ``B*H*Sq*Sk*(192+128)*2`` over the (query, key) pairs the mask keeps (:func:`cukv.ops.mla_prefill.mla_prefill_flops`).
 
 Shapes ``BxHxS`` (batch, heads, new tokens): 1x128x8192, 4x128x2048, 1x32x8192, 1x16x16384, 4x16x4096 causal; 2048
 new tokens over a 16K cached prefix at h128 in one shot (causal), and the same as a non-causal context chunk."""
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from .timing import Timer, geomean
+from .timing import Timer, geomean, interleaved_medians
 
 PAGE = 64
 # (name, batch, heads, new tokens, cached prefix, mask)
@@ -75,8 +75,8 @@ def _peers():
     return torch, flashinfer, None
 
 
-def _time_cudnn(torch, timer, reps, q, k_full, v, batch, heads, q_len, kv_len, mask):
-    """cuDNN SDPA on [B, H, L, D] copies (K materialized with the broadcast rope); returns (ms, output [T, H, 128])."""
+def _cudnn_fn(torch, q, k_full, v, batch, heads, q_len, kv_len, mask):
+    """cuDNN SDPA on [B, H, L, D] copies (K materialized with the broadcast rope): ``(fn, output [T, H, 128])``."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -91,15 +91,18 @@ def _time_cudnn(torch, timer, reps, q, k_full, v, batch, heads, q_len, kv_len, m
         else:  # bottom-right: query i sees keys <= kv_len - q_len + i
             i = torch.arange(q_len, device=tq.device)[:, None]
             kw["attn_mask"] = torch.arange(kv_len, device=tq.device)[None, :] <= kv_len - q_len + i
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        fn = lambda: F.scaled_dot_product_attention(tq, tk, tv, **kw)  # noqa: E731
-        out = fn()
-        torch.cuda.synchronize()
-        ms = timer.median_ms(fn, reps=reps)
-    return ms, out.transpose(1, 2).reshape(batch * q_len, heads, 128)
+
+    def fn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(tq, tk, tv, **kw)
+
+    out = fn()
+    torch.cuda.synchronize()
+    return fn, out.transpose(1, 2).reshape(batch * q_len, heads, 128)
 
 
-def _time_flashinfer(torch, fi, timer, reps, q, k_full, v, batch, heads, q_len, kv_len, mask):
+def _flashinfer_fn(torch, fi, q, k_full, v, batch, heads, q_len, kv_len, mask):
+    """FlashInfer's ragged FA3 prefill on the same tokens: ``(fn, output [T, H, 128])``."""
     dev = torch.device("cuda")
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     w = fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
@@ -111,11 +114,12 @@ def _time_flashinfer(torch, fi, timer, reps, q, k_full, v, batch, heads, q_len, 
     fn = lambda: w.run(tq, tk, tv)  # noqa: E731
     out = fn()
     torch.cuda.synchronize()
-    return timer.median_ms(fn, reps=reps), out
+    return fn, out
 
 
-def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict:
-    """Time every shape (``quick``: two); returns and (with ``out_dir``) writes ``bench_mla_prefill.json``."""
+def run(out_dir: str | None = None, quick: bool = False, reps: int = 20, rounds: int = 3) -> dict:
+    """Time every shape (``quick``: two); returns and (with ``out_dir``) writes ``bench_mla_prefill.json``. Each shape
+    times cukv and the peers in ``rounds`` interleaved rounds of ``reps`` calls in all."""
     import cupy as cp
 
     from ..ops.mla_prefill import BatchMLAPrefill, mla_prefill_flops
@@ -134,23 +138,27 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
         fn()
         cp.cuda.Device().synchronize()
         r = {"shape": name, "batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len, "mask": mask,
-             "cukv_ms": timer.median_ms(fn, reps=reps), "config": pf.config.name}
-        mine = None
+             "config": pf.config.name}
+        fns = {"cukv": fn}
         if torch is not None:
             mine = torch.from_dlpack(out).view(torch.bfloat16).float()
             rope = _rope_rows(cache, table, kv_len)
             k_full = cp.concatenate([k_nope, cp.broadcast_to(rope[:, None], (rope.shape[0], heads, 64))], axis=2)
-            for peer, timed in (("cudnn", _time_cudnn), ("flashinfer", _time_flashinfer if fi else None)):
-                if timed is None:
+            for peer, make in (("cudnn", _cudnn_fn), ("flashinfer", _flashinfer_fn if fi else None)):
+                if make is None:
                     continue
                 try:
                     args = (torch, fi) if peer == "flashinfer" else (torch,)
-                    ms, po = timed(*args, timer, reps, q, k_full, v, batch, heads, q_len, kv_len, mask)
-                    r[f"{peer}_ms"] = ms
+                    fns[peer], po = make(*args, q, k_full, v, batch, heads, q_len, kv_len, mask)
                     r[f"{peer}_max_abs_diff"] = float((po.float() - mine).abs().max())
                 except Exception as e:  # noqa: BLE001 - a peer that cannot run a shape is reported, not fatal
                     r[f"{peer}_ms"], r[f"{peer}_error"] = None, f"{type(e).__name__}: {str(e)[:120]}"
-            k_full = rope = None
+            rope = None
+        # cukv and the peers in interleaved rounds (median of the round medians): a slow spell of the machine
+        # lands on every side, not on one
+        for k, ms in interleaved_medians(timer, fns, reps, rounds).items():
+            r[f"{k}_ms"] = ms
+        fns = k_full = None
         flops = mla_prefill_flops(batch, q_len, kv_len, heads, causal=mask == "causal")
         for k in ("cukv",) + PEERS:
             if r.get(f"{k}_ms"):
