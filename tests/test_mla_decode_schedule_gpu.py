@@ -14,7 +14,9 @@ SCHEDULES = ["split", "alternate", "slices"]  # "slices": schedule="alternate", 
 
 
 def _kw(schedule):
-    return {"schedule": "alternate", "slice_release": True} if schedule == "slices" else {"schedule": schedule}
+    # explicit slice_release: from 128 heads the policy turns it on by default
+    return ({"schedule": "alternate", "slice_release": True} if schedule == "slices"
+            else {"schedule": schedule, "slice_release": False})
 
 CASES = [  # (lens, s_q, heads, page_size)
     ([1], 1, 16, 64),                    # one tile: warpgroup 1 only takes P
