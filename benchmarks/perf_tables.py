@@ -4,7 +4,8 @@
 
 To refresh the page after a GPU run: copy `$OUT/bench_*.json` (and the PNGs) from `make gpu-check OUT=out` into
 docs/perf/ under a name that ends in the device (`bench_prefill_h100.json`), then run this script. One table per
-JSON file: decode (`bench decode`, bf16 or FP8), prefill (`bench prefill`), FP8 prefill (`--kv-dtype fp8_e4m3`), MLA decode (`bench mla-decode`), MLA prefill (`bench mla-prefill`).
+JSON file: decode (`bench decode`, bf16 or FP8), prefill (`bench prefill`), FP8 prefill (`--kv-dtype fp8_e4m3`), MLA decode (`bench mla-decode`), MLA prefill (`bench mla-prefill`),
+sparse MLA (`bench sparse-mla`).
 The script reads nothing but the JSON, so the page always says what the files hold.
 """
 from __future__ import annotations
@@ -139,12 +140,25 @@ def mla_prefill_table(name, d):
     return out
 
 
+def sparse_mla_table(name, d):
+    """``bench sparse-mla``: cukv beside FlashMLA's sparse kernels (same call)."""
+    out = [f"### `{name}`", "", f"{d['device']}; FlashMLA: {d.get('flashmla', '-')}; FLOPs 2 x tokens x H x topk x "
+           "(576 + 512).", "", "| shape | cukv ms | TFLOP/s | FlashMLA ms | FlashMLA TFLOP/s | FlashMLA/cukv |",
+           "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        out.append(f"| {r['shape']} | {_f(r['cukv_ms'])} | {_f(r['cukv_tflops'], 0)} | {_f(r.get('flashmla_ms'))} | "
+                   f"{_f(r.get('flashmla_tflops'), 0)} | {_f(r.get('flashmla_over_cukv'), 3)} |")
+    return out
+
+
 def table(path):
     name = os.path.basename(path)
     d = json.load(open(path))
     row = d["rows"][0]
     if name.startswith("bench_mla_prefill"):
         return "mlap", mla_prefill_table(name, d)
+    if name.startswith("bench_sparse_mla"):
+        return "sparse", sparse_mla_table(name, d)
     if "flashmla_over_cukv" in row or name.startswith("bench_mla_decode"):
         return "mla", mla_decode_table(name, d)
     if "ctx" in row:
@@ -169,7 +183,8 @@ limit moves a few percent between calls.
 
 SECTIONS = {"decode": "## Decode", "prefill": "## Prefill (16-bit cache)", "fp8": "## Prefill (FP8 e4m3 cache)",
             "mla": "## MLA decode (absorbed, bf16 latent cache)",
-            "mlap": "## MLA prefill (non-absorbed, 192/128, bf16, rope from a page-64 cache)"}
+            "mlap": "## MLA prefill (non-absorbed, 192/128, bf16, rope from a page-64 cache)",
+            "sparse": "## Sparse MLA (top-k prefill and FP8 decode)"}
 
 
 def render(perf_dir):
