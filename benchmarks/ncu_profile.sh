@@ -3,6 +3,7 @@
 # reports, their details and per-SASS-instruction source counters land in ${1:-$OUT}. PF_ARGS go to ncu_launches.py prefill
 # (e.g. "--heads 32/32 --strategy convert_once"), NCU_EXTRA to ncu.
 #   [WHICH=prefill|decode] bash benchmarks/ncu_profile.sh "$OUT" [prefill-shape] [decode-cell]
+#   WHICH=mla-prefill [MLA_SHAPE="1x16x16384"] bash benchmarks/ncu_profile.sh "$OUT": the MLA prefill beside FA3, summarized
 set -u
 out=${1:-${OUT:-out}}; pshape=${2:-2x4096x128}; dcell=${3:-64x4096}
 mkdir -p "$out"
@@ -20,5 +21,11 @@ run() {  # name, kernel regex, skip, script and its args...
   ncu -i "$out/$name.ncu-rep" --page source --print-source sass --csv > "$out/${name}_sass.csv" 2>&1
   ls -la "$out/$name"*
 }
+if [ "${WHICH:-all}" = mla-prefill ]; then  # cukv's MLA prefill beside FlashInfer's FA3 kernel (the .peers kit)
+  [ -f .peers/activate.sh ] && source .peers/activate.sh .peers > /dev/null 2>&1
+  run mlap "(?i)prefill" 2 benchmarks/ncu_launches.py mla-prefill "${MLA_SHAPE:-1x16x16384}" --peers
+  python3 benchmarks/ncu_sass_summary.py "$out/mlap_sass.csv" | tail -60
+  exit 0
+fi
 [ "${WHICH:-all}" = decode ] || run pf cukv_prefill 4 benchmarks/ncu_launches.py prefill "$pshape" ${PF_ARGS:-}
 [ "${WHICH:-all}" = prefill ] || run dec cukv_decode 2 benchmarks/ncu_launches.py decode "$dcell"
