@@ -45,7 +45,7 @@ class BatchDecode:
         The ring's whole strips by TMA tensor copies instead of ``cp.async`` (``DecodeConfig.tma``): the ring
         (``stages`` 2..8 or None), page_size a multiple of 16, and head_dim 64, 128 or 256 (16-bit caches) or 128 or
         256 (FP8 caches, whose scales still go by ``cp.async``). None takes :data:`cukv.policy.decode.DEFAULT_TMA`
-        (16-bit: on) or :data:`cukv.policy.decode.DEFAULT_FP8_TMA` (FP8: off, not yet measured) where it applies; the
+        (16-bit: on) or :data:`cukv.policy.decode.DEFAULT_FP8_TMA` (FP8: off; token or tensor scales only) where it applies; the
         cache then needs a 16-byte aligned base and token/page strides that are multiples of 16 bytes (else pass
         ``tma=False``). :meth:`plan` still stages small steps in registers (no tensor copies) when ``stages`` is None.
     cluster_merge : bool
