@@ -171,6 +171,12 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
     if ratios:
         summary["geomean_ratio_cudnn"] = geomean(ratios)
         summary["min_ratio_cudnn"] = float(min(ratios))
+    # every cell (the grid and the extra ones): where cuDNN is faster, and the lowest share of the read ceiling among
+    # the cells that read at least as much K/V as 64 x 4096
+    summary["cells_cudnn_faster"] = [f"{r['batch']} x {r['ctx']}" for r in rows if r.get("ratio_cudnn", 1.0) < 1.0]
+    large = [r["pct_ceiling"] for r in rows if r["batch"] * r["ctx"] >= 64 * 4096]
+    if large:
+        summary["min_pct_ceiling_large"] = float(min(large))
     summary["load_ms"] = warm_load_ms()
     result = {"summary": summary, "rows": rows}
     if out_dir:
@@ -264,6 +270,11 @@ def format_table(result) -> str:
     if "geomean_ratio_cudnn" in s:
         lines.append(f"geomean(cuDNN time / cukv time) over the 4x4 grid = {s['geomean_ratio_cudnn']:.3f}, "
                      f"min {s['min_ratio_cudnn']:.3f}")
+    if "cells_cudnn_faster" in s:
+        slow = s["cells_cudnn_faster"]
+        lines.append(f"cells where cuDNN is faster: {', '.join(slow) if slow else 'none'}")
+    if "min_pct_ceiling_large" in s:
+        lines.append(f"lowest % of the read ceiling at 64 x 4096 tokens and above: {s['min_pct_ceiling_large']:.1f}")
     if "launch_floor_us" in s:
         lines.append(f"harness floor (one tiny kernel, same timing): {s['launch_floor_us']:.1f} us")
     lines.append(f"warm process: decode ready from the disk cache in {s['load_ms']:.1f} ms")
