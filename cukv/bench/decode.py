@@ -7,7 +7,6 @@ same values laid out contiguously ``[B, H_kv, L, D]`` (their best case).
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import time
 import numpy as np
 
 from . import peer_torch
-from .timing import geomean, interleaved_medians  # also the probes' import (benchmarks/probe_*.py)
+from .timing import geomean, interleaved_medians, write_json  # also the probes' import (benchmarks/probe_*.py)
 
 GRID_BATCH = (1, 8, 32, 128)
 GRID_CTX = (512, 2048, 8192, 32768)
@@ -180,10 +179,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
     summary["load_ms"] = warm_load_ms()
     result = {"summary": summary, "rows": rows}
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
         tag = "" if kv_dtype == "bfloat16" else f"_{kv_dtype}"
-        with open(os.path.join(out_dir, f"bench_decode{tag}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(out_dir, f"bench_decode{tag}.json", result)
         _plot(rows, ceiling, os.path.join(out_dir, f"bench_decode{tag}.png"))
     print(format_table(result))
     return result

@@ -3,12 +3,10 @@
 events, medians. FLOPs = ``2 B H s_q ctx (576 + 512)``; bytes = cache rows read + Q + O."""
 from __future__ import annotations
 
-import json
-import os
 
 import numpy as np
 
-from .timing import Timer, geomean, read_ceiling
+from .timing import Timer, geomean, read_ceiling, write_json
 
 PAGE = 64
 # (name, batch, heads, s_q, lengths or ctx)
@@ -211,9 +209,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
             result[f"geomean_{config_label(*c)}_over_cukv"] = geomean(ratios)
     print(format_table(result))
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_mla_decode.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(out_dir, "bench_mla_decode.json", result)
     return result
 
 

@@ -9,13 +9,11 @@ Shapes ``BxHxS`` (batch, heads, new tokens): 1x128x8192, 4x128x2048, 1x32x8192, 
 new tokens over a 16K cached prefix at h128 in one shot (causal), and the same as a non-causal context chunk."""
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import numpy as np
 
-from .timing import Timer, geomean, interleaved_medians
+from .timing import Timer, geomean, interleaved_medians, write_json
 
 PAGE = 64
 # (name, batch, heads, new tokens, cached prefix, mask)
@@ -180,9 +178,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20, rounds:
             result[f"min_cukv_over_{peer}"] = float(min(ratios))
     print(format_table(result))
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_mla_prefill.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(out_dir, "bench_mla_prefill.json", result)
     return result
 
 

@@ -23,7 +23,6 @@ CPU tests work on a machine without a GPU. The probes' own helpers live in bench
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -31,7 +30,7 @@ import numpy as np
 
 from ..ops.prefill import causal_flops  # noqa: F401 - the bench's flop count (FLOPS_FORMULA)
 from . import peer_torch
-from .timing import geomean, interleaved_rounds
+from .timing import geomean, interleaved_rounds, write_json
 
 #: (batch, seq_len, num_qo_heads, num_kv_heads, head_dim)
 SHAPES = (
@@ -318,12 +317,10 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int | None = None
             summary[f"geomean_ratio_{p}"] = geomean(ratios)
     result = {"summary": summary, "rows": rows}
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
         # the default granularity keeps the historical file names; others get their own files
         tag = "" if kv_dtype == "bfloat16" else f"_{kv_dtype}" + ("" if scale_granularity == "token" else
                                                                    f"_{scale_granularity}")
-        with open(os.path.join(out_dir, f"bench_prefill{tag}.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(out_dir, f"bench_prefill{tag}.json", result)
         _plot(rows, summary, os.path.join(out_dir, f"bench_prefill{tag}.png"))
     print(format_table(result))
     return result

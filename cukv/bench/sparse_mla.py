@@ -4,10 +4,8 @@ CUDA events, medians. FLOPs = ``2 * tokens * H * topk * (576 + 512)``. FlashMLA 
 and 32 heads are padded to 64 as serving engines do, and the padded time is reported."""
 from __future__ import annotations
 
-import json
-import os
 
-from .timing import Timer
+from .timing import Timer, write_json
 
 # (name, kind, tokens (prefill s_q; decode batch), s_q, heads, topk, s_kv per request)
 SHAPES = [("prefill h128 s_kv8K", "prefill", 4096, 1, 128, 2048, 8192),
@@ -114,9 +112,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "flashmla": why or "imported",
               "rows": rows}
     if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "bench_sparse_mla.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(out_dir, "bench_sparse_mla.json", result)
     return result
 
 

@@ -123,3 +123,15 @@ def geomean(xs) -> float:
     import numpy as np
 
     return float(np.exp(np.mean(np.log(np.asarray(list(xs), dtype=np.float64)))))
+
+
+def write_json(out_dir: str, name: str, result) -> str:
+    """``result`` as ``out_dir/name`` (indented JSON; the folder is made if missing); returns the path."""
+    import json
+    import os
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
