@@ -3,7 +3,8 @@ beside, in the same process, cuDNN through ``torch.nn.functional.scaled_dot_prod
 materialized as ``[k_nope | k_rope broadcast]``: the kernel alone is timed, not the copy) and FlashInfer's ragged
 FA3 prefill (``head_dim_qk=192, head_dim_vo=128``) when ``flashinfer`` imports (../shared/peers/README.md: source
 ``.peers/activate.sh`` first). L2 flushed before every call, CUDA events; cukv and the peers in interleaved rounds,
-median of the round medians. TFLOP/s count ``B*H*Sq*Sk*(192+128)*2`` over the (query, key) pairs the mask keeps (:func:`cukv.ops.mla_prefill.mla_prefill_flops`).
+median of the round medians. TFLOP/s count ``B*H*Sq*Sk*(192+128)*2`` over the (query, key) pairs the mask keeps
+(:func:`cukv.ops.mla_prefill.mla_prefill_flops`).
 
 Shapes ``BxHxS`` (batch, heads, new tokens): 1x128x8192, 4x128x2048, 1x32x8192, 1x16x16384, 4x16x4096 causal; 2048
 new tokens over a 16K cached prefix at h128 in one shot (causal), and the same as a non-causal context chunk."""
@@ -170,7 +171,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20, rounds:
     from ..policy.mla_prefill import default_config
 
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "peers": why or "imported",
-              "date": time.strftime("%Y-%m-%d"), "cukv": [default_config("bfloat16", PAGE, w).name for w in (False, True)], "rows": rows}
+              "date": time.strftime("%Y-%m-%d"), "rows": rows,
+              "cukv": [default_config("bfloat16", PAGE, w).name for w in (False, True)]}
     for peer in PEERS:
         ratios = [r[f"cukv_over_{peer}"] for r in rows if f"cukv_over_{peer}" in r]
         if ratios:

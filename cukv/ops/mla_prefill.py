@@ -88,9 +88,12 @@ class BatchMLAPrefill:
         page_size = check_int("page_size", page_size, 1, 4096, none_ok=True, note="a contiguous k_rope")
         self.dtype = canonical_dtype(dtype)
         ps = 0 if page_size is None else int(page_size)
-        self._auto = config is None  # plan() picks the tile (cukv.policy.mla_prefill.wide_tile)
+        # config None: plan() picks between the two default tiles (cukv.policy.mla_prefill.wide_tile), made once here
+        # so that each keeps its loaded module
+        self._tiles = None if config is not None else (default_config(self.dtype, ps),
+                                                       default_config(self.dtype, ps, wide=True))
         if config is None:
-            config = default_config(self.dtype, ps)
+            config = self._tiles[0]
         elif not isinstance(config, MLAPrefillConfig):
             raise TypeError(f"config must be an MLAPrefillConfig, got {type(config).__name__}")
         if (config.dtype, config.page_size) != (self.dtype, ps):
@@ -109,8 +112,8 @@ class BatchMLAPrefill:
         qo, kl, ko = mla_prefill_batch(q_offsets, kv_lengths, kv_offsets)
         b = qo.size - 1
         check_choice("mask", mask, MASKS)
-        if self._auto:
-            self.config = default_config(self.dtype, self.config.page_size, wide_tile(np.diff(qo), kl, mask))
+        if self._tiles is not None:
+            self.config = self._tiles[wide_tile(np.diff(qo), kl, mask)]
         cfg = self.config
         self._work, self._num_work = _work_array(_work_list(np.diff(qo), kl, cfg, mask, None, None))
         self.batch_size, self.total_q, self.kv_rows = b, int(qo[-1]), int(ko[-1])

@@ -99,8 +99,8 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     cache keeps the "split" schedule, the only one it compiles without spills, and cp.async; ``slice_release``
     asks for the alternating schedule, and is on by default from :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``)."""
     if slice_release is None:  # the default where it applies: 16-bit rows by tensor copies, alternating consumers
-        slice_release = (num_heads is not None and num_heads >= SLICE_RELEASE_MIN_HEADS and kv_dtype is None and schedule in (None, "alternate")
-                         and tma is not False and not prefetch_tiles)
+        slice_release = (num_heads is not None and num_heads >= SLICE_RELEASE_MIN_HEADS and kv_dtype is None
+                         and schedule in (None, "alternate") and tma is not False and not prefetch_tiles)
     if schedule is None:
         schedule = "alternate" if slice_release else DEFAULT_SCHEDULE if kv_dtype is None else "split"
     if tma is None:  # tensor copies feed 16-bit tiles and take no L2 prefetch
@@ -127,7 +127,8 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
 def shipped() -> list[MLADecodeConfig]:
     """The MLA decode specializations compiled ahead of time (cukv/specs.py): the default configs of each 16-bit
     dtype (few heads, and from :data:`SLICE_RELEASE_MIN_HEADS` on) and of an FP8 cache."""
-    return ([mla_decode_config(dt, num_heads=h) for dt in ("bfloat16", "float16") for h in (None, SLICE_RELEASE_MIN_HEADS)]
+    heads = (None, SLICE_RELEASE_MIN_HEADS)
+    return ([mla_decode_config(dt, num_heads=h) for dt in ("bfloat16", "float16") for h in heads]
             + [mla_decode_config(kv_dtype="fp8_e4m3")])
 
 

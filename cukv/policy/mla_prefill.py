@@ -47,8 +47,7 @@ def wide_tile(q_lengths, kv_lengths, mask: str) -> bool:
 
 def default_config(dtype: str, page_size: int, wide: bool = False) -> MLAPrefillConfig:
     """The default tile (:data:`TILE` with :data:`TILE_TMA_STORE`, or :data:`WIDE_TILE` when ``wide``;
-    :data:`PERSISTENT`, :data:`TMA`) for
-    ``dtype`` and a rope source of ``page_size`` (0: contiguous)."""
+    :data:`PERSISTENT`, :data:`TMA`) for ``dtype`` and a rope source of ``page_size`` (0: contiguous)."""
     bm, bn, stages, pingpong, pv_wait = WIDE_TILE if wide else TILE
     return MLAPrefillConfig(dtype, BM=bm, BN=bn, stages=stages, page_size=page_size, pingpong=pingpong,
                             pv_wait=pv_wait, persistent=PERSISTENT, tma=TMA, tma_store=TILE_TMA_STORE and not wide)
