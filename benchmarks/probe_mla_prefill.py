@@ -5,7 +5,8 @@ interleaved rounds (the first config is the baseline) and prints one line per sh
 
 A config is ``BMxBNxSTAGES`` with optional ``:pp`` (pingpong), ``:pvw`` (pv_wait), ``:pers`` (persistent grid),
 ``:tma`` (tensor copies) and ``:st`` (the output through shared memory by TMA, ``tma_store``) flags, and ``:D=NAME``
-compiles that variant with the preprocessor define NAME (an experiment switch, e.g. ``:D=CUKV_MLA_PRODUCER_SLEEP``);
+compiles that variant with the preprocessor define NAME (an experiment switch, e.g. ``:D=CUKV_MLA_PRODUCER_SLEEP``),
+``:T=N`` plans it with ``tail_heads=N`` (0: all heads; without it, the policy's);
 ``--unchecked`` skips the measured domain rules (ptxas and the static_asserts still
 apply)."""
 from __future__ import annotations
@@ -25,6 +26,7 @@ def parse(text: str, page: int):
         dims, *flags = entry.split(":")
         bm, bn, st = map(int, dims.split("x"))
         DEFINES[entry] = " ".join(f[2:] for f in flags if f.startswith("D="))
+        TAIL_HEADS[entry] = next((int(f[2:]) for f in flags if f.startswith("T=")), None)
         out[entry] = MLAPrefillConfig("bfloat16", BM=bm, BN=bn, stages=st, page_size=page, pingpong="pp" in flags,
                                       pv_wait="pvw" in flags, persistent="pers" in flags, tma="tma" in flags,
                                       tma_store="st" in flags)
@@ -32,6 +34,12 @@ def parse(text: str, page: int):
 
 
 DEFINES = {}  # variant -> CUKV_DEFINES it compiles with
+TAIL_HEADS = {}  # variant -> plan(tail_heads=...) (None: the policy's)
+
+
+def _group(g, heads):
+    """``:T=N`` capped at the shape's head count (N 0: all heads)."""
+    return None if g is None else min(g or heads, heads)
 
 
 def _compile(cfg, defines=""):
@@ -83,7 +91,8 @@ def main():
         fns, outs = {}, {}
         for key, cfg in cfgs.items():
             try:
-                pf = BatchMLAPrefill(heads, PAGE, config=cfg).plan(qo, kl, mask=mask)
+                pf = BatchMLAPrefill(heads, PAGE, config=cfg).plan(qo, kl, mask=mask,
+                                                                 tail_heads=_group(TAIL_HEADS[key], heads))
             except Exception as e:  # noqa: BLE001 - a config that does not build is reported
                 print(f"{key}: {type(e).__name__}: {str(e)[:150]}")
                 continue

@@ -63,7 +63,7 @@ PREFILL_ARGS = np.dtype([
     ("q", "u8"), ("out", "u8"), ("lse", "u8"), ("sink", "u8"), ("q_offsets", "u8"), ("work", "u8"),
     ("q_stride", "i8", (2,)), ("o_stride", "i8", (2,)),
     ("sm_scale", "f4"), ("softcap", "f4"), ("window", "i4"), ("chunk", "i4"), ("num_qo_heads", "i4"),
-    ("group", "i4"), ("causal", "i4"), ("pad_", "i4"),
+    ("group", "i4"), ("causal", "i4"), ("tail_heads", "i4"),
 ], align=True)
 
 #: templates/prefill.cuh OnceArgs: the FP8 cache a convert-once prefill fills its workspace from, and the flags

@@ -44,7 +44,7 @@ struct alignas(8) PrefillArgs {
   int num_qo_heads;
   int group;
   int causal;
-  int pad_;
+  int tail_heads;       // PERSISTENT: the last heads, whose items run as one section (prefill_scheduler.cuh); 0: none
 };
 
 

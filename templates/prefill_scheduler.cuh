@@ -65,11 +65,16 @@ __device__ __forceinline__ auto PrefillKernel<Traits>::make_item(const PrefillAr
   return t;
 }
 
-// PERSISTENT: item index i runs along the launch grid's x (work items) first, then y (heads)
+// PERSISTENT: item index i runs along the work items (heaviest first) of one head after another; the last
+// a.tail_heads heads run as one section, its items heaviest first with the heads innermost, so that the last heads'
+// long items start early instead of running alone at the end of the grid (tail_heads 0 or 1: no section).
 template <class Traits>
 __device__ __forceinline__ auto PrefillKernel<Traits>::make_item(const PrefillArgs& a, const OnceArgs* once,
                                                                  const Cache& cache, int i) -> Item {
-  return make_item(a, once, cache, i % once->num_work, i / once->num_work);
+  const int n = once->num_work, first = a.num_qo_heads - a.tail_heads;
+  if (a.tail_heads <= 1 || i < first * n) return make_item(a, once, cache, i % n, i / n);
+  const int r = i - first * n;
+  return make_item(a, once, cache, r / a.tail_heads, first + r % a.tail_heads);
 }
 
 // Warp 0's lane 0: the item and its query on q_full (BM rows of the head by tensor copies: rows past the sequence

@@ -157,7 +157,7 @@ def check(p, out, lse, want, dtype):
 
 
 def run_case(rng, q_lens, prefixes, heads, page_size, dtype="bfloat16", cache_dtype=None, mask="causal", sink=False,
-             scale=None, var="base"):
+             scale=None, var="base", tail_heads=None):
     import cupy as cp
 
     from cukv.ops.mla_prefill import BatchMLAPrefill
@@ -166,7 +166,7 @@ def run_case(rng, q_lens, prefixes, heads, page_size, dtype="bfloat16", cache_dt
     sk = rng.standard_normal(heads).astype(np.float32) if sink else None
     config, blocks = variant(var, dtype, page_size)
     pf = BatchMLAPrefill(heads, page_size, dtype, config=config, max_blocks=blocks).plan(
-        p["q_offsets"], p["kv_lengths"], kv_offsets=p["kv_offsets"], mask=mask)
+        p["q_offsets"], p["kv_lengths"], kv_offsets=p["kv_offsets"], mask=mask, tail_heads=tail_heads)
     src = dict(k_rope=p["dkr"]) if page_size is None else dict(cache=p["cache"], block_table=p["table"])
     out, lse = pf.run(p["dq"], p["dkn"], p["dv"], **src, return_lse=True, softmax_scale=scale, check=True,
                       sink=None if sk is None else cp.asarray(sk))
@@ -212,6 +212,14 @@ def test_page_size_48_compiles_on_demand(rng, var):
 @pytest.mark.parametrize("heads", [1, 32, 128])
 def test_head_counts(rng, heads, var):
     run_case(rng, [33, 7], [0, 300], heads, 64, var=var)
+
+
+@pytest.mark.parametrize("var", ["pers_tma", "wide"])
+@pytest.mark.parametrize("tail_heads", [1, 2, 5, 13])
+def test_tail_heads_orders(rng, tail_heads, var):
+    """Every (item, head) pair runs once whatever the persistent grid's last section (of 13 heads)."""
+    pf, *_ = run_case(rng, [300, 17, 129], [0, 40, 700], 13, 16, var=var, tail_heads=tail_heads)
+    assert pf._tail_heads == tail_heads
 
 
 @each_variant

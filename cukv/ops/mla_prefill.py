@@ -13,6 +13,7 @@ import numpy as np
 
 from ..configs.mla_prefill import QK_DIM, V_DIM, MLAPrefillConfig
 from ..policy.mla_prefill import default_config, wide_tile
+from ..policy.prefill import tail_heads as policy_tail_heads
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import NOPE, MLAKVCache
 from ..operand import KV_PARAMS, MLA_PREFILL_ARGS, ONCE_ARGS, PREFILL_ARGS, as_kernel_arg, ptr
@@ -21,6 +22,8 @@ from ..validate import (attention_outputs, check_bool, check_choice, check_devic
 from .prefill import _query_map, _work_array, _work_list
 
 MASKS = ("none", "causal")
+#: K/V bytes one head reads per key: its 16-bit k_nope and v rows (the shared rope row is not per head)
+KV_BYTES_PER_KEY = 2 * (QK_DIM - 64 + V_DIM)
 #: byte offset of the bf16 rope values in a 656-byte FP8 MLA row (512 codes, 4 float32 scales)
 FP8_ROPE_BYTE = 528
 
@@ -102,11 +105,13 @@ class BatchMLAPrefill:
         self._max_blocks = check_int("max_blocks", max_blocks, 1, 1 << 20, none_ok=True, note="one block per SM")
         self._planned = False
 
-    def plan(self, q_offsets, kv_lengths, *, kv_offsets=None, mask: str = "causal") -> "BatchMLAPrefill":
+    def plan(self, q_offsets, kv_lengths, *, kv_offsets=None, mask: str = "causal",
+             tail_heads: int | None = None) -> "BatchMLAPrefill":
         """Fix the batch: host ``q_offsets[B + 1]`` and ``kv_lengths[B]`` (keys per sequence, cached prefix plus new
         tokens). ``k_nope`` / ``v`` rows of sequence b start at ``kv_offsets[b]`` (host ints, default the running
         sum of ``kv_lengths``; ``kv_offsets[b + 1] - kv_offsets[b]`` must equal ``kv_lengths[b]``). ``mask``:
-        'causal' (bottom-right) or 'none'. Compiles (or loads) the kernel."""
+        'causal' (bottom-right) or 'none'. ``tail_heads``: how many of the last heads the persistent grid runs as one
+        section (default :func:`cukv.policy.prefill.tail_heads`; 1: none). Compiles (or loads) the kernel."""
         import cupy as cp
 
         qo, kl, ko = mla_prefill_batch(q_offsets, kv_lengths, kv_offsets)
@@ -116,6 +121,11 @@ class BatchMLAPrefill:
             self.config = self._tiles[wide_tile(np.diff(qo), kl, mask)]
         cfg = self.config
         self._work, self._num_work = _work_array(_work_list(np.diff(qo), kl, cfg, mask, None, None))
+        tail = check_int("tail_heads", tail_heads, 1, self.num_heads, none_ok=True, note="the policy's choice")
+        if tail is None:
+            tail = policy_tail_heads(self._num_work, self.num_heads, int(kl.sum()) * KV_BYTES_PER_KEY,
+                                     self._max_blocks or sm_count())
+        self._tail_heads = tail
         self.batch_size, self.total_q, self.kv_rows = b, int(qo[-1]), int(ko[-1])
         self._host_lengths, self._mask = kl, mask
         self._q_offsets = cp.asarray(qo.astype(np.int32))
@@ -162,6 +172,7 @@ class BatchMLAPrefill:
         rec["o_stride"] = (out.strides[0] // 2, out.strides[1] // 2)
         rec["sm_scale"] = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(QK_DIM)
         rec["num_qo_heads"], rec["group"], rec["causal"] = h, 1, int(self._mask == "causal")
+        rec["tail_heads"] = self._tail_heads
         m = np.zeros((), MLA_PREFILL_ARGS)
         m["k_nope"], m["v"], m["kv_offsets"] = ptr(kn), ptr(vv), ptr(self._kv_offsets)
         m["kn_stride"] = (kn.strides[0] // 2, kn.strides[1] // 2)

@@ -237,3 +237,36 @@ def fp8_strategy(requested: str, config: PrefillConfig, keys: int, rows_per_key:
         return "convert_once"
     many = rows_per_key >= (DEQUANT_MIN_ROWS_PER_KEY_TENSOR if c.scale_block == 0 else DEQUANT_MIN_ROWS_PER_KEY)
     return "dequantize_first" if many else "fused"
+
+
+# ----------------------------------------------------------------------------------------------
+# the persistent grid's item order
+
+#: the last section holds at least this many items per SM, so its long items start while short ones remain to fill
+#: the other SMs
+TAIL_ITEMS_PER_SM = 4
+#: heads of more items than this share of the SMs need no tail section: 128 items (4 x 16 x 4096 on 128-row tiles)
+#: ran 0.98x with one, 86 items (1 x 16 x 16384 on 192-row tiles) 1.01-1.02x (H100, docs/tuning.md "MLA prefill")
+TAIL_MAX_FILL = 0.75
+#: K/V bytes the last section's heads may read: sections of 8 heads of 8 MB each ran 1.03x at 1 x 16 x 16384, of 16
+#: heads 0.94x (H100, docs/tuning.md "MLA prefill")
+TAIL_L2_BYTES = 64 << 20
+
+
+def tail_heads(num_work: int, num_heads: int, kv_bytes_per_head: int, num_sms: int) -> int:
+    """How many of the last heads the persistent grid runs as one section (templates/prefill_scheduler.cuh), their
+    items heaviest first with the heads innermost. A head of ``num_work`` items (up to :data:`TAIL_MAX_FILL` of the
+    SMs) would otherwise leave its longest items for the end of the grid; :data:`TAIL_ITEMS_PER_SM` items per SM, at most
+    :data:`TAIL_L2_BYTES` of K/V (``kv_bytes_per_head`` each). 1: none.
+
+    >>> tail_heads(43, 32, 8192 * 512, 132)          # 1 x 32 x 8192 on 192 x 96 tiles: 43 items a head
+    13
+    >>> tail_heads(11, 128, 18432 * 512, 132)        # 2048 queries over 18432 keys: 7 heads' K/V in 64 MB
+    7
+    >>> tail_heads(128, 16, 4 * 4096 * 512, 132)     # 4 x 16 x 4096 on 128-row tiles: a head fills the SMs
+    1
+    """
+    if num_heads <= 1 or num_work <= 0 or num_work > TAIL_MAX_FILL * num_sms:
+        return 1
+    need = -(-TAIL_ITEMS_PER_SM * num_sms // num_work)
+    return max(1, min(num_heads, need, TAIL_L2_BYTES // max(1, int(kv_bytes_per_head))))
