@@ -3,7 +3,7 @@
 // MLAKVProducerPipeline (mla_kv_producer.cuh) instead of the MHA producer. A work item is BM query rows of one
 // (sequence, head) and the visible key tiles, walked from the last, as in the MHA prefill: one block per item, or
 // (PERSISTENT) one block per SM walking the items from the MHA prefill's counter (PrefillKernel::feed_items and
-// consume_persistent, heads outermost), the producer's ring position carried across items.
+// consume_persistent, heads outermost but for the last section), the producer's ring position carried across items.
 #pragma once
 #include "prefill.cuh"
 #include "mla_kv_producer.cuh"
