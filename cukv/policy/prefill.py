@@ -259,6 +259,7 @@ def tail_heads(num_work: int, num_heads: int, kv_bytes_per_head: int, num_sms: i
     SMs) would otherwise leave its longest items for the end of the grid; :data:`TAIL_ITEMS_PER_SM` items per SM, at most
     :data:`TAIL_L2_BYTES` of K/V (``kv_bytes_per_head`` each). 1: none.
 
+    >>> from cukv.policy.prefill import tail_heads
     >>> tail_heads(43, 32, 8192 * 512, 132)          # 1 x 32 x 8192 on 192 x 96 tiles: 43 items a head
     13
     >>> tail_heads(11, 128, 18432 * 512, 132)        # 2048 queries over 18432 keys: 7 heads' K/V in 64 MB
