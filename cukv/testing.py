@@ -248,3 +248,15 @@ def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False,
 
         q = split_query(q)
     return reference.prefill_contiguous(q, case["q_offsets"], k, v, case["kv_offsets"], **kw)
+
+
+def replay(graph, stream) -> None:
+    """Launch a captured CUDA graph on ``stream`` after every device operation issued before it, and wait for it.
+
+    A non-blocking stream does not wait for the default stream, where ``arr[...] = new`` and ``out.fill(0)`` run
+    when issued outside ``with stream:``; launching the graph without this wait may read the old inputs."""
+    import cupy as cp
+
+    cp.cuda.Device().synchronize()
+    graph.launch(stream)
+    stream.synchronize()

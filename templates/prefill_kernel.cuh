@@ -63,13 +63,12 @@ struct PrefillKernel {
   static constexpr int kVSlices = (DEPTH_V + kVCols - 1) / kVCols; // blocks per (tile, head) along V's dims
   static constexpr int kKElems = Buf::num_k_tiles;
   static constexpr int kSRegs = BN / 2, kORegs = kVCols / 2;
-  // Online softmax: a warp keeps its rows' running max, and skips the output rescale, until some row's tile max
-  // exceeds it by more than kRescaleLog2 powers of two in the exponent (P then stays below 2^kRescaleLog2, exact in
-  // the float32 accumulators; the final normalization and the LSE use the same max). Most tiles of a long row skip
-  // the per-tile O multiply (head-dim/2 FMULs per thread), as FlashAttention 4 does; only where a thread's O holds
-  // 128 or more values (kLazyRescale): faster at d256, the vote costs more than it saves at d64 (docs/tuning.md).
+  // Online softmax (Traits::lazy_rescale): a warp keeps its rows' running max, and skips the output rescale, until
+  // some row's tile max exceeds it by more than kRescaleLog2 powers of two in the exponent (P then stays below
+  // 2^kRescaleLog2, exact in the float32 accumulators; the final normalization and the LSE use the same max). Most
+  // tiles of a long row skip the per-tile O multiply, as FlashAttention 4 does. Off: O is rescaled every tile.
   static constexpr int kRescaleLog2 = 8;
-  static constexpr bool kLazyRescale = kORegs >= 128;
+  static constexpr bool kLazyRescale = Traits::lazy_rescale;
   // V with a per-tensor scale is staged as the codes' exact f16 values and P V runs in f16 (P in [0, 1] keeps
   // 11 bits there); the scale multiplies the output once. One cvt per code pair instead of six instructions.
   static constexpr bool kVCodes = QUANTIZED && SCALE_BLOCK == 0;

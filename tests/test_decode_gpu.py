@@ -4,7 +4,7 @@ import pytest
 
 import cukv
 from cukv.dtypes import from_storage
-from cukv.testing import assert_close, random_decode_case, reference_decode
+from cukv.testing import assert_close, random_decode_case, reference_decode, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -192,7 +192,7 @@ def check_graph_replay(rng, dec, kv_dtype=None, scale_granularity=None):
         case["table"].lengths.set(np.asarray(new_lengths, np.int32))
         case["lengths"] = np.asarray(new_lengths)
         out.fill(0)
-        graph.launch(stream)
+        replay(graph, stream)
         stream.synchronize()
         ref_o, ref_lse = reference_decode(case)
         assert_close(from_storage(out.get(), "bfloat16"), ref_o, "bfloat16")

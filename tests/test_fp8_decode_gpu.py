@@ -16,7 +16,7 @@ import pytest
 import cukv
 from cukv import reference
 from cukv.dtypes import from_storage
-from cukv.testing import assert_close, random_decode_case, reference_decode
+from cukv.testing import assert_close, random_decode_case, reference_decode, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -130,7 +130,7 @@ def test_graph_capture_replay_and_repeat(rng):
         case["table"].lengths.set(np.asarray(new_lengths, np.int32))
         case["lengths"] = np.asarray(new_lengths)
         out.fill(0)
-        graph.launch(stream)
+        replay(graph, stream)
         stream.synchronize()
         ref_o, _ = reference_decode(case)
         assert_close(from_storage(out.get(), "bfloat16"), ref_o, "bfloat16")

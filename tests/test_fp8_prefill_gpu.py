@@ -18,7 +18,7 @@ import pytest
 
 import cukv
 from cukv.dtypes import from_storage, to_storage
-from cukv.testing import assert_close, assert_within_staging, random_prefill_case, reference_prefill
+from cukv.testing import assert_close, assert_within_staging, random_prefill_case, reference_prefill, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -328,7 +328,7 @@ def test_convert_once_tensor_scales_are_read_at_run_time(rng):
     for kf, vf in ((1.0, 1.0), (0.5, 3.0), (2.0, 0.25)):
         c.set_tensor_scales(c.k_scales * cp.float32(kf), c.v_scales * cp.float32(vf))
         out.fill(0x7FC0)
-        graph.launch(stream)
+        replay(graph, stream)
         stream.synchronize()
         ref, _ = reference_prefill(case, staged="bfloat16", round_k=False, round_v=False)
         unit = max(1.0, float(np.abs(ref).max()))
@@ -356,7 +356,7 @@ def test_fp8_prefill_graph_capture_and_replay(rng, strategy):
         case["q"][...] = cp.asarray(q)
         case["q_host"] = from_storage(q, "bfloat16")
         out.fill(0)
-        graph.launch(stream)
+        replay(graph, stream)
         stream.synchronize()
         direct = pf.run(case["q"], (case["cache"], case["table"]))
         cp.cuda.Device().synchronize()

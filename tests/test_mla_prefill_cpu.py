@@ -15,7 +15,8 @@ from cukv.configs.prefill import SMEM_LIMIT
 from cukv.ops.mla_prefill import BatchMLAPrefill, mla_prefill_flops
 
 FIELD_RE = re.compile(r"MLAPrefillConfig\.(\w+)=")
-FIELDS = ("dtype", "BM", "BN", "stages", "page_size", "pingpong", "pv_wait", "persistent", "tma", "tma_store", "smem")
+FIELDS = ("dtype", "BM", "BN", "stages", "page_size", "pingpong", "pv_wait", "persistent", "tma", "tma_store", "lazy_rescale",
+          "smem")
 
 
 def config_args():
@@ -31,6 +32,7 @@ def config_args():
         "persistent": st.sampled_from((False, True, 1)),
         "tma": st.sampled_from((False, True, None)),
         "tma_store": st.sampled_from((False, True, "yes")),
+        "lazy_rescale": st.sampled_from((False, True, 0)),
     })
 
 
@@ -55,6 +57,8 @@ def test_every_point_raises_naming_a_field_or_renders(a):
     assert ("_tma" in cfg.name) == cfg.tma and ("MLAPrefillMaps maps" in src) == cfg.tma
     assert ("_st" in cfg.name) == cfg.tma_store and ("CUtensorMap omap" in src) == cfg.tma_store
     assert cfg.out_bytes == (cfg.BM * 256 if cfg.tma_store else 0)
+    assert cfg.name.endswith("_lr") == cfg.lazy_rescale
+    assert f"lazy_rescale = {'true' if cfg.lazy_rescale else 'false'};" in src
     assert not cfg.persistent or cfg.BM >= 128
     if cfg.tma:  # boxes of whole 8-row swizzle groups, the rope's within a page (0: by cp.async)
         assert cfg.tma_rows == cfg.BN // 4 and cfg.tma_rows % 8 == 0

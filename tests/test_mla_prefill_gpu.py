@@ -11,6 +11,7 @@ import functools
 import numpy as np
 import pytest
 
+from cukv.testing import replay
 from cukv import reference
 from cukv.dtypes import bf16_bits, bf16_to_float
 
@@ -277,7 +278,7 @@ def test_graph_replay(rng, var):
         p["q"] = q
         p["dq"][...] = _to_dev(q, "bfloat16")
         out.fill(0)
-        graph.launch(stream)
+        replay(graph, stream)
         stream.synchronize()
         check(p, out, lse, expected(p, rows_sampled(rng)), "bfloat16")
 

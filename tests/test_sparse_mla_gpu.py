@@ -3,6 +3,7 @@ more (heads 1..128, invalid indices of every kind, cut lists with NaN rows behin
 import numpy as np
 import pytest
 
+from cukv.testing import replay
 from cukv import reference
 from cukv.dtypes import bf16_bits, bf16_to_float
 
@@ -190,7 +191,7 @@ def test_sparse_graph_capture_replays(rng):
         idx = rng.integers(-3, 600, (t_n, topk)).astype(np.int32)
         idx[rng.random(idx.shape) < 0.1] = num_rows
         ind.set(idx)
-        graph.launch(stream)
+        replay(graph, stream)
         stream.synchronize()
         ro, rl, rm = reference.sparse_mla(_to_host(q, "bfloat16"), vals, idx)
         np.testing.assert_allclose(_to_host(out, "bfloat16"), ro, atol=2e-2, rtol=2e-2)

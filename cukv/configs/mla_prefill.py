@@ -33,7 +33,8 @@ tiles wholly inside a sequence come by tensor copies (k_nope / v boxes of BN / 4
 a page, or by cp.async where a page is smaller than 8 rows); BN a multiple of 32. ``tma_store``: each consumer warp
 stores its 16 output rows through a staging tile in shared memory (``out_bytes``: 256 bytes per query row) by tensor
 copies instead of 4-byte stores from every thread (a warp whose rows cross its sequence's end copies them from the
-tile itself). The staging does not fit beside BM = 192's usual rings.
+tile itself). The staging does not fit beside BM = 192's usual rings. ``lazy_rescale``: the consumers rescale O
+only when a row's running max grows by more than 2^8 (FlashAttention 4's rule; the MHA prefill's at d256).
 
     Examples
     --------
@@ -65,6 +66,8 @@ tile itself). The staging does not fit beside BM = 192's usual rings.
     tma: bool = False
     #: the output through shared memory by TMA (per consumer warp; LSE stays a direct store)
     tma_store: bool = False
+    #: the consumer's lazy O rescale: O and the row sums are rescaled only when a row's max grows by more than 2^8
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         c = "MLAPrefillConfig"
@@ -78,6 +81,7 @@ tile itself). The staging does not fit beside BM = 192's usual rings.
         check_bool(c, "persistent", self.persistent)
         check_bool(c, "tma", self.tma)
         check_bool(c, "tma_store", self.tma_store)
+        check_bool(c, "lazy_rescale", self.lazy_rescale)
         if self.pingpong:
             check_rule(c, "pingpong", True, self.BM >= 128,
                        f"needs two or more consumer warpgroups (BM >= 128, not {self.BM})")
@@ -214,14 +218,14 @@ tile itself). The staging does not fit beside BM = 192's usual rings.
         return (f"cukv_mla_prefill_{SHORT[self.dtype]}_p{self.page_size}_m{self.BM}_n{self.BN}_s{self.stages}"
                 + ("_pp" if self.pingpong else "") + ("_pvw" if self.pv_wait else "")
                 + ("_pers" if self.persistent else "") + ("_tma" if self.tma else "")
-                + ("_st" if self.tma_store else ""))
+                + ("_st" if self.tma_store else "") + ("_lr" if self.lazy_rescale else ""))
 
     def render_params(self) -> dict:
         return dict(
             name=self.name, ctype=CTYPES[self.dtype], BM=self.BM, BN=self.BN, stages=self.stages,
             page_size=self.page_size, pingpong=self.pingpong, pv_wait=self.pv_wait, persistent=self.persistent,
             tma=self.tma, tma_rows=self.tma_rows, rope_tma_rows=self.rope_tma_rows, maps_bytes=3 * MAP_BYTES,
-            tma_store=self.tma_store, out_bytes=self.out_bytes,
+            tma_store=self.tma_store, out_bytes=self.out_bytes, lazy_rescale=self.lazy_rescale,
             once_args_bytes=ONCE_ARGS.itemsize,
             producer_registers=self.producer_registers, consumer_registers=self.consumer_registers,
             q_bytes=self.q_bytes, smem_bytes=self.smem_bytes, num_threads=self.num_threads,

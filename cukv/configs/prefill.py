@@ -269,6 +269,12 @@ class PrefillConfig(KernelConfig):
         return KVBufferConfig(self.dtype, self.BN, self.BK, self.head_dim, self.stages)
 
     @property
+    def lazy_rescale(self) -> bool:
+        """The consumer's lazy O rescale (templates/prefill_kernel.cuh) where a thread's O holds 128 or more values
+        (d256, d512): faster there, while at d64 the warp vote costs more than it saves (docs/tuning.md)."""
+        return self.v_cols // 2 >= 128
+
+    @property
     def v_cols(self) -> int:
         """V columns one block accumulates (a 512 head is split over two blocks of 256)."""
         return min(self.head_dim, self.BK)
@@ -413,7 +419,8 @@ class PrefillConfig(KernelConfig):
             consumer_registers=self.consumer_registers, fp8_scores=self.fp8_scores, q_bytes=self.q_bytes,
             kscale_bytes=self.kscale_bytes, raw_bytes=self.raw_bytes, ks_mma=self.ks_mma, tma_rows=self.tma_rows, maps_bytes=2 * MAP_BYTES,
             pingpong=self.pingpong, once_page=self.page_size if self.convert_once else 0,
-            once_args_bytes=ONCE_ARGS.itemsize, persistent=self.persistent, pv_wait=self.pv_wait)
+            once_args_bytes=ONCE_ARGS.itemsize, persistent=self.persistent, pv_wait=self.pv_wait,
+            lazy_rescale=self.lazy_rescale)
 
 
 def persistent_grid_fits(head_dim: int, BM: int, BK: int, tma: bool) -> bool:

@@ -5,9 +5,9 @@ Examples
 --------
 >>> from cukv.policy.mla_prefill import default_config, wide_tile
 >>> default_config("bfloat16", page_size=64).name
-'cukv_mla_prefill_bf16_p64_m128_n128_s3_pp_pers_tma_st'
+'cukv_mla_prefill_bf16_p64_m128_n128_s3_pp_pers_tma_st_lr'
 >>> default_config("bfloat16", page_size=64, wide=True).name     # three consumer warpgroups
-'cukv_mla_prefill_bf16_p64_m192_n96_s3_pp_pvw_pers_tma'
+'cukv_mla_prefill_bf16_p64_m192_n96_s3_pp_pvw_pers_tma_lr'
 >>> wide_tile([8192], [8192], "causal"), wide_tile([2048] * 4, [2048] * 4, "causal")   # 4096 vs 1024 keys a query
 (True, False)
 """
@@ -29,6 +29,10 @@ WIDE_TILE, WIDE_MIN_KEYS = (192, 96, 3, True, True), 3072
 #: one block per SM walking the work items, and full tiles by TMA tensor copies: together 1.15-1.16x over one block
 #: per item with cp.async (TMA alone 1.13x, the persistent grid alone 1.01x; docs/tuning.md "MLA prefill")
 PERSISTENT, TMA = True, True
+#: the consumers' lazy O rescale (MLAPrefillConfig.lazy_rescale): at BN 96-128 the per-tile O multiply (64 per thread)
+#: costs as much as the exponentials of the tile's scores; skipping it until a max grows by 2^8: 1.036x (192 x 96)
+#: and 1.030x (128 x 128) geomean (H100, docs/tuning.md "MLA prefill")
+LAZY_RESCALE = True
 #: rope sources the shipped kernels read: a contiguous k_rope (0), and the cache page sizes vLLM (16), FlashMLA (64)
 #: and a one-token page use
 SHIPPED_PAGE_SIZES = (0, 1, 16, 64)
@@ -47,10 +51,11 @@ def wide_tile(q_lengths, kv_lengths, mask: str) -> bool:
 
 def default_config(dtype: str, page_size: int, wide: bool = False) -> MLAPrefillConfig:
     """The default tile (:data:`TILE` with :data:`TILE_TMA_STORE`, or :data:`WIDE_TILE` when ``wide``;
-    :data:`PERSISTENT`, :data:`TMA`) for ``dtype`` and a rope source of ``page_size`` (0: contiguous)."""
+    :data:`PERSISTENT`, :data:`TMA`, :data:`LAZY_RESCALE`) for ``dtype`` and a rope source of ``page_size`` (0: contiguous)."""
     bm, bn, stages, pingpong, pv_wait = WIDE_TILE if wide else TILE
     return MLAPrefillConfig(dtype, BM=bm, BN=bn, stages=stages, page_size=page_size, pingpong=pingpong,
-                            pv_wait=pv_wait, persistent=PERSISTENT, tma=TMA, tma_store=TILE_TMA_STORE and not wide)
+                            pv_wait=pv_wait, persistent=PERSISTENT, tma=TMA, tma_store=TILE_TMA_STORE and not wide,
+                            lazy_rescale=LAZY_RESCALE)
 
 
 def shipped() -> list:
