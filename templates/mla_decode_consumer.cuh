@@ -14,8 +14,8 @@ template <typename T, int BN, int STAGES, bool FP8 = false, bool SPARSE = false>
 struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN, STAGES, FP8, SPARSE>, SPARSE> {
   typedef MLAKVProducerPipeline<T, BN, STAGES, FP8, SPARSE> Pipe;
   typedef MLADecodeConsumerState<T, Pipe, SPARSE> State;
-  using State::pipe, State::g, State::t, State::lane, State::m, State::l, State::o, State::kORegs, State::stats,
-      State::pwords;
+  using State::pipe, State::g, State::t, State::lane, State::m, State::mt, State::l, State::o, State::kORegs,
+      State::stats, State::pwords;
   static constexpr int kHalf = Pipe::half;
   static constexpr int kSRegs = kHalf / 2, kPWords = kHalf / 4;
   typedef Wgmma<T, kHalf> MmaS;
@@ -64,13 +64,16 @@ struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN
     stats()[g * 128 + t] = make_float2(mx[0], mx[1]);
     named_barrier_sync<256>(1);
     const float2 other = stats()[(1 - g) * 128 + t];
+    mt[0] = fmaxf(mt[0], fmaxf(mx[0], other.x));
+    mt[1] = fmaxf(mt[1], fmaxf(mx[1], other.y));
+    const float2 next = State::next_max(make_float2(m[0], m[1]), make_float2(mt[0], mt[1]));
+    const float mn[2] = {next.x, next.y};
     float base[2], alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float mn = fmaxf(m[r], fmaxf(mx[r], r ? other.y : other.x));
-      base[r] = mn == -CUKV_INF ? 0.f : mn;  // a row with nothing visible yet keeps exp2(-inf) = 0
+      base[r] = mn[r] == -CUKV_INF ? 0.f : mn[r];  // a row with nothing visible yet keeps exp2(-inf) = 0
       alpha[r] = exp2f(m[r] - base[r]);
-      m[r] = mn;
+      m[r] = mn[r];
       l[r] *= alpha[r];
     }
 #pragma unroll
@@ -82,6 +85,7 @@ struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN
       p[2 * j] = ElemTraits<T>::pack(e0, e1);
       p[2 * j + 1] = ElemTraits<T>::pack(e2, e3);
     }
+    if (State::unit(make_float2(alpha[0], alpha[1]))) return;
 #pragma unroll
     for (int j = 0; j < kORegs / 4; ++j) {
       o[4 * j] *= alpha[0];

@@ -84,6 +84,7 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
   }
 
   __device__ __forceinline__ void scale_o(float2 alpha) {
+    if (State::unit(alpha)) return;
 #pragma unroll
     for (int j = 0; j < kORegs / 4; ++j) {
       o[4 * j] *= alpha.x;
@@ -168,7 +169,7 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
         wait_tile(t0);
         float s[kSRegs];
         const float2 mx = scores(s, t0 % STAGES, w.begin + t0 * BN, lim0, lim1, a.scale_log2);
-        const float2 a0 = follow(make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y)));
+        const float2 a0 = follow(State::next_max(make_float2(m[0], m[1]), make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y))));
         probabilities(s, p);
         publish(p, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
         scale_o(a0);
@@ -198,7 +199,7 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
         pv_issue(p0, t0 % STAGES);
         float2 a1 = make_float2(1.f, 1.f);
         if (pair) {  // the softmax of tile t1 while P0 V runs
-          a1 = follow(make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y)));
+          a1 = follow(State::next_max(m0, make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y))));
           probabilities(s, p);
           publish(p, kBarH1);  // warpgroup 0 goes on with P1 V
         }

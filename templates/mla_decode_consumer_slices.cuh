@@ -118,7 +118,8 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       const int t1 = t0 + 1, t2 = t0 + 2;
       u32 p[kPWords];
       const float2 mx = Alt::mask_rowmax(s, w.begin + t0 * BN, lim0, lim1, a.scale_log2);
-      const float2 a0 = Alt::follow(make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y)));
+      const float2 a0 = Alt::follow(State::next_max(make_float2(m[0], m[1]),
+                                                    make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y))));
       Alt::probabilities(s, p);
       Alt::publish(p, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
       Alt::scale_o(a0);
@@ -168,7 +169,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       u32 p0[kPWords];
       const float2 m0 = Alt::receive(p0, kBarH0);  // read before this warpgroup publishes P1 into the same buffer
       if (pair) {
-        const float2 mn = make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y));
+        const float2 mn = State::next_max(m0, make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y)));
         const float2 a1 = Alt::follow(mn);  // O and l from this warpgroup's old max straight to m1
         u32 p1[kPWords];
         Alt::probabilities(s, p1);
@@ -178,8 +179,9 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         // P0 was scaled to m0; to m1 now (a factor in (0, 1]). A row whose m0 is still -inf has P0 = 0: factor 0,
         // never exp2 of a large difference (inf, and 0 * inf)
         const float b1x = mn.x == -CUKV_INF ? 0.f : mn.x, b1y = mn.y == -CUKV_INF ? 0.f : mn.y;
-        rescale_p(p0, make_float2(m0.x == -CUKV_INF ? 0.f : exp2f(m0.x - b1x),
-                                  m0.y == -CUKV_INF ? 0.f : exp2f(m0.y - b1y)));
+        const float2 f0 = make_float2(m0.x == -CUKV_INF ? 0.f : exp2f(m0.x - b1x),
+                                      m0.y == -CUKV_INF ? 0.f : exp2f(m0.y - b1y));
+        if (!State::unit(f0)) rescale_p(p0, f0);
         wait_v(t0);
         Alt::pv_issue(p0, t0 % STAGES);
         wgmma_wait<1>();  // P1 V is done

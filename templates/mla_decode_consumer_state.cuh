@@ -5,23 +5,50 @@
 #pragma once
 #include "mla_decode_producer.cuh"
 
+#ifndef CUKV_MLA_LAZY_RESCALE  // set by the rendered source (MLADecodeConfig.lazy_rescale)
+#define CUKV_MLA_LAZY_RESCALE 0
+#endif
+
 namespace cukv {
 
 template <typename T, class Pipe, bool SPARSE = false>
 struct MLADecodeConsumerState {
   static constexpr int kORegs = 128;
+  // Lazy rescale: a warp's running max m moves only when some row's candidate max passes it by more than
+  // kRescaleLog2 (log2 units), so most tiles leave O and l alone (P stays below 2^kRescaleLog2; l, the LSE and the
+  // output use the same m). Both warpgroups hand each other the max they scaled to, so they stay in step.
+  static constexpr bool kLazy = CUKV_MLA_LAZY_RESCALE != 0;
+  static constexpr float kRescaleLog2 = 8.f;
 
   const Pipe& pipe;
   const int g, t, lane;  // warpgroup, thread in warpgroup, lane
   float m[2], l[2];
+  float mt[2];  // the true running max of the scaled logits (sparse: max_logits); m lags it under kLazy
   float o[kORegs];
 
   __device__ __forceinline__ MLADecodeConsumerState(const Pipe& p, int g_, int t_)
       : pipe(p), g(g_), t(t_), lane(t_ & 31) {
-    m[0] = m[1] = -CUKV_INF;
+    m[0] = m[1] = mt[0] = mt[1] = -CUKV_INF;
     l[0] = l[1] = 0.f;
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+  }
+
+  // The max the rows scale to next, given the max they scale to now (m_old) and the candidate (>= m_old): the
+  // candidate, or (kLazy) m_old while no row of the warp passes it by kRescaleLog2. A row going from nothing visible
+  // (-inf) to a finite max always passes.
+  __device__ __forceinline__ static float2 next_max(float2 m_old, float2 cand) {
+    if constexpr (!kLazy) {
+      return cand;
+    } else {
+      const bool grow = cand.x - m_old.x > kRescaleLog2 || cand.y - m_old.y > kRescaleLog2;
+      return __any_sync(0xffffffffu, grow) ? cand : m_old;
+    }
+  }
+  // Whether a rescale by alpha leaves every row of the warp as it is (kLazy only: the vote costs a cycle or two).
+  __device__ __forceinline__ static bool unit(float2 alpha) {
+    if constexpr (!kLazy) return false;
+    else return __all_sync(0xffffffffu, alpha.x == 1.f && alpha.y == 1.f);
   }
 
   __device__ __forceinline__ float2* stats() const {
@@ -81,7 +108,7 @@ struct MLADecodeConsumerState {
           *reinterpret_cast<u32*>(out + col0 + 8 * j) = ElemTraits<T>::pack(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
         if (a.lse != nullptr && g == 0 && (lane & 3) == 0) a.lse[orow] = lse;
         if constexpr (SPARSE)
-          if (a.max_logits != nullptr && g == 0 && (lane & 3) == 0) a.max_logits[orow] = m[r] * kLn2;
+          if (a.max_logits != nullptr && g == 0 && (lane & 3) == 0) a.max_logits[orow] = mt[r] * kLn2;
       } else {
         float* po = a.part_o + ((long long)w.part * kMlaBlockM + row) * kMlaNope;
 #pragma unroll
@@ -89,7 +116,7 @@ struct MLADecodeConsumerState {
           *reinterpret_cast<float2*>(po + col0 + 8 * j) = make_float2(o[4 * j + 2 * r] * f, o[4 * j + 2 * r + 1] * f);
         if (g == 0 && (lane & 3) == 0) a.part_lse[w.part * kMlaBlockM + row] = lse;
         if constexpr (SPARSE)
-          if (g == 0 && (lane & 3) == 0) a.part_max[w.part * kMlaBlockM + row] = m[r] * kLn2;
+          if (g == 0 && (lane & 3) == 0) a.part_max[w.part * kMlaBlockM + row] = mt[r] * kLn2;
       }
     }
   }

@@ -11,8 +11,8 @@ from cukv.configs.mla_append import MLAAppendConfig
 from cukv.configs.mla_decode import MLADecodeConfig
 from cukv.ops.mla_decode import BatchMLADecode
 from cukv.policy import mla_decode as mla_decode_policy
-from cukv.policy.mla_decode import (DEFAULT_BLOCK_N, DEFAULT_FP8_ROWS, DEFAULT_PREFETCH, DEFAULT_STAGES, DEFAULT_TMA,
-                                    mla_decode_config, plan_items)
+from cukv.policy.mla_decode import (DEFAULT_BLOCK_N, DEFAULT_FP8_ROWS, DEFAULT_LAZY_RESCALE, DEFAULT_PREFETCH,
+                                    DEFAULT_STAGES, DEFAULT_TMA, mla_decode_config, plan_items)
 
 ARCH = "sm_90a"
 SHIPPED = mla_decode_policy.shipped() + mla_append.shipped()
@@ -144,9 +144,11 @@ def test_named_errors_without_gpu():
 
 def test_policy_defaults_are_the_configs():
     """BatchMLADecode takes its tile from the policy; the config's own defaults agree with it."""
-    assert mla_decode_config() == MLADecodeConfig(tma=DEFAULT_TMA) == BatchMLADecode(16).config
+    lazy = DEFAULT_LAZY_RESCALE
+    assert mla_decode_config() == MLADecodeConfig(tma=DEFAULT_TMA, lazy_rescale=lazy) == BatchMLADecode(16).config
     assert (MLADecodeConfig().block_n, MLADecodeConfig().num_kv_stages) == (DEFAULT_BLOCK_N, DEFAULT_STAGES)
-    assert BatchMLADecode(16, block_n=32, num_kv_stages=4).config == MLADecodeConfig("bfloat16", 32, 4, tma=DEFAULT_TMA)
+    assert BatchMLADecode(16, block_n=32, num_kv_stages=4).config == MLADecodeConfig("bfloat16", 32, 4, tma=DEFAULT_TMA,
+                                                                                     lazy_rescale=lazy)
     assert not BatchMLADecode(16, kv_dtype="fp8_e4m3").config.tma  # FP8 rows go through the dequantizing producer
 
 
@@ -202,7 +204,8 @@ def test_schedule_rules():
     with pytest.raises(ValueError, match=r"^schedule='alternate' is not offered with kv_dtype='fp8_e4m3'"):
         BatchMLADecode(16, kv_dtype="fp8_e4m3", schedule="alternate")
     assert BatchMLADecode(16, kv_dtype="fp8_e4m3").config.schedule == "split"
-    assert BatchMLADecode(16, schedule="alternate").config == MLADecodeConfig(schedule="alternate", tma=DEFAULT_TMA)
+    assert BatchMLADecode(16, schedule="alternate").config == MLADecodeConfig(schedule="alternate", tma=DEFAULT_TMA,
+                                                                                 lazy_rescale=DEFAULT_LAZY_RESCALE)
     assert mla_decode_config().schedule == "split"
 
 
@@ -233,7 +236,7 @@ def test_slice_release_rules():
     with pytest.raises(ValueError, match=r"MLADecodeConfig\.slice_release=1 is not valid"):
         MLADecodeConfig(schedule="alternate", tma=True, slice_release=1)
     dec = BatchMLADecode(16, slice_release=True)  # schedule None: the alternating one; tma: the policy's (on)
-    assert dec.config == MLADecodeConfig(schedule="alternate", tma=True, slice_release=True)
+    assert dec.config == MLADecodeConfig(schedule="alternate", tma=True, slice_release=True, lazy_rescale=True)
     assert not mla_decode_config().slice_release
     for kw in ({"schedule": "split"}, {"tma": False}, {"kv_dtype": "fp8_e4m3"}, {"prefetch_tiles": 1}):
         with pytest.raises(ValueError, match=r"^slice_release=True needs the alternating schedule"):
@@ -254,3 +257,19 @@ def test_slice_release_default_applies_only_where_it_can():
         assert not mla_decode_config(num_heads=h, **kw).slice_release
     assert not mla_decode_policy.sparse_mla_config().slice_release
     assert not mla_decode_config(slice_release=False).slice_release
+
+
+def test_lazy_rescale_field_and_default():
+    """The consumers' lazy O rescale: a bool field named in the kernel's name and rendered as the consumers'
+    switch; on in every default config, dense and sparse."""
+    from cukv.policy.mla_decode import sparse_mla_config
+
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.lazy_rescale=1 is not valid"):
+        MLADecodeConfig(lazy_rescale=1)
+    for lazy in (False, True):
+        cfg = MLADecodeConfig(lazy_rescale=lazy)
+        assert cfg.name.endswith("_lr") == lazy
+        assert f"#define CUKV_MLA_LAZY_RESCALE {int(lazy)}" in cfg.render()
+    for cfg in (mla_decode_config(), mla_decode_config(num_heads=128), mla_decode_config(kv_dtype="fp8_e4m3"),
+                sparse_mla_config(), sparse_mla_config(kv_dtype="fp8_e4m3")):
+        assert cfg.lazy_rescale and cfg.name.endswith("_lr"), cfg.name

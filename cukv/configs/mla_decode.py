@@ -95,6 +95,9 @@ class MLADecodeConfig(KernelConfig):
     #: with the alternating consumers in FlashMLA's order; needs ``schedule="alternate"`` and ``tma`` (docs/mla.md,
     #: "Schedules")
     slice_release: bool = False
+    #: the consumers rescale O and l only when a row's running max grows by more than 2^8 (FlashAttention 4's rule; the
+    #: MLA prefill's ``lazy_rescale``): a thread's O holds 128 values against 16-32 scores a tile
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -118,6 +121,7 @@ class MLADecodeConfig(KernelConfig):
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
         check_bool(c, "slice_release", self.slice_release)
+        check_bool(c, "lazy_rescale", self.lazy_rescale)
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
             self.schedule == "alternate" and self.tma and self.kv_dtype is None),
             "per-slice barriers are built for the alternating consumers fed by tensor copies: use "
@@ -180,7 +184,9 @@ class MLADecodeConfig(KernelConfig):
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
         sl = "_slices" if self.slice_release else ""
-        return f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}{sl}"
+        lr = "_lr" if self.lazy_rescale else ""
+        return (f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}{sl}"
+                f"{lr}")
 
     def render_params(self) -> dict:
         return dict(
@@ -189,7 +195,7 @@ class MLADecodeConfig(KernelConfig):
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
             args_bytes=PARAMS.itemsize, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
             schedule=self.schedule, consumer=SLICE_CONSUMER if self.slice_release else CONSUMERS[self.schedule],
-            tma=self.tma, slice_release=self.slice_release,
+            tma=self.tma, slice_release=self.slice_release, lazy_rescale=self.lazy_rescale,
             prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
             producer_regs=self.regs[0], consumer_regs=self.regs[1])
 

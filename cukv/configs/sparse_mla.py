@@ -46,4 +46,5 @@ class SparseMLAConfig(MLADecodeConfig):
         kv = "_e4m3" if self.kv_dtype else ""
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
-        return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{pf}{rows}"
+        lr = "_lr" if self.lazy_rescale else ""
+        return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{pf}{rows}{lr}"

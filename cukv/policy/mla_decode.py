@@ -37,6 +37,10 @@ DEFAULT_TMA = True
 DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 1}
 #: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-5% faster than 8, same calls)
 DEFAULT_FP8_ROWS = 16
+#: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
+#: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
+#: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
+DEFAULT_LAZY_RESCALE = True
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
 ITEM_OVERHEAD_TILES = 8.0
@@ -95,7 +99,8 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                       tma: bool | None = None, prefetch_tiles: int | None = None,
                       fp8_rows: int | None = None, slice_release: bool | None = None,
                       num_heads: int | None = None) -> MLADecodeConfig:
-    """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (an FP8
+    """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (the lazy
+    rescale always on; an FP8
     cache keeps the "split" schedule, the only one it compiles without spills, and cp.async; ``slice_release``
     asks for the alternating schedule, and is on by default from :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``)."""
     if slice_release is None:  # the default where it applies: 16-bit rows by tensor copies, alternating consumers
@@ -112,7 +117,7 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
         fp8_rows = DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4 else 8
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
-                           slice_release=slice_release)
+                           slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE)
 
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
@@ -121,7 +126,7 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     rows in flight); sparse rows always come by cp.async (each row its own gather)."""
     d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, "split", tma=False)
     return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, "split", tma=False,
-                           prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows)
+                           prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale)
 
 
 def shipped() -> list[MLADecodeConfig]:

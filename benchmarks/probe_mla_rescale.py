@@ -1,0 +1,100 @@
+"""Lazy O rescale probe for the absorbed MLA kernels: times each ``bench mla-decode`` shape (the policy's config)
+and each ``bench sparse-mla`` shape with ``lazy_rescale`` off and on, in interleaved rounds in one process, and
+prints per shape the time of each, their ratio and the largest output difference.
+
+    PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py [--dense b128,h16] [--sparse prefill,decode] [--rounds 5]
+
+``--dense`` / ``--sparse`` keep the shapes whose names contain one of the comma-separated words ("" runs none).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import numpy as np
+
+
+def _pick(names, text):
+    return [n for n in names if any(w in n for w in text.split(","))] if text else []
+
+
+def _report(name, timer, fns, outs, rounds, reps):
+    import cupy as cp
+
+    from cukv.bench.timing import interleaved_medians
+
+    med = interleaved_medians(timer, fns, reps=reps, rounds=rounds)
+    val = lambda o: (o.astype(cp.uint32) << 16).view(cp.float32)  # noqa: E731 - bf16 bits -> float32
+    diff = float(cp.abs(val(outs["lazy"]) - val(outs["eager"])).max())
+    r = med["eager"] / med["lazy"]
+    print(f"{name:<34} eager {med['eager'] * 1e3:8.1f} us  lazy {med['lazy'] * 1e3:8.1f} us  eager/lazy {r:.3f}  "
+          f"max|diff| {diff:.2e}", flush=True)
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dense", default="b128,b16,b1,skewed")
+    ap.add_argument("--sparse", default="prefill,decode")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    import cupy as cp
+
+    from cukv.bench import mla_decode as bd
+    from cukv.bench import sparse_mla as bs
+    from cukv.bench.timing import Timer
+    from cukv.mla_cache import MLAKVCache
+    from cukv.ops.mla_append import append_mla
+    from cukv.ops.mla_decode import BatchMLADecode
+    from cukv.ops.sparse_mla import SparseMLA
+
+    timer = Timer()
+    ratios = {}
+    for name, batch, heads, s_q, ctx in bd.SHAPES:
+        if name not in _pick([s[0] for s in bd.SHAPES], args.dense):
+            continue
+        lens = bd._lengths(batch, ctx)
+        cache, table, q = bd._problem(batch, heads, s_q, lens)
+        fns, outs = {}, {}
+        for key, lazy in (("eager", False), ("lazy", True)):
+            dec = BatchMLADecode(heads)
+            dec.config = dataclasses.replace(dec.config, lazy_rescale=lazy)
+            dec.plan(lens, s_q)
+            outs[key] = cp.empty((batch, s_q, heads, 512), cp.uint16)
+            fns[key] = (lambda d=dec, o=outs[key]: d.run(q, cache, table, out=o))
+            fns[key]()
+        ratios[name] = _report(f"{name} ({dec.config.schedule})", timer, fns, outs, args.rounds, args.reps)
+        cache = table = q = fns = outs = None
+        cp.get_default_memory_pool().free_all_blocks()
+    for name, kind, n, s_q, heads, topk, s_kv in bs.SHAPES:
+        if name not in _pick([s[0] for s in bs.SHAPES], args.sparse):
+            continue
+        tokens = n * s_q
+        kv, q, idx, sink = bs._prefill(tokens, heads, topk, s_kv)
+        target, kvd = kv, None
+        if kind == "decode":  # as bench sparse-mla: every request's 32K rows in its own pages of an FP8 cache
+            pages = s_kv // bs.PAGE
+            target, kvd, sink = MLAKVCache(n * pages, bs.PAGE, "fp8_e4m3"), "fp8_e4m3", None
+            for b in range(n):
+                append_mla(target, kv[:, :512], kv[:, 512:], cp.arange(b * s_kv, (b + 1) * s_kv, dtype=cp.int64),
+                           pow2_scales=True, dtype="bfloat16")
+            idx = idx + (cp.arange(tokens, dtype=cp.int32) // s_q * s_kv)[:, None]
+        fns, outs = {}, {}
+        for key, lazy in (("eager", False), ("lazy", True)):
+            att = SparseMLA(heads, kv_dtype=kvd)
+            att.config = dataclasses.replace(att.config, lazy_rescale=lazy)
+            att.plan(tokens, topk)
+            outs[key] = cp.empty((tokens, heads, 512), cp.uint16)
+            mx = cp.empty((tokens, heads), cp.float32)
+            fns[key] = (lambda a=att, o=outs[key], mx=mx: a.run(q, target, idx, sink=sink, out=o, max_logits=mx))
+            fns[key]()
+        ratios[name] = _report(name, timer, fns, outs, args.rounds, args.reps)
+        kv = q = idx = target = fns = outs = None
+        cp.get_default_memory_pool().free_all_blocks()
+    if ratios:
+        print(f"geomean eager/lazy over {len(ratios)} shapes: {np.exp(np.mean(np.log(list(ratios.values())))):.3f}")
+
+
+if __name__ == "__main__":
+    main()
