@@ -1,8 +1,11 @@
-"""Lazy O rescale probe for the absorbed MLA kernels: times each ``bench mla-decode`` shape (the policy's config)
-and each ``bench sparse-mla`` shape with ``lazy_rescale`` off and on, in interleaved rounds in one process, and
-prints per shape the time of each, their ratio and the largest output difference.
+"""A/B probe for the absorbed MLA kernels' consumers: times each ``bench mla-decode`` shape (the policy's config)
+and each ``bench sparse-mla`` shape in two variants, in interleaved rounds in one process, and prints per shape
+the time of each, their ratio (above 1: the second is faster) and the largest output difference. The variants:
+``lazy_rescale`` off ("eager") and on ("lazy"), or with ``--define NAME`` the policy's config compiled with the
+preprocessor define NAME ("define") and without ("default").
 
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py [--dense b128,h16] [--sparse prefill,decode] [--rounds 5]
+    PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --define CUKV_MLA_EXACT_EXP2
 
 ``--dense`` / ``--sparse`` keep the shapes whose names contain one of the comma-separated words ("" runs none).
 """
@@ -18,6 +21,27 @@ def _pick(names, text):
     return [n for n in names if any(w in n for w in text.split(","))] if text else []
 
 
+def _variants(define):
+    """(label, lazy_rescale or None for the policy's, define) of the two variants, the reference first."""
+    if define:
+        return (("define", None, define), ("default", None, ""))
+    return (("eager", False, ""), ("lazy", True, ""))
+
+
+def _config(cfg, lazy, define):
+    """A fresh copy of ``cfg`` (``lazy_rescale`` set unless None), compiled now under ``define``: a config object
+    keeps the module it compiled."""
+    import os
+
+    cfg = dataclasses.replace(cfg, **({} if lazy is None else {"lazy_rescale": lazy}))
+    os.environ["CUKV_DEFINES"] = define
+    try:
+        cfg.compiled
+    finally:
+        os.environ["CUKV_DEFINES"] = ""
+    return cfg
+
+
 def _report(name, timer, fns, outs, rounds, reps):
     import cupy as cp
 
@@ -25,9 +49,10 @@ def _report(name, timer, fns, outs, rounds, reps):
 
     med = interleaved_medians(timer, fns, reps=reps, rounds=rounds)
     val = lambda o: (o.astype(cp.uint32) << 16).view(cp.float32)  # noqa: E731 - bf16 bits -> float32
-    diff = float(cp.abs(val(outs["lazy"]) - val(outs["eager"])).max())
-    r = med["eager"] / med["lazy"]
-    print(f"{name:<34} eager {med['eager'] * 1e3:8.1f} us  lazy {med['lazy'] * 1e3:8.1f} us  eager/lazy {r:.3f}  "
+    (a, oa), (b, ob) = outs.items()
+    diff = float(cp.abs(val(ob) - val(oa)).max())
+    r = med[a] / med[b]
+    print(f"{name:<34} {a} {med[a] * 1e3:8.1f} us  {b} {med[b] * 1e3:8.1f} us  {a}/{b} {r:.3f}  "
           f"max|diff| {diff:.2e}", flush=True)
     return r
 
@@ -38,6 +63,7 @@ def main():
     ap.add_argument("--sparse", default="prefill,decode")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--define", default="", help="compare the policy's config with and without this define")
     args = ap.parse_args()
     import cupy as cp
 
@@ -57,9 +83,9 @@ def main():
         lens = bd._lengths(batch, ctx)
         cache, table, q = bd._problem(batch, heads, s_q, lens)
         fns, outs = {}, {}
-        for key, lazy in (("eager", False), ("lazy", True)):
+        for key, lazy, define in _variants(args.define):
             dec = BatchMLADecode(heads)
-            dec.config = dataclasses.replace(dec.config, lazy_rescale=lazy)
+            dec.config = _config(dec.config, lazy, define)
             dec.plan(lens, s_q)
             outs[key] = cp.empty((batch, s_q, heads, 512), cp.uint16)
             fns[key] = (lambda d=dec, o=outs[key]: d.run(q, cache, table, out=o))
@@ -81,9 +107,9 @@ def main():
                            pow2_scales=True, dtype="bfloat16")
             idx = idx + (cp.arange(tokens, dtype=cp.int32) // s_q * s_kv)[:, None]
         fns, outs = {}, {}
-        for key, lazy in (("eager", False), ("lazy", True)):
+        for key, lazy, define in _variants(args.define):
             att = SparseMLA(heads, kv_dtype=kvd)
-            att.config = dataclasses.replace(att.config, lazy_rescale=lazy)
+            att.config = _config(att.config, lazy, define)
             att.plan(tokens, topk)
             outs[key] = cp.empty((tokens, heads, 512), cp.uint16)
             mx = cp.empty((tokens, heads), cp.float32)
@@ -93,7 +119,8 @@ def main():
         kv = q = idx = target = fns = outs = None
         cp.get_default_memory_pool().free_all_blocks()
     if ratios:
-        print(f"geomean eager/lazy over {len(ratios)} shapes: {np.exp(np.mean(np.log(list(ratios.values())))):.3f}")
+        a, b = (v[0] for v in _variants(args.define))
+        print(f"geomean {a}/{b} over {len(ratios)} shapes: {np.exp(np.mean(np.log(list(ratios.values())))):.3f}")
 
 
 if __name__ == "__main__":

@@ -72,14 +72,14 @@ struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       base[r] = mn[r] == -CUKV_INF ? 0.f : mn[r];  // a row with nothing visible yet keeps exp2(-inf) = 0
-      alpha[r] = exp2f(m[r] - base[r]);
+      alpha[r] = mla_exp2(m[r] - base[r]);
       m[r] = mn[r];
       l[r] *= alpha[r];
     }
 #pragma unroll
     for (int j = 0; j < kHalf / 8; ++j) {
-      const float e0 = exp2f(s[4 * j] - base[0]), e1 = exp2f(s[4 * j + 1] - base[0]);
-      const float e2 = exp2f(s[4 * j + 2] - base[1]), e3 = exp2f(s[4 * j + 3] - base[1]);
+      const float e0 = mla_exp2(s[4 * j] - base[0]), e1 = mla_exp2(s[4 * j + 1] - base[0]);
+      const float e2 = mla_exp2(s[4 * j + 2] - base[1]), e3 = mla_exp2(s[4 * j + 3] - base[1]);
       l[0] += e0 + e1;
       l[1] += e2 + e3;
       p[2 * j] = ElemTraits<T>::pack(e0, e1);

@@ -74,8 +74,8 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
   // The running max moves to mn (>= m) and l with it; returns alpha = exp2(m_old - mn), by which O must be
   // scaled before its next wgmma. A row with nothing visible yet (mn = -inf) gets alpha 0 (its O and l are 0).
   __device__ __forceinline__ float2 follow(float2 mn) {
-    const float2 alpha = make_float2(exp2f(m[0] - (mn.x == -CUKV_INF ? 0.f : mn.x)),
-                                     exp2f(m[1] - (mn.y == -CUKV_INF ? 0.f : mn.y)));
+    const float2 alpha = make_float2(mla_exp2(m[0] - (mn.x == -CUKV_INF ? 0.f : mn.x)),
+                                     mla_exp2(m[1] - (mn.y == -CUKV_INF ? 0.f : mn.y)));
     m[0] = mn.x;
     m[1] = mn.y;
     l[0] *= alpha.x;
@@ -99,8 +99,8 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
     const float base0 = m[0] == -CUKV_INF ? 0.f : m[0], base1 = m[1] == -CUKV_INF ? 0.f : m[1];
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
-      const float e0 = exp2f(s[4 * j] - base0), e1 = exp2f(s[4 * j + 1] - base0);
-      const float e2 = exp2f(s[4 * j + 2] - base1), e3 = exp2f(s[4 * j + 3] - base1);
+      const float e0 = mla_exp2(s[4 * j] - base0), e1 = mla_exp2(s[4 * j + 1] - base0);
+      const float e2 = mla_exp2(s[4 * j + 2] - base1), e3 = mla_exp2(s[4 * j + 3] - base1);
       l[0] += e0 + e1;
       l[1] += e2 + e3;
       p[2 * j] = ElemTraits<T>::pack(e0, e1);

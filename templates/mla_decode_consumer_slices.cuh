@@ -179,8 +179,8 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         // P0 was scaled to m0; to m1 now (a factor in (0, 1]). A row whose m0 is still -inf has P0 = 0: factor 0,
         // never exp2 of a large difference (inf, and 0 * inf)
         const float b1x = mn.x == -CUKV_INF ? 0.f : mn.x, b1y = mn.y == -CUKV_INF ? 0.f : mn.y;
-        const float2 f0 = make_float2(m0.x == -CUKV_INF ? 0.f : exp2f(m0.x - b1x),
-                                      m0.y == -CUKV_INF ? 0.f : exp2f(m0.y - b1y));
+        const float2 f0 = make_float2(m0.x == -CUKV_INF ? 0.f : mla_exp2(m0.x - b1x),
+                                      m0.y == -CUKV_INF ? 0.f : mla_exp2(m0.y - b1y));
         if (!State::unit(f0)) rescale_p(p0, f0);
         wait_v(t0);
         Alt::pv_issue(p0, t0 % STAGES);

@@ -11,6 +11,16 @@
 
 namespace cukv {
 
+// 2^x for the softmax: one ex2.approx.ftz (results below 2^-126 flush to 0, far below P's rounding), where exp2f
+// adds a range check and two multiplies around it for denormal results.
+__device__ __forceinline__ float mla_exp2(float x) {
+#ifdef CUKV_MLA_EXACT_EXP2  // probe: the denormal-exact exp2f (benchmarks/probe_mla_rescale.py --define)
+  return exp2f(x);
+#else
+  return fast_exp2(x);
+#endif
+}
+
 template <typename T, class Pipe, bool SPARSE = false>
 struct MLADecodeConsumerState {
   static constexpr int kORegs = 128;
