@@ -11,13 +11,14 @@
 
 namespace cukv {
 
-// 2^x for the softmax: one ex2.approx.ftz (results below 2^-126 flush to 0, far below P's rounding), where exp2f
-// adds a range check and two multiplies around it for denormal results.
+// 2^x for the softmax: with the lazy rescale one ex2.approx.ftz (results below 2^-126 flush to 0, far below P's
+// rounding), where exp2f adds a range check and two multiplies around it for denormal results. The eager kernels
+// keep exp2f: with ex2 the eager slice consumer spills (72 bytes, NVRTC sm_90a).
 __device__ __forceinline__ float mla_exp2(float x) {
-#ifdef CUKV_MLA_EXACT_EXP2  // probe: the denormal-exact exp2f (benchmarks/probe_mla_rescale.py --define)
-  return exp2f(x);
-#else
+#if CUKV_MLA_LAZY_RESCALE && !defined(CUKV_MLA_EXACT_EXP2)  // the define: a probe (probe_mla_rescale.py --define)
   return fast_exp2(x);
+#else
+  return exp2f(x);
 #endif
 }
 
