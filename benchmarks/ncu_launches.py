@@ -8,6 +8,8 @@ Prefill: cukv paged on the bf16 cache and on the same tokens quantized into an F
         python3 benchmarks/ncu_launches.py prefill 2x4096x128
     ncu -k regex:"cukv_mla_prefill|Fwd" --launch-skip 2 --launch-count 2 --section SpeedOfLight \\
         python3 benchmarks/ncu_launches.py mla-prefill "h128 2048 x 16K chunk (no mask)" --peers
+    ncu -k regex:"cukv_mla_decode|flash" --launch-skip 2 --launch-count 2 --section SpeedOfLight \\
+        python3 benchmarks/ncu_launches.py mla-decode "b128 h128 ctx8192" --peers
 """
 import argparse
 
@@ -87,6 +89,34 @@ def mla_prefill_fns(args):
     return fns
 
 
+def mla_decode_fns(args):
+    """cukv's absorbed MLA decode (the policy's config) on one bench mla-decode shape and, with ``--peers``,
+    FlashMLA's dense decode on the same cache (its schedule planned outside the profiled launches)."""
+    from cukv.bench.mla_decode import PAGE, SHAPES, _flash_mla, _lengths, _problem
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    name, batch, heads, s_q, ctx = next(s for s in SHAPES if s[0] == args.shape)
+    lens = _lengths(batch, ctx)
+    cache, table, q = _problem(batch, heads, s_q, lens)
+    dec = BatchMLADecode(heads).plan(lens, s_q)
+    print("config:", dec.config.name, flush=True)
+    out = cp.empty((batch, s_q, heads, 512), cp.uint16)
+    fns = [lambda: dec.run(q, cache, table, out=out)]
+    fm, torch, why = _flash_mla()
+    if args.peers and fm is not None:
+        kc = torch.from_dlpack(cache.data).view(torch.bfloat16).view(cache.num_pages, PAGE, 1, 576)
+        tq, tt = torch.from_dlpack(q).view(torch.bfloat16), torch.from_dlpack(table)
+        tl = torch.from_dlpack(cp.asarray(lens))
+        meta, _ = fm.get_mla_metadata()
+        call = lambda: fm.flash_mla_with_kvcache(tq, kc, tt, tl, 512, meta, None, 576 ** -0.5,  # noqa: E731
+                                                  causal=s_q > 1, use_legacy=True)
+        call()  # plans its schedule
+        fns.append(call)
+    elif args.peers:
+        print("no FlashMLA peer:", why, flush=True)
+    return fns
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="op", required=True)
@@ -102,8 +132,12 @@ def main():
     m.add_argument("shape", nargs="?", default="h128 2048 x 16K chunk (no mask)", help="a bench mla-prefill shape name")
     m.add_argument("--config", default="", help="BMxBNxSTAGES over the default tile's flags")
     m.add_argument("--peers", action="store_true")
+    md = sub.add_parser("mla-decode")
+    md.add_argument("shape", nargs="?", default="b128 h128 ctx8192", help="a bench mla-decode shape name")
+    md.add_argument("--peers", action="store_true")
     args = ap.parse_args()
-    fns = {"decode": decode_fns, "prefill": prefill_fns, "mla-prefill": mla_prefill_fns}[args.op](args)
+    fns = {"decode": decode_fns, "prefill": prefill_fns, "mla-prefill": mla_prefill_fns,
+           "mla-decode": mla_decode_fns}[args.op](args)
     for _ in range(3):  # rounds 1-2 warm up, round 3 is the one to profile
         for fn in fns:
             fn()
