@@ -5,7 +5,7 @@ interleaved rounds (the first config is the baseline) and prints one line per sh
 
 A config is ``BMxBNxSTAGES`` with optional ``:pp`` (pingpong), ``:pvw`` (pv_wait), ``:pers`` (persistent grid),
 ``:tma`` (tensor copies) and ``:st`` (the output through shared memory by TMA, ``tma_store``) flags, and ``:D=NAME``
-compiles that variant with the preprocessor define NAME (an experiment switch, e.g. ``:D=CUKV_MLA_PRODUCER_SLEEP``),
+compiles that variant with the preprocessor define NAME (an experiment switch, e.g. ``:D=CUKV_WAIT_STATS``),
 ``:T=N`` plans it with ``tail_heads=N`` (0: all heads; without it, the policy's);
 ``--unchecked`` skips the measured domain rules (ptxas and the static_asserts still
 apply)."""

@@ -250,6 +250,20 @@ def reference_prefill(case, staged: str | None = None, fp8_scores: bool = False,
     return reference.prefill_contiguous(q, case["q_offsets"], k, v, case["kv_offsets"], **kw)
 
 
+def capture(run):
+    """A CUDA graph of ``run(stream)``: one direct call on a new non-blocking stream (it loads the module and
+    allocates), then one captured there. Returns ``(graph, stream)``; launch it with :func:`replay`."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        run(stream)
+        stream.begin_capture()
+        run(stream)
+        graph = stream.end_capture()
+    return graph, stream
+
+
 def replay(graph, stream) -> None:
     """Launch a captured CUDA graph on ``stream`` after every device operation issued before it, and wait for it.
 

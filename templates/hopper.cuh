@@ -30,14 +30,6 @@ __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
       :: "r"(bar), "r"(parity) : "memory");
 }
 
-// mbar_wait for a thread with nothing else to do: try_wait's suspend-time hint lets the warp sleep until the phase
-// completes (or the hint's nanoseconds pass) instead of polling, so it leaves its issue slots to the busy warps
-__device__ __forceinline__ void mbar_wait_sleep(u32 bar, int parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1, %2;\n @!p bra WAIT_%=;\n}\n"
-      :: "r"(bar), "r"(parity), "r"(0x989680) : "memory");
-}
-
 // A position in a ring of STAGES elements handed over by full/empty mbarrier pairs (FlashAttention's PipelineState):
 // `count` elements have passed, the next sits in slot stage(), and its full barrier completes phase() on this round
 // (the producer's wait on its empty barrier, for the consumers' release of the previous round, is empty_phase()).

@@ -71,13 +71,7 @@ struct MLAKVProducerPipeline {
   }
 
   // wait until the consumers have released the next stage
-  __device__ __forceinline__ void acquire_kv() const {
-#ifdef CUKV_MLA_PRODUCER_SLEEP  // probe: the producer sleeps on a full ring instead of polling
-    mbar_wait_sleep(empty + 8 * ring.stage(), ring.empty_phase());
-#else
-    mbar_wait(empty + 8 * ring.stage(), ring.empty_phase());
-#endif
-  }
+  __device__ __forceinline__ void acquire_kv() const { mbar_wait(empty + 8 * ring.stage(), ring.empty_phase()); }
 
   // K of one tile into the acquired stage. Producer warp pw's lane copies 16-byte chunk lane % 8 of its rows
   // (KVBuffer's layout); the row's element offsets come from the lane that formed them (nope(i), rope(i): -1 reads

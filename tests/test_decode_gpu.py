@@ -4,7 +4,7 @@ import pytest
 
 import cukv
 from cukv.dtypes import from_storage
-from cukv.testing import assert_close, random_decode_case, reference_decode, replay
+from cukv.testing import assert_close, capture, random_decode_case, reference_decode, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -181,19 +181,13 @@ def check_graph_replay(rng, dec, kv_dtype=None, scale_granularity=None):
     dec.plan(4, 1000)
     out = cp.empty(case["q"].shape, case["q"].dtype)
     lse = cp.empty((4, 16), cp.float32)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        dec.run(case["q"], case["cache"], case["table"], out=out, lse=lse, stream=stream)  # warm (load module)
-        stream.begin_capture()
-        dec.run(case["q"], case["cache"], case["table"], out=out, lse=lse, stream=stream)
-        graph = stream.end_capture()
+    graph, stream = capture(lambda s: dec.run(case["q"], case["cache"], case["table"], out=out, lse=lse, stream=s))
     # new lengths stay within the tokens each sequence had appended (beyond them the table maps nothing)
     for new_lengths in ([600, 1000, 33, 999], [1, 700, 17, 2], [600, 999, 33, 998]):
         case["table"].lengths.set(np.asarray(new_lengths, np.int32))
         case["lengths"] = np.asarray(new_lengths)
         out.fill(0)
         replay(graph, stream)
-        stream.synchronize()
         ref_o, ref_lse = reference_decode(case)
         assert_close(from_storage(out.get(), "bfloat16"), ref_o, "bfloat16")
         assert_close(lse.get(), ref_lse, "float32", atol=lse_tol, rtol=lse_tol)

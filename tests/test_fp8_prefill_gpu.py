@@ -18,7 +18,8 @@ import pytest
 
 import cukv
 from cukv.dtypes import from_storage, to_storage
-from cukv.testing import assert_close, assert_within_staging, random_prefill_case, reference_prefill, replay
+from cukv.testing import (assert_close, assert_within_staging, capture, random_prefill_case, reference_prefill,
+                          replay)
 
 pytestmark = pytest.mark.gpu
 
@@ -303,15 +304,7 @@ def test_convert_once_d256_tile_launched_per_item(rng):
 
 def _capture(pf, case, out):
     """A direct run (compiles and allocates), then one run captured on a side stream: (graph, stream)."""
-    import cupy as cp
-
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
-        stream.begin_capture()
-        pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=stream)
-        graph = stream.end_capture()
-    return graph, stream
+    return capture(lambda s: pf.run(case["q"], (case["cache"], case["table"]), out=out, stream=s))
 
 
 def test_convert_once_tensor_scales_are_read_at_run_time(rng):
@@ -329,7 +322,6 @@ def test_convert_once_tensor_scales_are_read_at_run_time(rng):
         c.set_tensor_scales(c.k_scales * cp.float32(kf), c.v_scales * cp.float32(vf))
         out.fill(0x7FC0)
         replay(graph, stream)
-        stream.synchronize()
         ref, _ = reference_prefill(case, staged="bfloat16", round_k=False, round_v=False)
         unit = max(1.0, float(np.abs(ref).max()))
         assert_close(from_storage(out.get(), "bfloat16") / unit, ref / unit, "bfloat16",
@@ -357,7 +349,6 @@ def test_fp8_prefill_graph_capture_and_replay(rng, strategy):
         case["q_host"] = from_storage(q, "bfloat16")
         out.fill(0)
         replay(graph, stream)
-        stream.synchronize()
         direct = pf.run(case["q"], (case["cache"], case["table"]))
         cp.cuda.Device().synchronize()
         assert np.array_equal(out.get(), direct.get()), "a replay must match a direct run bit for bit"

@@ -7,7 +7,7 @@ import pytest
 from cukv import reference
 from cukv.dtypes import from_storage, to_storage
 from cukv.ops.merge import merge_states, merge_states_n
-from cukv.testing import assert_close, replay
+from cukv.testing import assert_close, capture, replay
 
 pytestmark = pytest.mark.gpu
 
@@ -167,12 +167,7 @@ def test_graph_capture_replay(rng):
     va, sa, vb, sb = (cp.asarray(x) for x in (v[0], s[0], v[1], s[1]))
     out = cp.empty((16, 8, 128), cp.float16)
     lse = cp.empty((16, 8), cp.float32)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        merge_states(va, sa, vb, sb, out=out, lse=lse, stream=stream)  # warm: load the module
-        stream.begin_capture()
-        merge_states(va, sa, vb, sb, out=out, lse=lse, stream=stream)
-        graph = stream.end_capture()
+    graph, stream = capture(lambda s: merge_states(va, sa, vb, sb, out=out, lse=lse, stream=s))
     for _ in range(2):
         v2, s2 = _states(rng, 2, 16, 8, 128, "float16")
         with stream:  # the new inputs and the poisoned output are ordered before the replay
@@ -180,7 +175,6 @@ def test_graph_capture_replay(rng):
                 dst.set(src, stream=stream)
             out.fill(np.nan)
         replay(graph, stream)
-        stream.synchronize()
         _check(out, lse, v2, s2, "float16")
 
 

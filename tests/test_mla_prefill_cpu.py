@@ -176,12 +176,20 @@ def test_constructor_errors():
     (dict(q_offsets=[0, 4, 2]), r"q_offsets"),
 ])
 def test_plan_errors_name_the_argument(kw, match):
+    """Named errors before any device work (these run without a GPU)."""
     args = dict(q_offsets=[0, 2, 4], kv_lengths=[5, 3])
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         BatchMLAPrefill(16, page_size=16).plan(**args)
     with pytest.raises(ValueError, match=match):
         validate.mla_prefill_batch(args["q_offsets"], args["kv_lengths"], args.get("kv_offsets"))
+
+
+@pytest.mark.parametrize("tail", [0, 17, 2.5, True])
+def test_plan_tail_heads_domain(tail):
+    """tail_heads: an integer 1..num_heads, refused by name before any device work."""
+    with pytest.raises((ValueError, TypeError), match=r"tail_heads=.* must be"):
+        BatchMLAPrefill(16, page_size=16).plan([0, 2, 4], [5, 3], tail_heads=tail)
 
 
 def test_plan_mask_error():

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import pytest
 
-from cukv.testing import replay
+from cukv.testing import capture, replay
 from cukv import reference
 from cukv.dtypes import bf16_bits, bf16_to_float
 
@@ -267,19 +267,13 @@ def test_graph_replay(rng, var):
     out = cp.empty((p["dq"].shape[0], 8, 128), p["dq"].dtype)
     lse = cp.empty((p["dq"].shape[0], 8), cp.float32)
     src = dict(cache=p["cache"], block_table=p["table"])
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        pf.run(p["dq"], p["dkn"], p["dv"], **src, out=out, lse=lse, stream=stream)  # warm (load the module)
-        stream.begin_capture()
-        pf.run(p["dq"], p["dkn"], p["dv"], **src, out=out, lse=lse, stream=stream)
-        graph = stream.end_capture()
+    graph, stream = capture(lambda s: pf.run(p["dq"], p["dkn"], p["dv"], **src, out=out, lse=lse, stream=s))
     for _ in range(2):
         q = _rounded(rng.standard_normal(p["q"].shape), "bfloat16")
         p["q"] = q
         p["dq"][...] = _to_dev(q, "bfloat16")
         out.fill(0)
         replay(graph, stream)
-        stream.synchronize()
         check(p, out, lse, expected(p, rows_sampled(rng)), "bfloat16")
 
 

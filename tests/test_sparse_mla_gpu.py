@@ -3,7 +3,7 @@ more (heads 1..128, invalid indices of every kind, cut lists with NaN rows behin
 import numpy as np
 import pytest
 
-from cukv.testing import replay
+from cukv.testing import capture, replay
 from cukv import reference
 from cukv.dtypes import bf16_bits, bf16_to_float
 
@@ -181,18 +181,12 @@ def test_sparse_graph_capture_replays(rng):
     ind = cp.asarray(rng.integers(0, 600, (t_n, topk)).astype(np.int32))
     out, lse, mx = cp.empty((t_n, heads, 512), cp.uint16), cp.empty((t_n, heads), cp.float32), \
         cp.empty((t_n, heads), cp.float32)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        att.run(q, kv, ind, out=out, lse=lse, max_logits=mx)  # warm up (module load) outside the capture
-        stream.begin_capture()
-        att.run(q, kv, ind, out=out, lse=lse, max_logits=mx)
-        graph = stream.end_capture()
+    graph, stream = capture(lambda s: att.run(q, kv, ind, out=out, lse=lse, max_logits=mx, stream=s))
     for _ in range(2):
         idx = rng.integers(-3, 600, (t_n, topk)).astype(np.int32)
         idx[rng.random(idx.shape) < 0.1] = num_rows
         ind.set(idx)
         replay(graph, stream)
-        stream.synchronize()
         ro, rl, rm = reference.sparse_mla(_to_host(q, "bfloat16"), vals, idx)
         np.testing.assert_allclose(_to_host(out, "bfloat16"), ro, atol=2e-2, rtol=2e-2)
         np.testing.assert_allclose(mx.get(), rm, atol=3e-3, rtol=1e-4)

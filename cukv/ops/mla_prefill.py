@@ -117,11 +117,11 @@ class BatchMLAPrefill:
         qo, kl, ko = mla_prefill_batch(q_offsets, kv_lengths, kv_offsets)
         b = qo.size - 1
         check_choice("mask", mask, MASKS)
+        tail = check_int("tail_heads", tail_heads, 1, self.num_heads, none_ok=True, note="the policy's choice")
         if self._tiles is not None:
             self.config = self._tiles[wide_tile(np.diff(qo), kl, mask)]
         cfg = self.config
         self._work, self._num_work = _work_array(_work_list(np.diff(qo), kl, cfg, mask, None, None))
-        tail = check_int("tail_heads", tail_heads, 1, self.num_heads, none_ok=True, note="the policy's choice")
         if tail is None:
             tail = policy_tail_heads(self._num_work, self.num_heads, int(kl.sum()) * KV_BYTES_PER_KEY,
                                      self._max_blocks or sm_count())

@@ -81,7 +81,9 @@ def decode_config(dtype: str = "bfloat16", head_dim: int = 128, group: int = 4, 
                           stages, cluster, (default_tma if tma is None else tma) is True)
     if tma is None:
         atom = 64 if kv_dtype is None else 128  # dims per 128-byte row atom
-        tma = default_tma and bool(stages) and page_size % 16 == 0 and head_dim % atom == 0
+        # FP8: token or tensor scales only (DecodeConfig's rule for tensor copies)
+        tma = (default_tma and bool(stages) and page_size % 16 == 0 and head_dim % atom == 0
+               and (kv_dtype is None or scale_block in (0, head_dim)))
     return DecodeConfig(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub,
                         stages, cluster, tma)
 
