@@ -64,12 +64,9 @@ struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN
     stats()[g * 128 + t] = make_float2(mx[0], mx[1]);
     named_barrier_sync<256>(1);
     const float2 other = stats()[(1 - g) * 128 + t];
-    const float2 tile = make_float2(fmaxf(mx[0], other.x), fmaxf(mx[1], other.y));  // both halves of the tile
-    if constexpr (SPARSE) {  // max_logits: the true running max (m may lag it by up to 2^kRescaleLog2)
-      mt[0] = fmaxf(mt[0], tile.x);
-      mt[1] = fmaxf(mt[1], tile.y);
-    }
-    const float2 next = State::next_max(make_float2(m[0], m[1]), tile);
+    mt[0] = fmaxf(mt[0], fmaxf(mx[0], other.x));
+    mt[1] = fmaxf(mt[1], fmaxf(mx[1], other.y));
+    const float2 next = State::next_max(make_float2(m[0], m[1]), make_float2(mt[0], mt[1]));
     const float mn[2] = {next.x, next.y};
     float base[2], alpha[2];
 #pragma unroll
@@ -124,8 +121,13 @@ struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN
   }
 
   __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles) {
-    int lim0, lim1;
-    const int r0 = State::enter(a, w, lim0, lim1);
+    const int warp = t >> 5;
+    const int r0 = warp * 16 + (lane >> 2);
+    const int len = SPARSE ? w.end : a.seq_lens[w.batch];
+    const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
+    const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
+    mbar_wait(pipe.q_full(), 0);
+    fence_proxy_async();
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
       const int stage = it % STAGES;

@@ -153,8 +153,13 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
   }
 
   __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles) {
-    int lim0, lim1;
-    const int r0 = State::enter(a, w, lim0, lim1);
+    const int warp = t >> 5;
+    const int r0 = warp * 16 + (lane >> 2);
+    const int len = a.seq_lens[w.batch];
+    const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
+    const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
+    mbar_wait(pipe.q_full(), 0);
+    fence_proxy_async();
 #pragma unroll 1
     for (int t0 = 0; t0 < n_tiles; t0 += 2) {
       const int t1 = t0 + 1;
@@ -164,7 +169,7 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
         wait_tile(t0);
         float s[kSRegs];
         const float2 mx = scores(s, t0 % STAGES, w.begin + t0 * BN, lim0, lim1, a.scale_log2);
-        const float2 a0 = follow(State::next_max(make_float2(m[0], m[1]), mx));
+        const float2 a0 = follow(State::next_max(make_float2(m[0], m[1]), make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y))));
         probabilities(s, p);
         publish(p, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
         scale_o(a0);
@@ -194,7 +199,7 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
         pv_issue(p0, t0 % STAGES);
         float2 a1 = make_float2(1.f, 1.f);
         if (pair) {  // the softmax of tile t1 while P0 V runs
-          a1 = follow(State::next_max(m0, mx));
+          a1 = follow(State::next_max(m0, make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y))));
           probabilities(s, p);
           publish(p, kBarH1);  // warpgroup 0 goes on with P1 V
         }

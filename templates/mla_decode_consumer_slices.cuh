@@ -93,15 +93,6 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     }
   }
 
-  // All 9 slices of S = Q K^T for tile `it` (warpgroup G's order), waited on; then this warpgroup releases them.
-  template <int G>
-  __device__ __forceinline__ void score(float (&s)[kSRegs], int it) const {
-    qk_slices<G, 0, kSlices>(s, it);
-    wgmma_wait<0>();
-    fence_regs(s);
-    release_scored(it);
-  }
-
   // P words (rows r0 and r0 + 8 alternate, as probabilities() packs them) scaled by r.x, r.y and rounded to T again.
   __device__ __forceinline__ void rescale_p(u32 (&p)[kPWords], float2 r) const {
 #pragma unroll
@@ -116,13 +107,19 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   __device__ __forceinline__ void consume0(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int lim0,
                                            int lim1) {
     float s[kSRegs];
-    if (n_tiles > 0) score<0>(s, 0);
+    if (n_tiles > 0) {
+      qk_slices<0, 0, kSlices>(s, 0);
+      wgmma_wait<0>();
+      fence_regs(s);
+      release_scored(0);
+    }
 #pragma unroll 1
     for (int t0 = 0; t0 < n_tiles; t0 += 2) {
       const int t1 = t0 + 1, t2 = t0 + 2;
       u32 p[kPWords];
       const float2 mx = Alt::mask_rowmax(s, w.begin + t0 * BN, lim0, lim1, a.scale_log2);
-      const float2 a0 = Alt::follow(State::next_max(make_float2(m[0], m[1]), mx));
+      const float2 a0 = Alt::follow(State::next_max(make_float2(m[0], m[1]),
+                                                    make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y))));
       Alt::probabilities(s, p);
       Alt::publish(p, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
       Alt::scale_o(a0);
@@ -157,7 +154,12 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   __device__ __forceinline__ void consume1(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int lim0,
                                            int lim1) {
     float s[kSRegs];
-    if (n_tiles > 1) score<1>(s, 1);
+    if (n_tiles > 1) {
+      qk_slices<1, 0, kSlices>(s, 1);
+      wgmma_wait<0>();
+      fence_regs(s);
+      release_scored(1);
+    }
 #pragma unroll 1
     for (int t0 = 0; t0 < n_tiles; t0 += 2) {
       const int t1 = t0 + 1, t3 = t0 + 3;
@@ -167,7 +169,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       u32 p0[kPWords];
       const float2 m0 = Alt::receive(p0, kBarH0);  // read before this warpgroup publishes P1 into the same buffer
       if (pair) {
-        const float2 mn = State::next_max(m0, mx);
+        const float2 mn = State::next_max(m0, make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y)));
         const float2 a1 = Alt::follow(mn);  // O and l from this warpgroup's old max straight to m1
         u32 p1[kPWords];
         Alt::probabilities(s, p1);
@@ -195,15 +197,25 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         fence_regs(o);
         release_v(t0);
       }
-      if (t3 < n_tiles) score<1>(s, t3);
+      if (t3 < n_tiles) {
+        qk_slices<1, 0, kSlices>(s, t3);
+        wgmma_wait<0>();
+        fence_regs(s);
+        release_scored(t3);
+      }
     }
   }
 
   // tma_box_rows: the cache map's box rows (0: every tile by cp.async), as the producer was given them.
   __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int tma_box_rows) {
     cp_from = Pipe::tma_tiles(w, tma_box_rows);
-    int lim0, lim1;
-    const int r0 = State::enter(a, w, lim0, lim1);
+    const int warp = t >> 5;
+    const int r0 = warp * 16 + (lane >> 2);
+    const int len = a.seq_lens[w.batch];
+    const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
+    const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
+    mbar_wait(pipe.q_full(), 0);
+    fence_proxy_async();
     if (g == 0)
       consume0(a, w, n_tiles, lim0, lim1);
     else

@@ -34,7 +34,7 @@ struct MLADecodeConsumerState {
   const Pipe& pipe;
   const int g, t, lane;  // warpgroup, thread in warpgroup, lane
   float m[2], l[2];
-  float mt[2];  // SPARSE: the true running max of the scaled logits (max_logits); m lags it under kLazy
+  float mt[2];  // the true running max of the scaled logits (sparse: max_logits); m lags it under kLazy
   float o[kORegs];
 
   __device__ __forceinline__ MLADecodeConsumerState(const Pipe& p, int g_, int t_)
@@ -45,11 +45,10 @@ struct MLADecodeConsumerState {
     for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
   }
 
-  // The max the rows scale to next, given the max they scale to now (m_old) and the new scores' max mx: the
-  // candidate max(m_old, mx), or (kLazy) m_old while no row of the warp passes it by kRescaleLog2. A row going from
-  // nothing visible (-inf) to a finite max always passes.
-  __device__ __forceinline__ static float2 next_max(float2 m_old, float2 mx) {
-    const float2 cand = make_float2(fmaxf(m_old.x, mx.x), fmaxf(m_old.y, mx.y));
+  // The max the rows scale to next, given the max they scale to now (m_old) and the candidate (>= m_old): the
+  // candidate, or (kLazy) m_old while no row of the warp passes it by kRescaleLog2. A row going from nothing visible
+  // (-inf) to a finite max always passes.
+  __device__ __forceinline__ static float2 next_max(float2 m_old, float2 cand) {
     if constexpr (!kLazy) {
       return cand;
     } else {
@@ -70,18 +69,6 @@ struct MLADecodeConsumerState {
   __device__ __forceinline__ u32* pwords() const {
     extern __shared__ __align__(1024) char smem[];
     return reinterpret_cast<u32*>(smem + Pipe::p_offset);
-  }
-
-  // This thread's first row r0 (its second is r0 + 8) and the keys each may see (lim0, lim1), returned once the
-  // query block has landed: every schedule's start.
-  __device__ __forceinline__ int enter(const MLADecodeParams& a, const MLAWorkItem& w, int& lim0, int& lim1) const {
-    const int r0 = (t >> 5) * 16 + (lane >> 2);
-    const int len = SPARSE ? w.end : a.seq_lens[w.batch];
-    lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
-    lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
-    mbar_wait(pipe.q_full(), 0);
-    fence_proxy_async();
-    return r0;
   }
 
   // S = Q K^T over all 576 dims for the tokens whose K rows start at shared address `k_rows` (a stage, or its
