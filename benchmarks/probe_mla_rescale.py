@@ -1,11 +1,13 @@
 """A/B probe for the absorbed MLA kernels' consumers: times each ``bench mla-decode`` shape (the policy's config)
 and each ``bench sparse-mla`` shape in two variants, in interleaved rounds in one process, and prints per shape
 the time of each, their ratio (above 1: the second is faster) and the largest output difference. The variants:
-``lazy_rescale`` off ("eager") and on ("lazy"), or with ``--define NAME`` the policy's config compiled with the
-preprocessor define NAME ("define") and without ("default").
+``lazy_rescale`` off ("eager") and on ("lazy"); with ``--define NAME`` the policy's config compiled with the
+preprocessor define NAME ("define") and without ("default"); with ``--schedule NAME`` the op built with that
+``schedule`` ("forced") and with the policy's ("default").
 
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py [--dense b128,h16] [--sparse prefill,decode] [--rounds 5]
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --define CUKV_MLA_EXACT_EXP2
+    PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --schedule split --dense h16 --sparse h16,h32
 
 ``--dense`` / ``--sparse`` keep the shapes whose names contain one of the comma-separated words ("" runs none).
 """
@@ -21,11 +23,14 @@ def _pick(names, text):
     return [n for n in names if any(w in n for w in text.split(","))] if text else []
 
 
-def _variants(define):
-    """(label, lazy_rescale or None for the policy's, define) of the two variants, the reference first."""
+def _variants(define, schedule=None):
+    """(label, lazy_rescale or None for the policy's, define, schedule or None for the policy's) of the two variants,
+    the reference first."""
+    if schedule:
+        return (("forced", None, "", schedule), ("default", None, "", None))
     if define:
-        return (("define", None, define), ("default", None, ""))
-    return (("eager", False, ""), ("lazy", True, ""))
+        return (("define", None, define, None), ("default", None, "", None))
+    return (("eager", False, "", None), ("lazy", True, "", None))
 
 
 def _config(cfg, lazy, define):
@@ -64,6 +69,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--define", default="", help="compare the policy's config with and without this define")
+    ap.add_argument("--schedule", default="", help="compare the op built with this schedule and with the policy's")
     args = ap.parse_args()
     import cupy as cp
 
@@ -83,9 +89,9 @@ def main():
         lens = bd._lengths(batch, ctx)
         cache, table, q = bd._problem(batch, heads, s_q, lens)
         fns, outs = {}, {}
-        for key, lazy, define in _variants(args.define):
-            dec = BatchMLADecode(heads)
-            dec.config = _config(dec.config, lazy, define)
+        for key, lazy, define, sched in _variants(args.define, args.schedule):
+            dec = BatchMLADecode(heads, schedule=sched).plan(lens, s_q)  # the policy's config for s_q
+            dec.config = _config(dec.config, lazy, define)                  # a copy set by hand: plan keeps it
             dec.plan(lens, s_q)
             outs[key] = cp.empty((batch, s_q, heads, 512), cp.uint16)
             fns[key] = (lambda d=dec, o=outs[key]: d.run(q, cache, table, out=o))
@@ -107,19 +113,19 @@ def main():
                            pow2_scales=True, dtype="bfloat16")
             idx = idx + (cp.arange(tokens, dtype=cp.int32) // s_q * s_kv)[:, None]
         fns, outs = {}, {}
-        for key, lazy, define in _variants(args.define):
-            att = SparseMLA(heads, kv_dtype=kvd)
+        for key, lazy, define, sched in _variants(args.define, args.schedule):
+            att = SparseMLA(heads, kv_dtype=kvd, schedule=sched)
             att.config = _config(att.config, lazy, define)
             att.plan(tokens, topk)
             outs[key] = cp.empty((tokens, heads, 512), cp.uint16)
             mx = cp.empty((tokens, heads), cp.float32)
             fns[key] = (lambda a=att, o=outs[key], mx=mx: a.run(q, target, idx, sink=sink, out=o, max_logits=mx))
             fns[key]()
-        ratios[name] = _report(name, timer, fns, outs, args.rounds, args.reps)
+        ratios[name] = _report(f"{name} ({att.config.schedule})", timer, fns, outs, args.rounds, args.reps)
         kv = q = idx = target = fns = outs = None
         cp.get_default_memory_pool().free_all_blocks()
     if ratios:
-        a, b = (v[0] for v in _variants(args.define))
+        a, b = (v[0] for v in _variants(args.define, args.schedule))
         print(f"geomean {a}/{b} over {len(ratios)} shapes: {np.exp(np.mean(np.log(list(ratios.values())))):.3f}")
 
 

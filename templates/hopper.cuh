@@ -99,6 +99,13 @@ __device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u3
                :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
+// stmatrix_x4 transposed: lane t's register i (row t / 4, columns 2 (t % 4), +1 of matrix i) lands in the 16-byte rows
+// 2 (t % 4) and 2 (t % 4) + 1 of matrix i, at element t / 4; lane t gives row t % 8 of matrix t / 8, as above.
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 // orders global accesses of the generic proxy with the async proxy's (tensor copies) on either side
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 

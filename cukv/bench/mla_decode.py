@@ -82,11 +82,12 @@ def parse_mla_configs(text: str) -> tuple:
     """``--mla-configs``: comma-separated ``BNxS`` with optional ``:schedule``, ``:tma`` or ``:cpasync``, and
     ``:slices`` (per-slice ring barriers, ``slice_release``; with ``:alternate``) (``64x2``, ``64x2:alternate``,
     ``64x2:cpasync``, ``64x2:alternate:slices``) -> ``((block_n, num_kv_stages, schedule, tma, slice_release), ...)``,
-    ``tma`` None (the policy's choice) unless a flag sets it; a malformed entry is a ValueError naming it.
+    ``schedule``, ``tma`` and ``slice_release`` None (the policy's choice, per shape) unless a flag sets them; a
+    malformed entry is a ValueError naming it.
 
     >>> from cukv.bench.mla_decode import parse_mla_configs
-    >>> parse_mla_configs("64x2,64x2:alternate:cpasync,64x2:alternate:slices")
-    ((64, 2, 'split', None, False), (64, 2, 'alternate', False, False), (64, 2, 'alternate', None, True))
+    >>> parse_mla_configs("64x2,64x2:split,64x2:alternate:cpasync,64x2:alternate:slices")
+    ((64, 2, None, None, None), (64, 2, 'split', None, False), (64, 2, 'alternate', False, None), (64, 2, 'alternate', None, True))
     """
     from ..configs.mla_decode import SCHEDULES
 
@@ -104,21 +105,22 @@ def parse_mla_configs(text: str) -> tuple:
             raise ValueError(f"--mla-configs entry {entry!r} is not valid; expected BNxS with optional :schedule "
                              f"(one of {', '.join(SCHEDULES)}), :tma or :cpasync, and :slices (with :alternate, not "
                              ":cpasync), e.g. 64x2,64x2:alternate,64x2:cpasync,64x2:alternate:slices")
-        out.append((int(bn), int(st), schedules[0] if schedules else "split",
-                    {"tma": True, "cpasync": False}[copies[0]] if copies else None, slices))
+        sched = schedules[0] if schedules else None
+        out.append((int(bn), int(st), sched, {"tma": True, "cpasync": False}[copies[0]] if copies else None,
+                    True if slices else (False if sched == "split" else None)))
     return tuple(out)
 
 
-def config_label(block_n: int, num_kv_stages: int, schedule: str = "split", tma: bool | None = None,
-                 slice_release: bool = False) -> str:
-    """The bench's name for a cukv config other than the first: ``cukv_n64s2``, ``cukv_n64s2_alternate_cpasync``,
-    ``cukv_n64s2_alternate_slices`` (``tma`` None: the policy's choice, unnamed)."""
-    return (f"cukv_n{block_n}s{num_kv_stages}" + ("" if schedule == "split" else f"_{schedule}")
+def config_label(block_n: int, num_kv_stages: int, schedule: str | None = None, tma: bool | None = None,
+                 slice_release: bool | None = None) -> str:
+    """The bench's name for a cukv config other than the first: ``cukv_n64s2``, ``cukv_n64s2_split``,
+    ``cukv_n64s2_alternate_cpasync``, ``cukv_n64s2_alternate_slices`` (None: the policy's choice, unnamed)."""
+    return (f"cukv_n{block_n}s{num_kv_stages}" + ("" if schedule is None else f"_{schedule}")
             + {None: "", True: "_tma", False: "_cpasync"}[tma] + ("_slices" if slice_release else ""))
 
 
 def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: bool = True,
-        configs=((64, 2, "split", None, False),), fp8: bool = False) -> dict:
+        configs=((64, 2, None, None, None),), fp8: bool = False) -> dict:
     """Time every shape; ``configs`` lists (block_n, num_kv_stages[, schedule[, tma[, slice_release]]]) of cukv to
     time in one process
     (the first is the one FlashMLA is compared with, reported as ``cukv``; the others as ``config_label(...)``,
@@ -126,10 +128,9 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
     import cupy as cp
 
     from ..ops.mla_decode import BatchMLADecode
-    from ..policy.mla_decode import mla_decode_config
 
-    configs = tuple((c[0], c[1], c[2] if len(c) > 2 else "split", c[3] if len(c) > 3 else None,
-                     bool(c[4]) if len(c) > 4 else False) for c in configs)
+    configs = tuple((c[0], c[1], c[2] if len(c) > 2 else None, c[3] if len(c) > 3 else None,
+                     c[4] if len(c) > 4 else None) for c in configs)
 
     timer = Timer()
     ceiling, ceiling_variants = read_ceiling(timer)
@@ -178,7 +179,10 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
         flops = 2.0 * heads * s_q * float(lens.sum()) * (576 + 512)
         nbytes = float(lens.sum()) * 576 * 2 + batch * s_q * heads * (576 + 512) * 2
         r = {"shape": name, "batch": batch, "heads": heads, "s_q": s_q, "tokens": int(lens.sum()),
-             "items": dec.num_items, "chunk_tiles": dec.chunk_tiles, "max_abs_diff_vs_flashmla": err}
+             "items": dec.num_items, "chunk_tiles": dec.chunk_tiles, "config": dec.config.name,
+             "max_abs_diff_vs_flashmla": err}
+        if fp8:
+            r["fp8_config"] = fdec.config.name
         for k, v in diffs.items():
             r[f"{k}_max_abs_diff_vs_cukv"] = v
         for k, t in ms.items():
@@ -196,10 +200,9 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
         print(_fmt(r), flush=True)
         fns = cache = table = q = out = lse = dec = decs = fcache = fdec = None  # free this shape's buffers
         cp.get_default_memory_pool().free_all_blocks()
-    first = mla_decode_config("bfloat16", None, *configs[0][:4], slice_release=configs[0][4])
     result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
-              "read_ceiling_variants": ceiling_variants, "flashmla": why or "imported", "cukv": first.name,
-              "rows": rows}
+              "read_ceiling_variants": ceiling_variants, "flashmla": why or "imported",
+              "cukv": sorted({r["config"] for r in rows}), "rows": rows}
     h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]
     if h128:
         result["geomean_flashmla_over_cukv_h128"] = geomean(h128)

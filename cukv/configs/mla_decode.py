@@ -19,8 +19,12 @@ BLOCK_NS = (32, 64)
 #: consumer schedules: "split" (each warpgroup scores half of every tile, templates/mla_decode_consumer.cuh) or
 #: "alternate" (warpgroup g scores tiles 2k + g whole, the softmaxes overlap the other's wgmmas;
 #: templates/mla_decode_consumer_alt.cuh)
-SCHEDULES = ("split", "alternate")
-CONSUMERS = {"split": "MLADecodeConsumer", "alternate": "MLADecodeAltConsumer"}
+#: or "narrow" (blocks of 16 or 32 query rows, ``block_rows``: the tile's 64 tokens are the wgmma M and the rows its N,
+#: so few heads waste no tensor work on padding rows; templates/mla_decode_consumer_narrow.cuh)
+SCHEDULES = ("split", "alternate", "narrow")
+CONSUMERS = {"split": "MLADecodeConsumer", "alternate": "MLADecodeAltConsumer", "narrow": "MLADecodeNarrowConsumer"}
+#: query rows per block of the "narrow" schedule (the wgmma N); the others take BLOCK_M
+NARROW_ROWS = (16, 32)
 #: the alternating consumers over per-slice barriers (``slice_release``; templates/mla_decode_consumer_slices.cuh)
 SLICE_CONSUMER = "MLADecodeSliceConsumer"
 #: 64-column slices of a K tile with barriers of their own under ``slice_release`` (0-7 are also V, 8 is the rope part)
@@ -36,6 +40,11 @@ FP8_PRODUCER_REGS, FP8_CONSUMER_REGS = 96, 200
 FP8_ROWS_REGS = {8: (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS), 16: (152, 176)}
 #: the L2 prefetch distances (``prefetch_tiles``) offered, in tiles; 0: none
 PREFETCH_TILES = (0, 1, 2, 3, 4)
+#: staged FP8 rows (``fp8_stage_batches``): batches of this many 656-byte rows per producer warp; the ring depths offered
+#: (0: the register producer), and the registers of that producer (it holds no rows) and of the consumers
+RAW_ROWS, RAW_ROW_BYTES = 4, 656
+STAGE_BATCHES = (0, 2, 3, 4, 5)
+STAGED_REGS = (72, 216)
 
 # the kernel's by-value argument: templates/mla_decode.cuh MLADecodeParams
 PARAMS = np.dtype([
@@ -98,6 +107,13 @@ class MLADecodeConfig(KernelConfig):
     #: the consumers rescale O and l only when a row's running max grows by more than 2^8 (FlashAttention 4's rule; the
     #: MLA prefill's ``lazy_rescale``): a thread's O holds 128 values against 16-32 scores a tile
     lazy_rescale: bool = False
+    #: query rows per block: ``BLOCK_M`` (64), or 16 / 32 with ``schedule="narrow"`` (``NARROW_ROWS``), which serves
+    #: a batch whose ``s_q * num_heads`` rows fit one such block
+    block_rows: int = BLOCK_M
+    #: FP8 rows staged in shared memory: each producer warp streams its rows through a ring of this many batches of
+    #: ``RAW_ROWS`` rows (cp.async), dequantizing a batch once it has landed, so the next batches' copies stay in
+    #: flight; 0 keeps the register producer (``fp8_rows``). Needs the narrow schedule (its query block leaves room)
+    fp8_stage_batches: int = 0
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -111,7 +127,12 @@ class MLADecodeConfig(KernelConfig):
         check_rule(c, "fp8_rows", self.fp8_rows, self.fp8_rows == 8 or (self.kv_dtype is not None and
                                                                        self.fp8_rows <= self.block_n // 4),
                    "16 rows in flight need an FP8 cache (kv_dtype='fp8_e4m3') and block_n=64 (16 rows per warp)")
-        check_rule(c, "schedule", self.schedule, self.schedule == "split" or self.kv_dtype is None,
+        check_in(c, "block_rows", self.block_rows, NARROW_ROWS + (BLOCK_M,))
+        check_rule(c, "block_rows", self.block_rows, (self.block_rows != BLOCK_M) == (self.schedule == "narrow"),
+                   f"schedule='narrow' takes block_rows in {NARROW_ROWS}; the other schedules {BLOCK_M}")
+        check_rule(c, "block_n", self.block_n, self.schedule != "narrow" or self.block_n == 64,
+                   "the narrow consumers score a whole 64-token tile as the wgmma M: use block_n=64")
+        check_rule(c, "schedule", self.schedule, self.schedule != "alternate" or self.kv_dtype is None,
                    "the alternating consumers need more than the 176-200 registers an FP8 producer leaves them "
                    "(they spill): use schedule='split' with kv_dtype='fp8_e4m3'")
         check_rule(c, "tma", self.tma, not (self.tma and self.kv_dtype), "tensor copies feed 16-bit tiles only: "
@@ -120,6 +141,11 @@ class MLADecodeConfig(KernelConfig):
                    "tensor copies take no L2 prefetch: use prefetch_tiles=0 with tma=True")
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
+        check_in(c, "fp8_stage_batches", self.fp8_stage_batches, STAGE_BATCHES)
+        check_rule(c, "fp8_stage_batches", self.fp8_stage_batches, not self.fp8_stage_batches or (
+            self.kv_dtype is not None and self.schedule == "narrow" and self.prefetch_tiles == 0
+            and self.fp8_rows == 8), "staged FP8 rows need an FP8 cache, schedule='narrow', prefetch_tiles=0 and "
+            "fp8_rows=8 (the register producer's field)")
         check_bool(c, "slice_release", self.slice_release)
         check_bool(c, "lazy_rescale", self.lazy_rescale)
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
@@ -154,7 +180,12 @@ class MLADecodeConfig(KernelConfig):
 
     @property
     def q_bytes(self) -> int:
-        return BLOCK_M * DIM * self.itemsize
+        return self.block_rows * DIM * self.itemsize
+
+    @property
+    def raw_bytes(self) -> int:
+        """Staged FP8 rows: 4 producer warps x ``fp8_stage_batches`` x ``RAW_ROWS`` rows of 656 bytes."""
+        return 4 * self.fp8_stage_batches * RAW_ROWS * RAW_ROW_BYTES
 
     @property
     def p_bytes(self) -> int:
@@ -165,7 +196,8 @@ class MLADecodeConfig(KernelConfig):
     def smem_bytes(self) -> int:
         slices = SLICES if self.slice_release else 1
         barriers = (8 * (1 + 2 * self.num_kv_stages * slices) + 63) // 64 * 64
-        return self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
+        return (self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
+                + self.raw_bytes)
 
     @property
     def row_bytes(self) -> int:
@@ -179,14 +211,15 @@ class MLADecodeConfig(KernelConfig):
     @property
     def name(self) -> str:
         kv = "_e4m3" if self.kv_dtype else ""
-        alt = "_alt" if self.schedule == "alternate" else ""
+        alt = {"split": "", "alternate": "_alt", "narrow": f"_nr{self.block_rows}"}[self.schedule]
         tma = "_tma" if self.tma else ""
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
         sl = "_slices" if self.slice_release else ""
         lr = "_lr" if self.lazy_rescale else ""
-        return (f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}{sl}"
-                f"{lr}")
+        st = f"_st{self.fp8_stage_batches}" if self.fp8_stage_batches else ""
+        return (f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{st}{tma}"
+                f"{sl}{lr}")
 
     def render_params(self) -> dict:
         return dict(
@@ -197,11 +230,14 @@ class MLADecodeConfig(KernelConfig):
             schedule=self.schedule, consumer=SLICE_CONSUMER if self.slice_release else CONSUMERS[self.schedule],
             tma=self.tma, slice_release=self.slice_release, lazy_rescale=self.lazy_rescale,
             prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
-            producer_regs=self.regs[0], consumer_regs=self.regs[1])
+            producer_regs=self.regs[0], consumer_regs=self.regs[1], block_rows=self.block_rows,
+            fp8_stage_batches=self.fp8_stage_batches)
 
     @property
     def regs(self) -> tuple:
         """The setmaxnreg split (producer, consumer registers per thread)."""
+        if self.fp8_stage_batches:
+            return STAGED_REGS
         return FP8_ROWS_REGS[self.fp8_rows] if self.kv_dtype else (PRODUCER_REGS, CONSUMER_REGS)
 
 def tma_box_rows(page_size: int, block_n: int) -> int:

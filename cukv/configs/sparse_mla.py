@@ -26,8 +26,8 @@ class SparseMLAConfig(MLADecodeConfig):
     def __post_init__(self):
         super().__post_init__()
         c = "SparseMLAConfig"
-        check_rule(c, "schedule", self.schedule, self.schedule == "split",
-                   "sparse MLA runs the 'split' consumers only")
+        check_rule(c, "schedule", self.schedule, self.schedule in ("split", "narrow"),
+                   "sparse MLA runs the 'split' or the 'narrow' consumers")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
                    f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
                    f"at most {SMEM_LIMIT} (227 KB) fit")
@@ -46,5 +46,7 @@ class SparseMLAConfig(MLADecodeConfig):
         kv = "_e4m3" if self.kv_dtype else ""
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
+        rows += f"_st{self.fp8_stage_batches}" if self.fp8_stage_batches else ""
         lr = "_lr" if self.lazy_rescale else ""
-        return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{pf}{rows}{lr}"
+        nr = f"_nr{self.block_rows}" if self.schedule == "narrow" else ""
+        return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{nr}{pf}{rows}{lr}"

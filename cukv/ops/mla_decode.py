@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from ..configs.mla_decode import (BLOCK_M, BLOCK_NS, DIM, FP8_ROWS_REGS, NOPE, PARAMS, PREFETCH_TILES, ROPE,
-                                  SCHEDULES, tma_box_rows)
+from ..configs.mla_decode import (BLOCK_M, BLOCK_NS, DIM, FP8_ROWS_REGS, NARROW_ROWS, NOPE, PARAMS, PREFETCH_TILES,
+                                  ROPE, SCHEDULES, tma_box_rows)
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
@@ -46,9 +46,11 @@ class BatchMLADecode:
     block_n, num_kv_stages : int, optional
         Tile length (32 or 64 tokens) and ring depth (2..8); None takes :mod:`cukv.policy.mla_decode`'s defaults
         (see :class:`~cukv.configs.mla_decode.MLADecodeConfig`).
-    schedule : {None, 'split', 'alternate'}
+    schedule : {None, 'split', 'alternate', 'narrow'}
         How the two consumer warpgroups share the K tiles: 'split' halves every tile, 'alternate' gives each every
-        other tile whole (16-bit caches only); None takes the policy's default (docs/mla.md, "Schedules").
+        other tile whole (16-bit caches only), 'narrow' does too for a batch of at most 32 query rows
+        (``s_q * num_heads``) in one 16- or 32-row block, the tile's tokens as the wgmma M (block_n 64); None
+        takes the policy's default, which ``plan`` decides from ``s_q`` (docs/mla.md, "Schedules").
     slice_release : bool, optional
         A full and an empty barrier per 64-column slice of each ring stage, so each slice is refilled as soon as its
         last reader is done (schedule 'alternate' with TMA; None or True with schedule None picks 'alternate');
@@ -106,13 +108,20 @@ class BatchMLADecode:
         if kvd is None and fp8_rows not in (None, 8):
             raise ValueError(f"fp8_rows={fp8_rows!r} applies to an FP8 cache only (kv_dtype='fp8_e4m3'); "
                              "use None or 8 with a 16-bit cache")
-        if slice_release and (kvd is not None or schedule == "split" or tma is False or prefetch_tiles):
+        if schedule == "narrow" and (self.num_heads > NARROW_ROWS[-1] or block_n not in (None, 64)
+                                     or slice_release):
+            raise ValueError(f"schedule='narrow' serves at most {NARROW_ROWS[-1]} query rows (s_q * num_heads) with "
+                             f"block_n 64 and no slice_release; got num_heads={self.num_heads}, block_n={block_n!r}, "
+                             f"slice_release={slice_release!r}")
+        if slice_release and (kvd is not None or schedule in ("split", "narrow") or tma is False or prefetch_tiles):
             raise ValueError(f"slice_release=True needs the alternating schedule over tensor copies of a 16-bit cache; "
                              f"got kv_dtype={kvd!r}, schedule={schedule!r}, tma={tma!r}, "
                              f"prefetch_tiles={prefetch_tiles!r} (use kv_dtype=None, schedule None or 'alternate', "
                              "tma None or True, prefetch_tiles None or 0)")
-        self.config = mla_decode_config(dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows,
-                                        slice_release, self.num_heads)
+        self._choices = (dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows, slice_release,
+                         self.num_heads)
+        self.config = mla_decode_config(*self._choices, rows=self.num_heads)  # plan() decides again from s_q
+        self._derived = self.config
         self.dtype = self.config.dtype
         self._planned = False
         self._device = None
@@ -135,6 +144,18 @@ class BatchMLADecode:
             raise ValueError(f"seq_lens[{i}]={lens[i]} must be in 0..{MAX_SEQ_LEN}")
         b = int(lens.size)
         rows = s_q * self.num_heads
+        if self._choices[4] == "narrow" and rows > NARROW_ROWS[-1]:
+            raise ValueError(f"schedule='narrow' serves at most {NARROW_ROWS[-1]} query rows; s_q={s_q} x "
+                             f"num_heads={self.num_heads} = {rows} (use schedule None or 'split')")
+        cfg = mla_decode_config(*self._choices, rows=rows)
+        # keep the instance (and the module it compiled) while the choice stands, and a config set by hand (a probe's)
+        if self.config is self._derived:
+            if cfg != self.config:
+                self.config = cfg
+            self._derived = self.config
+        if self.config.schedule == "narrow" and rows > self.config.block_rows:
+            raise ValueError(f"{self.config.name} holds {self.config.block_rows} query rows; s_q={s_q} x "
+                             f"num_heads={self.num_heads} = {rows}")
         nrb = -(-rows // BLOCK_M)
         device = current_device()
         if self._planned and device != self._device:  # a new device: buffers and kernels of its own

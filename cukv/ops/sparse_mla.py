@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NOPE, PARAMS
+from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NARROW_ROWS, NOPE, PARAMS
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
@@ -93,6 +93,9 @@ class SparseMLA:
         bfloat16).
     block_n, num_kv_stages : int, optional
         Keys per tile (32 or 64) and ring depth; None takes the MLA decode policy's defaults.
+    schedule : {None, 'split', 'narrow'}
+        The consumers: 'split' (64-row blocks) or 'narrow' (up to 32 heads in one 16- or 32-row block, the tile's
+        tokens as the wgmma M); None takes the policy's: 'narrow' up to 32 heads (docs/mla.md, "Schedules").
 
     Examples
     --------
@@ -113,12 +116,16 @@ class SparseMLA:
     """
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
-                 num_kv_stages: int | None = None):
+                 num_kv_stages: int | None = None, schedule: str | None = None):
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
+        schedule = check_choice("schedule", schedule, (None, "split", "narrow"))
         dt, kvd = mla_dtypes(dtype, kv_dtype)
-        self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages)
+        if schedule == "narrow" and (self.num_heads > NARROW_ROWS[-1] or block_n not in (None, 64)):
+            raise ValueError(f"schedule='narrow' serves at most {NARROW_ROWS[-1]} heads with block_n 64; got "
+                             f"num_heads={self.num_heads}, block_n={block_n!r} (use schedule='split' or None)")
+        self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages, self.num_heads, schedule)
         self.dtype = dt
         self._planned = False
         self._device = None

@@ -14,7 +14,7 @@ import heapq
 
 import numpy as np
 
-from ..configs.mla_decode import MLADecodeConfig
+from ..configs.mla_decode import BLOCK_M, NARROW_ROWS, MLADecodeConfig
 from ..configs.sparse_mla import SparseMLAConfig
 
 #: tokens per K tile: 64 (block_n 32 with 4 stages was 11-40% slower on every bench shape; docs/tuning.md)
@@ -37,10 +37,16 @@ DEFAULT_TMA = True
 DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 1}
 #: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-5% faster than 8, same calls)
 DEFAULT_FP8_ROWS = 16
+#: FP8 rows staged in shared memory (``MLADecodeConfig.fp8_stage_batches``) with the narrow consumers, by block rows:
+#: the deepest ring of 4-row batches that fits beside the 16- or 32-row query block (docs/tuning.md "MLA decode")
+DEFAULT_FP8_STAGE_BATCHES = {16: 5, 32: 3}
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
 #: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
 #: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
 DEFAULT_LAZY_RESCALE = True
+#: the "narrow" consumers (tokens as the wgmma M, query rows as N) for a batch of at most this many query rows
+#: (``s_q * num_heads``), in blocks of 16 or 32 rows (docs/tuning.md "MLA decode")
+NARROW_MAX_ROWS = 32
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
 ITEM_OVERHEAD_TILES = 8.0
@@ -98,11 +104,19 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                       num_kv_stages: int | None = None, schedule: str | None = None,
                       tma: bool | None = None, prefetch_tiles: int | None = None,
                       fp8_rows: int | None = None, slice_release: bool | None = None,
-                      num_heads: int | None = None) -> MLADecodeConfig:
+                      num_heads: int | None = None, rows: int | None = None) -> MLADecodeConfig:
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (the lazy
-    rescale always on; an FP8
-    cache keeps the "split" schedule, the only one it compiles without spills, and cp.async; ``slice_release``
-    asks for the alternating schedule, and is on by default from :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``)."""
+    rescale always on; an FP8 cache keeps the "split" or "narrow" schedule, the ones it compiles without spills,
+    and cp.async; ``slice_release`` asks for the alternating schedule, and is on by default from
+    :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``). ``rows`` (``s_q * num_heads``, when known) picks the "narrow"
+    schedule up to :data:`NARROW_MAX_ROWS` and its block of 16 or 32 rows."""
+    if (schedule is None and rows is not None and rows <= NARROW_MAX_ROWS and block_n in (None, 64)
+            and not slice_release):
+        schedule = "narrow"
+    block_rows = BLOCK_M
+    if schedule == "narrow":
+        block_rows = NARROW_ROWS[0] if rows is not None and rows <= NARROW_ROWS[0] else NARROW_ROWS[-1]
+        slice_release = False if slice_release is None else slice_release
     if slice_release is None:  # the default where it applies: 16-bit rows by tensor copies, alternating consumers
         slice_release = (num_heads is not None and num_heads >= SLICE_RELEASE_MIN_HEADS and kv_dtype is None
                          and schedule in (None, "alternate") and tma is not False and not prefetch_tiles)
@@ -111,32 +125,48 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     if tma is None:  # tensor copies feed 16-bit tiles and take no L2 prefetch
         tma = DEFAULT_TMA and kv_dtype is None and not prefetch_tiles
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
+    stage_batches = 0
+    if kv_dtype is not None and schedule == "narrow" and prefetch_tiles is None and fp8_rows is None:
+        stage_batches = DEFAULT_FP8_STAGE_BATCHES[block_rows]
+        prefetch_tiles, fp8_rows = 0, 8
     if prefetch_tiles is None:
         prefetch_tiles = DEFAULT_PREFETCH[kv_dtype]
-    if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64)
-        fp8_rows = DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4 else 8
+    if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64); the 32-row narrow consumers spill with them
+        fp8_rows = (DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4
+                    and not (schedule == "narrow" and block_rows > NARROW_ROWS[0]) else 8)
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
-                           slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE)
+                           slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows,
+                           fp8_stage_batches=stage_batches)
 
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
-                      num_kv_stages: int | None = None) -> SparseMLAConfig:
-    """The config ``SparseMLA`` compiles: the decode's tile, and for FP8 rows its producer defaults (L2 prefetch,
-    rows in flight); sparse rows always come by cp.async (each row its own gather)."""
-    d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, "split", tma=False)
-    return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, "split", tma=False,
-                           prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale)
+                      num_kv_stages: int | None = None, num_heads: int | None = None,
+                      schedule: str | None = None) -> SparseMLAConfig:
+    """The config ``SparseMLA`` compiles: the decode's tile and schedule ("split", or "narrow" up to
+    :data:`NARROW_MAX_ROWS` heads), and for FP8 rows its producer defaults (L2 prefetch, rows in flight); sparse rows
+    always come by cp.async (each row its own gather)."""
+    if schedule is None:
+        schedule = "narrow" if num_heads is not None and num_heads <= NARROW_MAX_ROWS and block_n in (None, 64) \
+            else "split"
+    d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads)
+    return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, d.schedule, tma=False,
+                           prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
+                           block_rows=d.block_rows, fp8_stage_batches=d.fp8_stage_batches)
 
 
 def shipped() -> list[MLADecodeConfig]:
     """The MLA decode specializations compiled ahead of time (cukv/specs.py): the default configs of each 16-bit
     dtype (few heads, and from :data:`SLICE_RELEASE_MIN_HEADS` on) and of an FP8 cache."""
     heads = (None, SLICE_RELEASE_MIN_HEADS)
+    narrow = [mla_decode_config(dt, kvd, rows=r) for dt, kvd in (("bfloat16", None), ("float16", None),
+                                                                 ("bfloat16", "fp8_e4m3")) for r in NARROW_ROWS]
     return ([mla_decode_config(dt, num_heads=h) for dt in ("bfloat16", "float16") for h in heads]
-            + [mla_decode_config(kv_dtype="fp8_e4m3")])
+            + [mla_decode_config(kv_dtype="fp8_e4m3")] + narrow)
 
 
 def sparse_shipped() -> list[SparseMLAConfig]:
     """The sparse MLA specializations compiled ahead of time: the default config per 16-bit dtype and for FP8 rows."""
-    return [sparse_mla_config(dt) for dt in ("bfloat16", "float16")] + [sparse_mla_config(kv_dtype="fp8_e4m3")]
+    return [sparse_mla_config(dt, kvd, num_heads=h) for dt, kvd in (("bfloat16", None), ("float16", None),
+                                                                    ("bfloat16", "fp8_e4m3"))
+            for h in (None,) + NARROW_ROWS]
