@@ -3,9 +3,8 @@
     PYTHONPATH=. python3 benchmarks/probe_mla_fp8.py --shapes 128x16x8192,128x128x8192,1x128x32768 \
         --variants bf16:0:8,bf16:1:8,fp8:0:8,fp8:1:8,fp8:2:8,fp8:1:16
 
-A variant is ``cache:prefetch_tiles:fp8_rows[:stN][:split]`` (``MLADecodeConfig`` fields on the policy's config for
-the shape: ``stN`` stages FP8 rows in shared memory, ``fp8_stage_batches=N``, which takes prefetch 0 and rows 8;
-``split`` the 64-row "split" consumers where the policy picks "narrow"); a shape is
+A variant is ``cache:prefetch_tiles:fp8_rows[:split]`` (``MLADecodeConfig`` fields on the policy's config for the
+shape; ``split``: the 64-row "split" consumers where the policy picks "narrow"); a shape is
 ``BxHxCTX`` (s_q 1, page 64, the bench's data). Every FP8 variant's output is compared with the first FP8
 variant's (the producer changes must not change a bit). Times are medians over interleaved rounds, L2 flushed;
 compare them only within one call. ``CUKV_DEFINES=CUKV_MLA_FP8_NO_LOAD`` times the FP8 kernels without their code
@@ -36,8 +35,7 @@ def main():
     variants = []
     for v in args.variants.split(","):
         kind, pf, fr, *flags = v.split(":")
-        st = next((int(f[2:]) for f in flags if f.startswith("st")), 0)
-        variants.append((kind, int(pf), int(fr), st, "split" in flags))
+        variants.append((kind, int(pf), int(fr), "split" in flags))
     timer = Timer()
     ceiling = read_ceiling_tbs(timer)
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; read ceiling {ceiling:.2f} TB/s; "
@@ -49,11 +47,11 @@ def main():
         cache, table, q = _problem(b, h, 1, lens)
         fcache = _fp8_copy(cache) if any(v[0] == "fp8" for v in variants) else None
         fns, outs, decs = {}, {}, {}
-        for kind, pf, fr, st, split in variants:
-            label = f"{kind}_pf{pf}_r{fr}" + (f"_st{st}" if st else "") + ("_split" if split else "")
+        for kind, pf, fr, split in variants:
+            label = f"{kind}_pf{pf}_r{fr}" + ("_split" if split else "")
             dec = BatchMLADecode(h, kv_dtype="fp8_e4m3" if kind == "fp8" else None,
                                  schedule="split" if split else None)
-            dec.config = dataclasses.replace(dec.config, prefetch_tiles=pf, fp8_rows=fr, fp8_stage_batches=st)
+            dec.config = dataclasses.replace(dec.config, prefetch_tiles=pf, fp8_rows=fr)
             dec.plan(lens, 1)
             c = fcache if kind == "fp8" else cache
             out = cp.empty((b, 1, h, 512), cp.uint16)

@@ -14,11 +14,6 @@
 // into L2 (cp.async.bulk.prefetch, one instruction a row) PREFETCH tiles ahead of its load and the loads wait
 // for L2, not DRAM (docs/tuning.md, "MLA decode").
 //
-// FP8 rows staged in shared memory (RAW_BATCHES > 0, the narrow schedule, whose smaller query block leaves room):
-// each producer warp streams its rows of every tile through a ring of RAW_BATCHES batches of kRawRows 656-byte rows
-// (cp.async, 16 bytes a lane), and dequantizes a batch from shared memory once it has landed, so the copies of the
-// next batches, across tile boundaries, stay in flight meanwhile instead of a register batch at a time.
-//
 // Sparse MLA (SPARSE = true, MLAPrefillSparse): key j of "sequence" b (one query token) is cache row
 // indices[b][j]; an index outside 0 .. num_rows reads as a zero row like a key past the end. Zero rows score 0,
 // not -inf, so the producer also publishes which rows of each stage are real (kv_valid_producer: one ballot word
@@ -32,16 +27,6 @@ namespace cukv {
 __device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
-__device__ __forceinline__ uint4 ld_shared16(u32 addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ float ld_shared_f32(u32 addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
-}
 
 // The cache as a TMA tensor (cukv/ops/mla_decode.py encodes it): bytes [pages][page_size][1][row], boxes of 128
 // bytes (64 values, one swizzle atom column) x box_rows tokens of one page. box_rows 0: every tile by cp.async.
@@ -52,7 +37,7 @@ struct alignas(64) MLACacheMap {
 };
 
 template <typename T, int BN_, int STAGES_, bool FP8_ = false, bool SPARSE_ = false, bool SLICES_ = false,
-          int QROWS_ = kMlaBlockM, int RAW_BATCHES_ = 0>
+          int QROWS_ = kMlaBlockM>
 struct MLAKVProducerPipeline {
   static constexpr bool fp8 = FP8_, sparse = SPARSE_, slices = SLICES_;
   static constexpr int q_rows = QROWS_;  // query rows staged (the block's; 16 or 32 with the narrow consumers)
@@ -83,15 +68,7 @@ struct MLAKVProducerPipeline {
   static constexpr int barrier_offset = stats_offset + stats_bytes;
   static constexpr int valid_offset = barrier_offset + barrier_bytes;         // sparse: 4 words per stage
   static constexpr int valid_bytes = SPARSE_ ? (16 * num_kv_stages + 63) / 64 * 64 : 0;
-  // RAW_BATCHES_ > 0: each producer warp's ring of raw FP8 batches (kRawRows rows of 656 bytes)
-  static constexpr int kRawRows = 4, raw_row_bytes = 656;
-  static constexpr int raw_batch_bytes = kRawRows * raw_row_bytes;
-  static constexpr int raw_offset = valid_offset + valid_bytes;
-  static constexpr int raw_bytes = 4 * RAW_BATCHES_ * raw_batch_bytes;
-  static constexpr int smem_bytes = raw_offset + raw_bytes;
-  static_assert(RAW_BATCHES_ == 0 || (FP8_ && !SLICES_ && (BN / 4) % kRawRows == 0 &&
-                                      RAW_BATCHES_ <= (BN / 4) / kRawRows + 1),
-                "staged FP8 rows: a warp's rows of a tile in whole batches, the ring at most one tile ahead");
+  static constexpr int smem_bytes = valid_offset + valid_bytes;
   static_assert(QROWS_ % 16 == 0 && QROWS_ <= kMlaBlockM, "query rows: whole 8-row atoms, 4 warps");
   static_assert(sizeof(T) == 2, "16-bit tiles");
   static_assert(!FP8_ || sizeof(T) == 2, "FP8 rows dequantize into 16-bit tiles");
@@ -320,96 +297,6 @@ struct MLAKVProducerPipeline {
       store_codes(b, a, mine, s, warp, r0, lane);
     }
     commit_fp8(s);
-  }
-
-  // --- FP8 rows staged in shared memory (RAW_BATCHES_ > 0) ---------------------------------------------------
-  // This warp's batch slot `slot` of the raw ring.
-  __device__ __forceinline__ u32 raw_slot(int warp, int slot) const {
-    return base + raw_offset + (u32)((warp * RAW_BATCHES_ + slot) * raw_batch_bytes);
-  }
-
-  // Copies of batch bi (rows bi * kRawRows ..) of this warp's BN/4 rows of a tile into `dst`, the rows' addresses in
-  // lanes of `rows` (null: zero fill, which dequantizes to +0); one commit group.
-  __device__ __forceinline__ void issue_raw(const MLADecodeParams& a, const char* rows, int bi, u32 dst, int lane) const {
-    constexpr int kChunks = raw_row_bytes / 16;  // 41 a row
-#pragma unroll
-    for (int j = 0; j < (kRawRows * kChunks + 31) / 32; ++j) {  // every lane takes part in every shuffle
-      const int i = lane + 32 * j;
-      const bool in = i < kRawRows * kChunks;
-      const int r = in ? i / kChunks : 0, c = i - r * kChunks;
-      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)rows, bi * kRawRows + r);
-      if (in) cp_async16(dst + (u32)(r * raw_row_bytes + 16 * c), src ? src + 16 * c : a.cache, src ? 16 : 0);
-    }
-    cp_async_commit();
-  }
-
-  // A landed batch (`src`) dequantized into rows `row0` .. of stage s: lane l converts codes 16 l .. 16 l + 15 of
-  // each row with their scale; lanes 0-7 copy the 64 rope values as they are.
-  __device__ __forceinline__ void dequant_raw(u32 src, int s, int row0, int lane) const {
-    const u32 dst = stage(s);
-#pragma unroll
-    for (int r = 0; r < kRawRows; ++r) {
-      const u32 row = src + (u32)(r * raw_row_bytes);
-      const uint4 codes = ld_shared16(row + 16 * lane);
-      const float scale = ld_shared_f32(row + kMlaNope + 4 * (lane / 8));
-      st_shared16(dst + chunk_offset(row0 + r, 2 * lane, atom_col_bytes), dequant8<T>(make_uint2(codes.x, codes.y), scale));
-      st_shared16(dst + chunk_offset(row0 + r, 2 * lane + 1, atom_col_bytes),
-                  dequant8<T>(make_uint2(codes.z, codes.w), scale));
-      if (lane < 8) st_shared16(dst + chunk_offset(row0 + r, 64 + lane, atom_col_bytes), ld_shared16(row + 528 + 16 * lane));
-    }
-  }
-
-  // produce() for staged FP8 rows: the query block, then batch k = it * kPerTile + bi of every tile in order, the
-  // copies RAW_BATCHES_ - 1 batches ahead of the dequantization (one commit group a batch, empty ones past the end,
-  // so cp.async.wait_group RAW_BATCHES_ - 1 always means "batch k has landed"). A stage's empty barrier is waited on
-  // only when its tile's first batch is dequantized; lookups run one tile ahead of the copies.
-  __device__ void produce_staged(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
-    static_assert(RAW_BATCHES_ > 0, "staged FP8 rows");
-    constexpr int kPerTile = (BN / 4) / kRawRows;
-    const int total = n_tiles * kPerTile;
-    const char* rows = lookup(a, w, 0, warp, lane);  // the tile being copied
-    const char* next = lookup(a, w, 1, warp, lane);  // null past the item's end
-    u32 valid_even = __ballot_sync(0xffffffffu, rows != nullptr), valid_odd = 0u;  // of the tiles of that parity
-    load_q(a, w, warp, lane);
-    int ti = 0;  // tile of the next batch to copy
-    auto issue = [&](int k) {
-      if (k >= total) {
-        cp_async_commit();
-        return;
-      }
-      const int t = k / kPerTile, bi = k - t * kPerTile;
-      if (t != ti) {
-        ti = t;
-        rows = next;
-        next = lookup(a, w, t + 1, warp, lane);
-        const u32 v = __ballot_sync(0xffffffffu, rows != nullptr);
-        if (t & 1) valid_odd = v;
-        else valid_even = v;
-      }
-      issue_raw(a, rows, bi, raw_slot(warp, k % RAW_BATCHES_), lane);
-    };
-#pragma unroll 1
-    for (int k = 0; k < RAW_BATCHES_ - 1; ++k) issue(k);
-#pragma unroll 1
-    for (int k = 0; k < total; ++k) {
-      issue(k + RAW_BATCHES_ - 1);  // into the slot batch k - 1 left
-      cp_async_wait<RAW_BATCHES_ - 1>();
-      __syncwarp();
-      const int t = k / kPerTile, bi = k - t * kPerTile, s = t % num_kv_stages;
-      if (bi == 0) {
-        if (t >= num_kv_stages) mbar_wait(empty(s), ((t / num_kv_stages) - 1) & 1);
-        if constexpr (SPARSE_) {  // kv_valid_producer: published before this thread's arrival on full(s)
-          if (lane == 0) valid_words(s)[warp] = t & 1 ? valid_odd : valid_even;
-        }
-      }
-      dequant_raw(raw_slot(warp, k % RAW_BATCHES_), s, warp * (BN / 4) + bi * kRawRows, lane);
-      __syncwarp();  // every lane's reads of the slot are done before the next issue refills it
-      if (bi == kPerTile - 1) {
-        fence_proxy_async();  // the generic-proxy stores -> the consumers' wgmma reads
-        mbar_arrive_n(full(s), 2);  // the two arrivals a thread of the FP8 producer gives a stage
-      }
-    }
-    cp_async_wait<0>();
   }
 
   // --- per-slice barriers (SLICES_) ---------------------------------------------------------------------------

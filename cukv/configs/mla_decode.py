@@ -40,11 +40,6 @@ FP8_PRODUCER_REGS, FP8_CONSUMER_REGS = 96, 200
 FP8_ROWS_REGS = {8: (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS), 16: (152, 176)}
 #: the L2 prefetch distances (``prefetch_tiles``) offered, in tiles; 0: none
 PREFETCH_TILES = (0, 1, 2, 3, 4)
-#: staged FP8 rows (``fp8_stage_batches``): batches of this many 656-byte rows per producer warp; the ring depths offered
-#: (0: the register producer), and the registers of that producer (it holds no rows) and of the consumers
-RAW_ROWS, RAW_ROW_BYTES = 4, 656
-STAGE_BATCHES = (0, 2, 3, 4, 5)
-STAGED_REGS = (72, 216)
 
 # the kernel's by-value argument: templates/mla_decode.cuh MLADecodeParams
 PARAMS = np.dtype([
@@ -110,10 +105,6 @@ class MLADecodeConfig(KernelConfig):
     #: query rows per block: ``BLOCK_M`` (64), or 16 / 32 with ``schedule="narrow"`` (``NARROW_ROWS``), which serves
     #: a batch whose ``s_q * num_heads`` rows fit one such block
     block_rows: int = BLOCK_M
-    #: FP8 rows staged in shared memory: each producer warp streams its rows through a ring of this many batches of
-    #: ``RAW_ROWS`` rows (cp.async), dequantizing a batch once it has landed, so the next batches' copies stay in
-    #: flight; 0 keeps the register producer (``fp8_rows``). Needs the narrow schedule (its query block leaves room)
-    fp8_stage_batches: int = 0
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -141,11 +132,6 @@ class MLADecodeConfig(KernelConfig):
                    "tensor copies take no L2 prefetch: use prefetch_tiles=0 with tma=True")
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
-        check_in(c, "fp8_stage_batches", self.fp8_stage_batches, STAGE_BATCHES)
-        check_rule(c, "fp8_stage_batches", self.fp8_stage_batches, not self.fp8_stage_batches or (
-            self.kv_dtype is not None and self.schedule == "narrow" and self.prefetch_tiles == 0
-            and self.fp8_rows == 8), "staged FP8 rows need an FP8 cache, schedule='narrow', prefetch_tiles=0 and "
-            "fp8_rows=8 (the register producer's field)")
         check_bool(c, "slice_release", self.slice_release)
         check_bool(c, "lazy_rescale", self.lazy_rescale)
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
@@ -183,11 +169,6 @@ class MLADecodeConfig(KernelConfig):
         return self.block_rows * DIM * self.itemsize
 
     @property
-    def raw_bytes(self) -> int:
-        """Staged FP8 rows: 4 producer warps x ``fp8_stage_batches`` x ``RAW_ROWS`` rows of 656 bytes."""
-        return 4 * self.fp8_stage_batches * RAW_ROWS * RAW_ROW_BYTES
-
-    @property
     def p_bytes(self) -> int:
         """Each consumer thread's P words (block_n / 8 per thread), both warpgroups."""
         return 2 * 128 * (self.block_n // 8) * 4
@@ -196,8 +177,7 @@ class MLADecodeConfig(KernelConfig):
     def smem_bytes(self) -> int:
         slices = SLICES if self.slice_release else 1
         barriers = (8 * (1 + 2 * self.num_kv_stages * slices) + 63) // 64 * 64
-        return (self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
-                + self.raw_bytes)
+        return self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
 
     @property
     def row_bytes(self) -> int:
@@ -217,8 +197,7 @@ class MLADecodeConfig(KernelConfig):
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
         sl = "_slices" if self.slice_release else ""
         lr = "_lr" if self.lazy_rescale else ""
-        st = f"_st{self.fp8_stage_batches}" if self.fp8_stage_batches else ""
-        return (f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{st}{tma}"
+        return (f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}"
                 f"{sl}{lr}")
 
     def render_params(self) -> dict:
@@ -230,14 +209,11 @@ class MLADecodeConfig(KernelConfig):
             schedule=self.schedule, consumer=SLICE_CONSUMER if self.slice_release else CONSUMERS[self.schedule],
             tma=self.tma, slice_release=self.slice_release, lazy_rescale=self.lazy_rescale,
             prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
-            producer_regs=self.regs[0], consumer_regs=self.regs[1], block_rows=self.block_rows,
-            fp8_stage_batches=self.fp8_stage_batches)
+            producer_regs=self.regs[0], consumer_regs=self.regs[1], block_rows=self.block_rows)
 
     @property
     def regs(self) -> tuple:
         """The setmaxnreg split (producer, consumer registers per thread)."""
-        if self.fp8_stage_batches:
-            return STAGED_REGS
         return FP8_ROWS_REGS[self.fp8_rows] if self.kv_dtype else (PRODUCER_REGS, CONSUMER_REGS)
 
 def tma_box_rows(page_size: int, block_n: int) -> int:

@@ -46,7 +46,6 @@ class SparseMLAConfig(MLADecodeConfig):
         kv = "_e4m3" if self.kv_dtype else ""
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
-        rows += f"_st{self.fp8_stage_batches}" if self.fp8_stage_batches else ""
         lr = "_lr" if self.lazy_rescale else ""
         nr = f"_nr{self.block_rows}" if self.schedule == "narrow" else ""
         return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{nr}{pf}{rows}{lr}"

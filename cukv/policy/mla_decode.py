@@ -37,9 +37,6 @@ DEFAULT_TMA = True
 DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 1}
 #: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-5% faster than 8, same calls)
 DEFAULT_FP8_ROWS = 16
-#: FP8 rows staged in shared memory (``MLADecodeConfig.fp8_stage_batches``) with the narrow consumers, by block rows:
-#: the deepest ring of 4-row batches that fits beside the 16- or 32-row query block (docs/tuning.md "MLA decode")
-DEFAULT_FP8_STAGE_BATCHES = {16: 5, 32: 3}
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
 #: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
 #: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
@@ -125,10 +122,6 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     if tma is None:  # tensor copies feed 16-bit tiles and take no L2 prefetch
         tma = DEFAULT_TMA and kv_dtype is None and not prefetch_tiles
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
-    stage_batches = 0
-    if kv_dtype is not None and schedule == "narrow" and prefetch_tiles is None and fp8_rows is None:
-        stage_batches = DEFAULT_FP8_STAGE_BATCHES[block_rows]
-        prefetch_tiles, fp8_rows = 0, 8
     if prefetch_tiles is None:
         prefetch_tiles = DEFAULT_PREFETCH[kv_dtype]
     if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64); the 32-row narrow consumers spill with them
@@ -136,8 +129,7 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                     and not (schedule == "narrow" and block_rows > NARROW_ROWS[0]) else 8)
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
-                           slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows,
-                           fp8_stage_batches=stage_batches)
+                           slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows)
 
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
@@ -152,7 +144,7 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads)
     return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, d.schedule, tma=False,
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
-                           block_rows=d.block_rows, fp8_stage_batches=d.fp8_stage_batches)
+                           block_rows=d.block_rows)
 
 
 def shipped() -> list[MLADecodeConfig]:
