@@ -279,15 +279,17 @@ def test_read_ceiling_kernels_compile_without_spills(variant):
 def test_mla_configs_parse_both_schedules():
     from cukv.bench.mla_decode import config_label, parse_mla_configs
 
-    assert parse_mla_configs("64x2") == ((64, 2, "split", None, False),)
-    assert parse_mla_configs("64x2:alternate, 32x4") == ((64, 2, "alternate", None, False),
-                                                         (32, 4, "split", None, False))
-    assert parse_mla_configs("64x2:tma,64x2:cpasync:alternate") == ((64, 2, "split", True, False),
-                                                                    (64, 2, "alternate", False, False))
+    # no flag: the policy's choice per shape (schedule, copies, slices); "split" rules slices out
+    assert parse_mla_configs("64x2") == ((64, 2, None, None, None),)
+    assert parse_mla_configs("64x2:alternate, 32x4:split") == ((64, 2, "alternate", None, None),
+                                                               (32, 4, "split", None, False))
+    assert parse_mla_configs("64x2:tma,64x2:cpasync:alternate,64x2:narrow") == (
+        (64, 2, None, True, None), (64, 2, "alternate", False, None), (64, 2, "narrow", None, None))
     assert parse_mla_configs("64x2:alternate:slices,64x2:slices:alternate:tma") == (
         (64, 2, "alternate", None, True), (64, 2, "alternate", True, True))
     assert config_label(64, 2, "alternate") == "cukv_n64s2_alternate" and config_label(32, 4) == "cukv_n32s4"
-    assert config_label(64, 2, "split", True) == "cukv_n64s2_tma" and config_label(64, 2, tma=False) == "cukv_n64s2_cpasync"
+    assert config_label(64, 2, "split", True) == "cukv_n64s2_split_tma"
+    assert config_label(64, 2, tma=True) == "cukv_n64s2_tma" and config_label(64, 2, tma=False) == "cukv_n64s2_cpasync"
     assert config_label(*parse_mla_configs("64x2:alternate:slices")[0]) == "cukv_n64s2_alternate_slices"
     for bad in ("64", "64x2:alt", "ax2", "64x2:tma:cpasync", "64x2:slices", "64x2:alternate:cpasync:slices",
                 "64x2:alternate:slices:slices"):

@@ -27,19 +27,23 @@ def test_shipped_mla_compiles_without_spills(cfg):
 
 
 @given(dtype=st.sampled_from(["bfloat16", "float16", "float32"]), block_n=st.sampled_from([16, 32, 64, 128]),
-       stages=st.integers(0, 10))
-def test_config_domain(dtype, block_n, stages):
-    valid = dtype != "float32" and block_n in (32, 64) and 2 <= stages <= 8
+       stages=st.integers(0, 10), schedule=st.sampled_from(["split", "alternate", "narrow", "pingpong"]),
+       block_rows=st.sampled_from([16, 24, 32, 64]))
+def test_config_domain(dtype, block_n, stages, schedule, block_rows):
+    valid = (dtype != "float32" and block_n in (32, 64) and 2 <= stages <= 8 and schedule != "pingpong"
+             and block_rows in (16, 32, 64) and (block_rows != 64) == (schedule == "narrow")
+             and (schedule != "narrow" or block_n == 64))
     if valid:
-        smem = 64 * 576 * 2 + stages * block_n * 576 * 2 + block_n * 128 + 2048 + (8 * (1 + 2 * stages) + 63) // 64 * 64
+        smem = (block_rows * 576 * 2 + stages * block_n * 576 * 2 + block_n * 128 + 2048
+                + (8 * (1 + 2 * stages) + 63) // 64 * 64)
         valid = smem <= 227 * 1024
     if not valid:
-        with pytest.raises(ValueError, match="MLADecodeConfig.(dtype|block_n|num_kv_stages)"):
-            MLADecodeConfig(dtype, block_n, stages)
+        with pytest.raises(ValueError, match="MLADecodeConfig.(dtype|block_n|num_kv_stages|schedule|block_rows)"):
+            MLADecodeConfig(dtype, block_n, stages, schedule=schedule, block_rows=block_rows)
         return
-    cfg = MLADecodeConfig(dtype, block_n, stages)
+    cfg = MLADecodeConfig(dtype, block_n, stages, schedule=schedule, block_rows=block_rows)
     assert cfg.k_bytes == cfg.k_nope_bytes + cfg.k_rope_bytes == block_n * 576 * 2
-    assert cfg.v_bytes == block_n * 512 * 2
+    assert cfg.v_bytes == block_n * 512 * 2 and cfg.q_bytes == block_rows * 576 * 2
     assert f"static_assert(Pipe::smem_bytes == {cfg.smem_bytes}" in cfg.render()
 
 
@@ -143,19 +147,23 @@ def test_named_errors_without_gpu():
 
 
 def test_policy_defaults_are_the_configs():
-    """BatchMLADecode takes its tile from the policy; the config's own defaults agree with it."""
+    """BatchMLADecode takes its tile from the policy; the config's own defaults agree with it (64 heads: wider than
+    the narrow blocks)."""
     lazy = DEFAULT_LAZY_RESCALE
-    assert mla_decode_config() == MLADecodeConfig(tma=DEFAULT_TMA, lazy_rescale=lazy) == BatchMLADecode(16).config
+    assert mla_decode_config() == MLADecodeConfig(tma=DEFAULT_TMA, lazy_rescale=lazy) == BatchMLADecode(64).config
     assert (MLADecodeConfig().block_n, MLADecodeConfig().num_kv_stages) == (DEFAULT_BLOCK_N, DEFAULT_STAGES)
     assert BatchMLADecode(16, block_n=32, num_kv_stages=4).config == MLADecodeConfig("bfloat16", 32, 4, tma=DEFAULT_TMA,
                                                                                      lazy_rescale=lazy)
     assert not BatchMLADecode(16, kv_dtype="fp8_e4m3").config.tma  # FP8 rows go through the dequantizing producer
+    assert BatchMLADecode(16).config == mla_decode_config(rows=16) == MLADecodeConfig(
+        schedule="narrow", block_rows=16, tma=DEFAULT_TMA, lazy_rescale=lazy)
 
 
 def test_fp8_producer_fields():
     """The FP8 default (L2 prefetch, 16 rows in flight) is shipped; the fields' domains are named errors."""
-    fp8 = BatchMLADecode(16, kv_dtype="fp8_e4m3").config
+    fp8 = BatchMLADecode(64, kv_dtype="fp8_e4m3").config
     assert fp8 == mla_decode_config(kv_dtype="fp8_e4m3") and fp8 in SHIPPED
+    assert BatchMLADecode(16, kv_dtype="fp8_e4m3").config in SHIPPED
     assert (fp8.prefetch_tiles, fp8.fp8_rows) == (DEFAULT_PREFETCH["fp8_e4m3"], DEFAULT_FP8_ROWS)
     assert f"constexpr int FP8_ROWS = {fp8.fp8_rows};" in fp8.render()
     assert BatchMLADecode(16).config.prefetch_tiles == DEFAULT_PREFETCH[None]
@@ -203,7 +211,8 @@ def test_schedule_rules():
         MLADecodeConfig(kv_dtype="fp8_e4m3", schedule="alternate")
     with pytest.raises(ValueError, match=r"^schedule='alternate' is not offered with kv_dtype='fp8_e4m3'"):
         BatchMLADecode(16, kv_dtype="fp8_e4m3", schedule="alternate")
-    assert BatchMLADecode(16, kv_dtype="fp8_e4m3").config.schedule == "split"
+    assert BatchMLADecode(64, kv_dtype="fp8_e4m3").config.schedule == "split"
+    assert BatchMLADecode(16, kv_dtype="fp8_e4m3").config.schedule == "narrow"
     assert BatchMLADecode(16, schedule="alternate").config == MLADecodeConfig(schedule="alternate", tma=DEFAULT_TMA,
                                                                                  lazy_rescale=DEFAULT_LAZY_RESCALE)
     assert mla_decode_config().schedule == "split"
@@ -273,3 +282,42 @@ def test_lazy_rescale_field_and_default():
     for cfg in (mla_decode_config(), mla_decode_config(num_heads=128), mla_decode_config(kv_dtype="fp8_e4m3"),
                 sparse_mla_config(), sparse_mla_config(kv_dtype="fp8_e4m3")):
         assert cfg.lazy_rescale and cfg.name.endswith("_lr"), cfg.name
+
+
+NARROW = [MLADecodeConfig("bfloat16", 64, 2, schedule="narrow", tma=True, lazy_rescale=True, block_rows=16),
+          MLADecodeConfig("float16", 64, 2, schedule="narrow", lazy_rescale=False, block_rows=32),
+          MLADecodeConfig("bfloat16", 64, 2, kv_dtype="fp8_e4m3", schedule="narrow", prefetch_tiles=1, fp8_rows=16,
+                          lazy_rescale=True, block_rows=16)]
+
+
+@pytest.mark.parametrize("cfg", NARROW, ids=lambda c: c.name)
+def test_narrow_compiles_without_spills(cfg):
+    """The narrow consumers: 0 spills, no wgmma wait injected by ptxas, a query block of the block's rows."""
+    mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH)
+    for name, r in mod.functions.items():
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_frame == 0, r
+    assert "C7517" not in mod.log and "wgmma.wait_group is injected" not in mod.log, mod.log
+    assert cfg.q_bytes == cfg.block_rows * 576 * 2 and "MLADecodeNarrowConsumer" in cfg.render()
+    assert cfg.name.endswith(f"_nr{cfg.block_rows}" + ("_tma" if cfg.tma else "") + ("_lr" if cfg.lazy_rescale else "")
+                             ) or "_nr16_pf1_r16" in cfg.name
+
+
+def test_narrow_rules():
+    """The narrow schedule's domain: 16 or 32 rows, 64-token tiles; picked for s_q x heads <= 32; named errors."""
+    for bad, match in ((dict(schedule="narrow"), "block_rows=64"), (dict(block_rows=16), "block_rows=16"),
+                       (dict(schedule="narrow", block_rows=16, block_n=32), "block_n=32"),
+                       (dict(schedule="narrow", block_rows=24), "block_rows=24")):
+        with pytest.raises(ValueError, match=rf"MLADecodeConfig\.{match}"):
+            MLADecodeConfig(**bad)
+    assert [mla_decode_config(rows=r).block_rows for r in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 64]
+    assert mla_decode_config(rows=16, block_n=32).schedule == "split"
+    assert mla_decode_config(rows=32, kv_dtype="fp8_e4m3").fp8_rows == 8  # 16 rows in flight spill beside 32 rows
+    with pytest.raises(ValueError, match="schedule='narrow' serves at most 32"):
+        BatchMLADecode(33, schedule="narrow")
+    with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 query rows; s_q=4"):
+        BatchMLADecode(16, schedule="narrow").plan([100], s_q=4)
+    from cukv.ops.sparse_mla import SparseMLA
+    assert SparseMLA(16).config.schedule == "narrow" and SparseMLA(64).config.schedule == "split"
+    assert SparseMLA(32, schedule="split").config.block_rows == 64
+    with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 heads"):
+        SparseMLA(33, schedule="narrow")

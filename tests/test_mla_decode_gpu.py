@@ -125,6 +125,29 @@ def test_mla_decode_tma_variants(rng, dtype, block_n, schedule):
               **kw)
 
 
+NARROW_GRID = [  # (lens, s_q, heads, page_size): s_q x heads <= 32
+    ([4096, 1, 0, 77, 140, 20], 1, 32, 64),
+    ([140, 20], 2, 3, 48),
+    ([5000], 1, 8, 1),
+    ([3000, 17, 0], 4, 8, 16),
+    ([700, 64, 3], 2, 16, 128),
+]
+
+
+@pytest.mark.parametrize("schedule", ["narrow", "split"])
+@pytest.mark.parametrize("lens,s_q,heads,page_size", NARROW_GRID, ids=lambda x: str(x)[:20])
+def test_mla_decode_few_rows_both_schedules(rng, schedule, lens, s_q, heads, page_size):
+    """Up to 32 query rows both consumers serve: the narrow ones (the default) and the 64-row split ones."""
+    run_check(rng, lens, s_q, heads, page_size, sink=True, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", ["narrow", "split"])
+def test_mla_decode_few_rows_fp16_chunks(rng, schedule):
+    dec, *_ = run_check(rng, [40000, 100, 0], 2, 16, 64, dtype="float16", sink=True, schedule=schedule,
+                        plan_kw={"chunk_tiles": 3})
+    assert dec.config.schedule == schedule and dec.num_items > 200  # partials merged by the combine kernel
+
+
 def test_mla_decode_many_chunks(rng):
     """One tile per chunk asked for: 40000 tokens would be 625 chunks, over the combine kernel's 512, so plan
     doubles the chunk; every partial merges through the combine kernel."""
@@ -191,18 +214,19 @@ def test_mla_decode_fp8_producers_bit_identical(rng, prefetch_tiles, fp8_rows):
     assert np.array_equal(got_lse.get(), want_lse.get(), equal_nan=True)
 
 
-@pytest.mark.parametrize("pow2", [False, True])
-def test_mla_decode_fp8_cache(rng, pow2):
+@pytest.mark.parametrize("pow2,heads,s_q,schedule", [(False, 16, 2, None), (True, 16, 2, None), (True, 16, 1, None),
+                                                     (False, 16, 2, "split"), (True, 64, 1, None)])
+def test_mla_decode_fp8_cache(rng, pow2, heads, s_q, schedule):
     """FP8 rows written by append_mla: tight against the reference on the dequantized cache (the tiles hold
     bf16(e4m3 * scale), exact for power-of-two scales), loose against the unquantized tokens."""
     import cupy as cp
 
     from cukv.ops.mla_decode import BatchMLADecode
 
-    lens, s_q, heads, ps = [3000, 0, 77, 640], 2, 16, 16
+    lens, ps = [3000, 0, 77, 640], 16
     cache, table, qd, rows_all = make_fp8_problem(rng, lens, s_q, heads, ps, pow2)
     num_pages = cache.num_pages
-    dec = BatchMLADecode(heads, kv_dtype="fp8_e4m3").plan(lens, s_q)
+    dec = BatchMLADecode(heads, kv_dtype="fp8_e4m3", schedule=schedule).plan(lens, s_q)
     out, lse = dec.run(qd, cache, cp.asarray(table), return_lse=True)
     o = _to_host(out, "bfloat16")
     deq = reference.mla_dequantize_fp8(cache.data.get())

@@ -73,10 +73,11 @@ def make_indices(rng, t_n, topk, s_kv, num_rows, cut):
     return idx.astype(np.int32), lens
 
 
-def check(rng, heads, s_kv, topk, t_n=3, dtype="bfloat16", kind="cache", cut=False, sink=None, uint=False):
+def check(rng, heads, s_kv, topk, t_n=3, dtype="bfloat16", kind="cache", cut=False, sink=None, uint=False,
+          schedule=None):
     import cupy as cp
 
-    from cukv.ops.sparse_mla import sparse_mla_prefill
+    from cukv.ops.sparse_mla import SparseMLA, _kv_dtype
 
     kv, vals, num_rows = make_kv(rng, s_kv, dtype, kind)
     qdt = "bfloat16" if dtype == "fp8_e4m3" else dtype
@@ -89,8 +90,9 @@ def check(rng, heads, s_kv, topk, t_n=3, dtype="bfloat16", kind="cache", cut=Fal
     elif sink is not None:
         sk = np.full(heads, float(sink), np.float32)
     ind = cp.asarray(idx.view(np.uint32) if uint else idx)
-    out, lse, mx = sparse_mla_prefill(qd, kv, ind, topk_lengths=None if lens is None else cp.asarray(lens),
-                                      sink=None if sk is None else cp.asarray(sk))
+    att = SparseMLA(heads, qdt, kv_dtype=_kv_dtype(kv), schedule=schedule).plan(t_n, topk)
+    out, lse, mx = att.run(qd, kv, ind, topk_lengths=None if lens is None else cp.asarray(lens),
+                           sink=None if sk is None else cp.asarray(sk))
     ro, rl, rm = reference.sparse_mla(_to_host(qd, qdt), vals, idx, lens, sk)
     o = _to_host(out, qdt)
     assert np.isfinite(o).all()
@@ -123,6 +125,14 @@ def test_sparse_cut_lists_and_sinks(rng, sink, kind):
 @pytest.mark.parametrize("heads", [16, 128])
 def test_sparse_dtypes(rng, dtype, heads):
     check(rng, heads, 1840, 512, t_n=3, dtype=dtype, cut=True, sink="finite")
+
+
+@pytest.mark.parametrize("schedule", ["narrow", "split"])
+@pytest.mark.parametrize("heads,dtype", [(1, "bfloat16"), (16, "fp8_e4m3"), (32, "float16"), (32, "fp8_e4m3")])
+def test_sparse_schedules_at_few_heads(rng, schedule, heads, dtype):
+    """Up to 32 heads both consumers serve: the narrow ones (the default) and the 64-row split ones."""
+    check(rng, heads, 1840, 512, t_n=4, dtype=dtype, cut=True, sink="finite", schedule=schedule)
+    check(rng, heads, 5000, 4096, t_n=1, dtype=dtype, schedule=schedule)  # split over the SMs, merged by the combine
 
 
 def test_sparse_uint32_indices(rng):
