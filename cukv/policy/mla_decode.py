@@ -32,9 +32,11 @@ SLICE_RELEASE_MIN_HEADS = 128
 #: every bench shape, same output bits (docs/tuning.md "MLA decode")
 DEFAULT_TMA = True
 #: the producer's L2 prefetch distance in tiles, by cache: an FP8 producer's loads are synchronous (latency-bound),
-#: one tile ahead made it 7-9% faster (2 no better); the 16-bit producer's cp.async copies lost 10-12% with it
-#: (H200, benchmarks/probe_mla_fp8.py; docs/tuning.md "MLA decode")
+#: one tile ahead made it 7-9% faster beside the split consumers (2 no better); the 16-bit producer's cp.async copies
+#: lost 10-12% with it (H200, benchmarks/probe_mla_fp8.py; docs/tuning.md "MLA decode")
 DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 1}
+#: beside the narrow consumers the FP8 producer takes no L2 prefetch: 1-4 tiles ahead were 9-17% slower (H100)
+NARROW_FP8_PREFETCH = 0
 #: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-5% faster than 8, same calls)
 DEFAULT_FP8_ROWS = 16
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
@@ -123,7 +125,8 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
         tma = DEFAULT_TMA and kv_dtype is None and not prefetch_tiles
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n
     if prefetch_tiles is None:
-        prefetch_tiles = DEFAULT_PREFETCH[kv_dtype]
+        prefetch_tiles = NARROW_FP8_PREFETCH if kv_dtype is not None and schedule == "narrow" else \
+            DEFAULT_PREFETCH[kv_dtype]
     if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64); the 32-row narrow consumers spill with them
         fp8_rows = (DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4
                     and not (schedule == "narrow" and block_rows > NARROW_ROWS[0]) else 8)
