@@ -19,6 +19,11 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _names(v):
+    """A bench's cukv kernel name, or its names (one per policy choice over the shapes)."""
+    return ", ".join(f"`{x}`" for x in v) if isinstance(v, list) else str(v)
+
+
 def _f(x, nd=3):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
@@ -107,7 +112,7 @@ def mla_decode_table(name, d):
     """``bench mla-decode``: cukv beside FlashMLA (same call), plus any extra cukv configs it timed."""
     extra = sorted({k[:-len("_over_cukv")] for r in d["rows"] for k in r if k.endswith("_over_cukv")
                     and k != "flashmla_over_cukv"})
-    out = [f"### `{name}`", "", f"{d['device']}, {d.get('date', '2026-11-27')}; {d.get('cukv', 'cukv')} beside FlashMLA's SM90 "
+    out = [f"### `{name}`", "", f"{d['device']}, {d.get('date', '2026-11-27')}; {_names(d.get('cukv', 'cukv'))} beside FlashMLA's SM90 "
            f"kernel; read ceiling {_f(d.get('read_ceiling_tbs'), 2)} TB/s "
            "(same call).", "",
            "| shape | cukv ms | TFLOP/s | TB/s | % ceiling | FlashMLA ms | FlashMLA/cukv |"
