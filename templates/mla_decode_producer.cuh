@@ -227,19 +227,34 @@ struct MLAKVProducerPipeline {
     }
   }
 
-  // Dequantize a batch into stage s (lane l: 16-byte chunks 2l and 2l + 1 of each row) and copy the rows' rope
-  // chunks as they are (lanes 0-7, cp.async; zeros for rows read as zeros).
-  template <int kBatch>
+  // The rope chunks of this warp's rows of a tile into stage s as they are (lanes 0-7, cp.async; zeros for rows read
+  // as zeros). ROPE_FIRST: issued before the rows' code loads, so that their latency overlaps the loads' instead of
+  // following it; else each row's behind its codes (store_codes).
+  __device__ __forceinline__ void copy_rope(const MLADecodeParams& a, const char* mine, int s, int warp,
+                                            int lane) const {
+    constexpr int kRowsPerWarp = BN / 4;
+    const u32 dst = stage(s);
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
+      if (lane < 8) cp_async16(dst + chunk_offset(warp * kRowsPerWarp + i, 64 + lane, atom_col_bytes),
+                               src ? src + 528 + 16 * lane : a.cache, src ? 16 : 0);
+    }
+  }
+
+  // Dequantize a batch into stage s (lane l: 16-byte chunks 2l and 2l + 1 of each row); unless ROPE_FIRST, copy each
+  // row's rope chunks too.
+  template <int kBatch, bool ROPE_FIRST>
   __device__ __forceinline__ void store_codes(const CodeBatch<kBatch>& b, const MLADecodeParams& a, const char* mine,
                                               int s, int warp, int r0, int lane) const {
     constexpr int kRowsPerWarp = BN / 4;
     const u32 dst = stage(s);
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
-      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
+      const char* src = ROPE_FIRST ? nullptr : (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
       const int r = warp * kRowsPerWarp + r0 + i;
-      if (lane < 8) cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), src ? src + 528 + 16 * lane : a.cache,
-                               src ? 16 : 0);
+      if (!ROPE_FIRST && lane < 8)
+        cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), src ? src + 528 + 16 * lane : a.cache, src ? 16 : 0);
       st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes),
                   dequant8<T>(make_uint2(b.codes[i].x, b.codes[i].y), b.scale[i]));
       st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes),
@@ -286,15 +301,16 @@ struct MLAKVProducerPipeline {
   }
 
   // An FP8 tile into stage s, kBatch rows per lane loaded, then dequantized and stored.
-  template <int kBatch>
+  template <int kBatch, bool ROPE_FIRST>
   __device__ __forceinline__ void load_tile_fp8(const MLADecodeParams& a, const char* mine, int s, int warp,
                                                 int lane) const {
     static_assert((BN / 4) % kBatch == 0, "rows per warp in whole batches");
+    if constexpr (ROPE_FIRST) copy_rope(a, mine, s, warp, lane);
 #pragma unroll 1
     for (int r0 = 0; r0 < BN / 4; r0 += kBatch) {
       CodeBatch<kBatch> b;
       load_codes(b, mine, r0, lane);
-      store_codes(b, a, mine, s, warp, r0, lane);
+      store_codes<kBatch, ROPE_FIRST>(b, a, mine, s, warp, r0, lane);
     }
     commit_fp8(s);
   }
@@ -397,7 +413,7 @@ struct MLAKVProducerPipeline {
   // tensor copies where the page size allows (m->box_rows > 0), the rest by cp.async. PREFETCH > 0 (cp.async and
   // FP8 loads only): tile it + PREFETCH goes into L2 before tile it is loaded (its lookups made one tile earlier
   // still); FP8_ROWS: the FP8 rows each lane holds in flight.
-  template <bool kTma = false, int PREFETCH = 0, int FP8_ROWS = 8>
+  template <bool kTma = false, int PREFETCH = 0, int FP8_ROWS = 8, bool ROPE_FIRST = true>
   __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane,
                           const MLACacheMap* m = nullptr) const {
     static_assert(PREFETCH >= 0 && PREFETCH <= 4, "prefetch distance in tiles");
@@ -434,7 +450,7 @@ struct MLAKVProducerPipeline {
         __syncwarp();
       }
       if constexpr (FP8_) {
-        load_tile_fp8<FP8_ROWS>(a, cur, s, warp, lane);
+        load_tile_fp8<FP8_ROWS, ROPE_FIRST>(a, cur, s, warp, lane);
       } else {
         if (kTma && it < full_tiles)
           load_tile_tma(*m, box, s, warp, lane);

@@ -281,7 +281,7 @@ def test_lazy_rescale_field_and_default():
         assert f"#define CUKV_MLA_LAZY_RESCALE {int(lazy)}" in cfg.render()
     for cfg in (mla_decode_config(), mla_decode_config(num_heads=128), mla_decode_config(kv_dtype="fp8_e4m3"),
                 sparse_mla_config(), sparse_mla_config(kv_dtype="fp8_e4m3")):
-        assert cfg.lazy_rescale and cfg.name.endswith("_lr"), cfg.name
+        assert cfg.lazy_rescale and "_lr" in cfg.name, cfg.name
 
 
 NARROW = [MLADecodeConfig("bfloat16", 64, 2, schedule="narrow", tma=True, lazy_rescale=True, block_rows=16),
@@ -313,12 +313,20 @@ def test_narrow_rules():
     assert mla_decode_config(rows=16, block_n=32).schedule == "split"
     assert mla_decode_config(rows=32, kv_dtype="fp8_e4m3").fp8_rows == 8  # 16 rows in flight spill beside 32 rows
     assert mla_decode_config(rows=16, kv_dtype="fp8_e4m3").prefetch_tiles == NARROW_FP8_PREFETCH
+    # the rope copies: before the code loads beside the split consumers and in sparse MLA, behind them in narrow decode
+    assert mla_decode_config(kv_dtype="fp8_e4m3").fp8_rope_first
+    assert not mla_decode_config(rows=16, kv_dtype="fp8_e4m3").fp8_rope_first
+    assert mla_decode_config(kv_dtype="fp8_e4m3").name.endswith("_rf")
+    assert not mla_decode_config(kv_dtype="fp8_e4m3", block_n=32, num_kv_stages=4).fp8_rope_first
+    with pytest.raises(ValueError, match="MLADecodeConfig.fp8_rope_first"):
+        MLADecodeConfig(fp8_rope_first=1)
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32"):
         BatchMLADecode(33, schedule="narrow")
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 query rows; s_q=4"):
         BatchMLADecode(16, schedule="narrow").plan([100], s_q=4)
     from cukv.ops.sparse_mla import SparseMLA
     assert SparseMLA(16).config.schedule == "narrow" and SparseMLA(64).config.schedule == "split"
+    assert SparseMLA(16, kv_dtype="fp8_e4m3").config.fp8_rope_first
     assert SparseMLA(32, schedule="split").config.block_rows == 64
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 heads"):
         SparseMLA(33, schedule="narrow")

@@ -105,6 +105,9 @@ class MLADecodeConfig(KernelConfig):
     #: query rows per block: ``BLOCK_M`` (64), or 16 / 32 with ``schedule="narrow"`` (``NARROW_ROWS``), which serves
     #: a batch whose ``s_q * num_heads`` rows fit one such block
     block_rows: int = BLOCK_M
+    #: FP8 rows: the producer issues a tile's rope copies before its code loads (their latencies overlap) instead of
+    #: each row's behind its codes
+    fp8_rope_first: bool = False
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -132,6 +135,7 @@ class MLADecodeConfig(KernelConfig):
                    "tensor copies take no L2 prefetch: use prefetch_tiles=0 with tma=True")
         check_rule(c, "kv_dtype", self.kv_dtype, self.kv_dtype is None or self.dtype == "bfloat16",
                    "an FP8 cache's rows dequantize to bf16 tiles beside its bf16 rope: dtype must be 'bfloat16'")
+        check_bool(c, "fp8_rope_first", self.fp8_rope_first)
         check_bool(c, "slice_release", self.slice_release)
         check_bool(c, "lazy_rescale", self.lazy_rescale)
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
@@ -197,6 +201,7 @@ class MLADecodeConfig(KernelConfig):
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
         sl = "_slices" if self.slice_release else ""
         lr = "_lr" if self.lazy_rescale else ""
+        lr += "_rf" if self.kv_dtype and self.fp8_rope_first else ""
         return (f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}"
                 f"{sl}{lr}")
 
@@ -209,7 +214,8 @@ class MLADecodeConfig(KernelConfig):
             schedule=self.schedule, consumer=SLICE_CONSUMER if self.slice_release else CONSUMERS[self.schedule],
             tma=self.tma, slice_release=self.slice_release, lazy_rescale=self.lazy_rescale,
             prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
-            producer_regs=self.regs[0], consumer_regs=self.regs[1], block_rows=self.block_rows)
+            producer_regs=self.regs[0], consumer_regs=self.regs[1], block_rows=self.block_rows,
+            fp8_rope_first=self.fp8_rope_first)
 
     @property
     def regs(self) -> tuple:

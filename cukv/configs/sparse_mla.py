@@ -47,5 +47,6 @@ class SparseMLAConfig(MLADecodeConfig):
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
         lr = "_lr" if self.lazy_rescale else ""
+        lr += "_rf" if self.kv_dtype and self.fp8_rope_first else ""
         nr = f"_nr{self.block_rows}" if self.schedule == "narrow" else ""
         return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{nr}{pf}{rows}{lr}"

@@ -37,6 +37,10 @@ DEFAULT_TMA = True
 DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 1}
 #: beside the narrow consumers the FP8 producer takes no L2 prefetch: 1-4 tiles ahead were 9-17% slower (H100)
 NARROW_FP8_PREFETCH = 0
+#: the FP8 producer issues a tile's rope copies before its code loads (``MLADecodeConfig.fp8_rope_first``): 3.5-5.5%
+#: faster beside the split consumers and 1.6% in the narrow sparse kernel (H100); the narrow dense kernel keeps them
+#: behind each row's codes (5% faster there), as do 32-token tiles (the rope-first sparse kernel spills 8 bytes there)
+FP8_ROPE_FIRST = {"split": True, "narrow": False, "alternate": True}
 #: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-5% faster than 8, same calls)
 DEFAULT_FP8_ROWS = 16
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
@@ -132,7 +136,8 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                     and not (schedule == "narrow" and block_rows > NARROW_ROWS[0]) else 8)
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
-                           slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows)
+                           slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows,
+                           fp8_rope_first=bool(kv_dtype) and block_n == 64 and FP8_ROPE_FIRST[schedule])
 
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
@@ -147,7 +152,7 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads)
     return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, d.schedule, tma=False,
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
-                           block_rows=d.block_rows)
+                           block_rows=d.block_rows, fp8_rope_first=bool(d.kv_dtype) and d.block_n == 64)
 
 
 def shipped() -> list[MLADecodeConfig]:
