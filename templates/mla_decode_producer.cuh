@@ -3,8 +3,9 @@
 // Every tile is BN cache rows x 576 values in T, stored as 9 columns of 128-byte swizzle atoms (64 values
 // wide, BN rows tall): K for S = Q K^T is all 576 columns (k_nope_bytes + k_rope_bytes), V for O += P V is the
 // first 512 columns of the same rows (v_bytes aliases k_nope_bytes). The query block sits in the same layout
-// (64 rows). Rows past the item's end, and rows whose page id lies outside the cache or the table, are
-// zero-filled and never read, so nothing the cache holds there (NaN included) reaches the mma.
+// (the block's 64 rows, or 16 / 32 for the narrow consumers: QROWS_). Rows past the item's end, and rows whose
+// page id lies outside the cache or the table, are zero-filled and never read, so nothing the cache holds there
+// (NaN included) reaches the mma.
 //
 // FP8 caches (FP8 = true; 656-byte rows: 512 e4m3 codes, 4 float32 scales, 64 bf16 rope values) fill the same
 // bf16 tiles: each lane loads 16 codes and their scale of FP8_ROWS rows (8 or 16) at a time into registers,
