@@ -73,16 +73,7 @@ struct MLADecodeNarrowConsumer {
 
   // S^T of stage `stage` (waited on) into s.
   __device__ __forceinline__ void scores(float (&s)[kSRegs], int stage) const {
-    const u64 kd = sw128_desc(pipe.stage(stage), 1, 1024);
-    const u64 qd = sw128_desc(pipe.q(), 1, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kMlaDim / 16; ++k)
-      Mma::ss(s, desc_add(kd, (u32)((k / 4) * Pipe::atom_col_bytes + (k % 4) * 32)),
-              desc_add(qd, (u32)((k / 4) * Pipe::q_atom_col_bytes + (k % 4) * 32)), k > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
+    mla_dot576<Mma>(s, pipe.stage(stage), Pipe::atom_col_bytes, pipe.q(), Pipe::q_atom_col_bytes);
   }
 
   // Softmax of one tile: s scaled and masked, the columns' new max (max over the 4 warps through shared memory,

@@ -22,6 +22,23 @@ __device__ __forceinline__ float mla_exp2(float x) {
 #endif
 }
 
+// The 36 k-steps of a product over all 576 dims, A and B both K-major tiles of 128-byte-swizzled 64-value atom
+// columns (a_col / b_col bytes apart), one commit group, waited on: Q K^T (A = the query block) in the 64-row
+// consumers, K Q^T (A = the K tile) in the narrow ones.
+template <class Mma, int N>
+__device__ __forceinline__ void mla_dot576(float (&s)[N], u32 a, int a_col, u32 b, int b_col) {
+  const u64 ad = sw128_desc(a, 1, 1024);
+  const u64 bd = sw128_desc(b, 1, 1024);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kMlaDim / 16; ++k)
+    Mma::ss(s, desc_add(ad, (u32)((k / 4) * a_col + (k % 4) * 32)), desc_add(bd, (u32)((k / 4) * b_col + (k % 4) * 32)),
+            k > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(s);
+}
+
 template <typename T, class Pipe, bool SPARSE = false>
 struct MLADecodeConsumerState {
   static constexpr int kORegs = 128;
@@ -75,16 +92,7 @@ struct MLADecodeConsumerState {
   // second half), the wgmmas waited on: Mma's N tokens into s.
   template <class Mma, int N>
   __device__ __forceinline__ void qk(float (&s)[N], u32 k_rows) const {
-    const u64 qd = sw128_desc(pipe.q(), 1, 1024);
-    const u64 kd = sw128_desc(k_rows, 1, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kMlaDim / 16; ++k)
-      Mma::ss(s, desc_add(qd, (u32)((k / 4) * Pipe::q_atom_col_bytes + (k % 4) * 32)),
-              desc_add(kd, (u32)((k / 4) * Pipe::atom_col_bytes + (k % 4) * 32)), k > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(s);
+    mla_dot576<Mma>(s, pipe.q(), Pipe::q_atom_col_bytes, k_rows, Pipe::atom_col_bytes);
   }
 
   // Both warpgroups' l -> the row's total; then the output (direct) or the float32 partial and its LSE. kGuard: a

@@ -413,8 +413,8 @@ struct MLAKVProducerPipeline {
   // table) are issued one tile ahead, so their latency hides behind the wait for a free stage. kTma: full tiles by
   // tensor copies where the page size allows (m->box_rows > 0), the rest by cp.async. PREFETCH > 0 (cp.async and
   // FP8 loads only): tile it + PREFETCH goes into L2 before tile it is loaded (its lookups made one tile earlier
-  // still); FP8_ROWS: the FP8 rows each lane holds in flight.
-  template <bool kTma = false, int PREFETCH = 0, int FP8_ROWS = 8, bool ROPE_FIRST = true>
+  // still); FP8_ROWS: the FP8 rows each lane holds in flight; ROPE_FIRST: load_tile_fp8's rope order.
+  template <bool kTma = false, int PREFETCH = 0, int FP8_ROWS = 8, bool ROPE_FIRST = false>
   __device__ void produce(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane,
                           const MLACacheMap* m = nullptr) const {
     static_assert(PREFETCH >= 0 && PREFETCH <= 4, "prefetch distance in tiles");

@@ -144,18 +144,17 @@ class BatchMLADecode:
             raise ValueError(f"seq_lens[{i}]={lens[i]} must be in 0..{MAX_SEQ_LEN}")
         b = int(lens.size)
         rows = s_q * self.num_heads
-        if self._choices[4] == "narrow" and rows > NARROW_ROWS[-1]:
-            raise ValueError(f"schedule='narrow' serves at most {NARROW_ROWS[-1]} query rows; s_q={s_q} x "
-                             f"num_heads={self.num_heads} = {rows} (use schedule None or 'split')")
-        cfg = mla_decode_config(*self._choices, rows=rows)
-        # keep the instance (and the module it compiled) while the choice stands, and a config set by hand (a probe's)
-        if self.config is self._derived:
-            if cfg != self.config:
-                self.config = cfg
-            self._derived = self.config
-        if self.config.schedule == "narrow" and rows > self.config.block_rows:
-            raise ValueError(f"{self.config.name} holds {self.config.block_rows} query rows; s_q={s_q} x "
-                             f"num_heads={self.num_heads} = {rows}")
+        # the policy's config for these rows; a config set by hand (a probe's) stays, and so does the current instance
+        # (with the module it compiled) while the choice is the same
+        by_hand = self.config is not self._derived
+        cfg = self.config if by_hand else mla_decode_config(*self._choices, rows=rows)
+        cfg = self.config if cfg == self.config else cfg
+        if cfg.schedule == "narrow" and rows > cfg.block_rows:
+            raise ValueError(f"schedule='narrow' serves at most {cfg.block_rows} query rows; s_q={s_q} x "
+                             f"num_heads={self.num_heads} = {rows} ({cfg.name}; use schedule None or 'split')")
+        self.config = cfg
+        if not by_hand:
+            self._derived = cfg
         nrb = -(-rows // BLOCK_M)
         device = current_device()
         if self._planned and device != self._device:  # a new device: buffers and kernels of its own

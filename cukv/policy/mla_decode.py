@@ -37,10 +37,10 @@ DEFAULT_TMA = True
 DEFAULT_PREFETCH = {None: 0, "fp8_e4m3": 1}
 #: beside the narrow consumers the FP8 producer takes no L2 prefetch: 1-4 tiles ahead were 9-17% slower (H100)
 NARROW_FP8_PREFETCH = 0
-#: the FP8 producer issues a tile's rope copies before its code loads (``MLADecodeConfig.fp8_rope_first``): 3.5-5.5%
-#: faster beside the split consumers and 1.6% in the narrow sparse kernel (H100); the narrow dense kernel keeps them
-#: behind each row's codes (5% faster there), as do 32-token tiles (the rope-first sparse kernel spills 8 bytes there)
-FP8_ROPE_FIRST = {"split": True, "narrow": False, "alternate": True}
+#: the FP8 producer issues a tile's rope copies before its code loads (``MLADecodeConfig.fp8_rope_first``), by kernel:
+#: 3.5-5.5% faster beside the split consumers and 1.6% in the narrow sparse kernel (H100); the narrow dense kernel keeps
+#: them behind each row's codes (5% faster there), as do 32-token tiles (the rope-first sparse kernel spills 8 bytes)
+FP8_ROPE_FIRST = {"split": True, "narrow": False, "sparse": True}
 #: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-5% faster than 8, same calls)
 DEFAULT_FP8_ROWS = 16
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
@@ -103,6 +103,16 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
     return items, c
 
 
+def _narrow(rows: int | None, block_n: int | None) -> bool:
+    """Whether ``rows`` query rows (``s_q * num_heads``; sparse MLA: heads) take the narrow consumers by default."""
+    return rows is not None and rows <= NARROW_MAX_ROWS and block_n in (None, 64)
+
+
+def _rope_first(kv_dtype: str | None, block_n: int, kernel: str) -> bool:
+    """``MLADecodeConfig.fp8_rope_first`` for a ``kernel`` of :data:`FP8_ROPE_FIRST` (a schedule, or "sparse")."""
+    return kv_dtype is not None and block_n == 64 and FP8_ROPE_FIRST[kernel]
+
+
 def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
                       num_kv_stages: int | None = None, schedule: str | None = None,
                       tma: bool | None = None, prefetch_tiles: int | None = None,
@@ -113,8 +123,7 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     and cp.async; ``slice_release`` asks for the alternating schedule, and is on by default from
     :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``). ``rows`` (``s_q * num_heads``, when known) picks the "narrow"
     schedule up to :data:`NARROW_MAX_ROWS` and its block of 16 or 32 rows."""
-    if (schedule is None and rows is not None and rows <= NARROW_MAX_ROWS and block_n in (None, 64)
-            and not slice_release):
+    if schedule is None and not slice_release and _narrow(rows, block_n):
         schedule = "narrow"
     block_rows = BLOCK_M
     if schedule == "narrow":
@@ -137,7 +146,7 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
                            slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows,
-                           fp8_rope_first=bool(kv_dtype) and block_n == 64 and FP8_ROPE_FIRST[schedule])
+                           fp8_rope_first=_rope_first(kv_dtype, block_n, schedule))
 
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
@@ -147,12 +156,11 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     :data:`NARROW_MAX_ROWS` heads), and for FP8 rows its producer defaults (L2 prefetch, rows in flight); sparse rows
     always come by cp.async (each row its own gather)."""
     if schedule is None:
-        schedule = "narrow" if num_heads is not None and num_heads <= NARROW_MAX_ROWS and block_n in (None, 64) \
-            else "split"
+        schedule = "narrow" if _narrow(num_heads, block_n) else "split"
     d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads)
     return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, d.schedule, tma=False,
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
-                           block_rows=d.block_rows, fp8_rope_first=bool(d.kv_dtype) and d.block_n == 64)
+                           block_rows=d.block_rows, fp8_rope_first=_rope_first(d.kv_dtype, d.block_n, "sparse"))
 
 
 def shipped() -> list[MLADecodeConfig]:
