@@ -20,7 +20,9 @@ import numpy as np
 #: CUtensorMapDataType / CUtensorMapSwizzle / CUtensorMapL2promotion values from cuda.h
 UINT8 = 0
 SWIZZLE_NONE, SWIZZLE_128B = 0, 3
-L2_PROMOTION_128B = 2
+L2_PROMOTION_NONE, L2_PROMOTION_64B, L2_PROMOTION_128B, L2_PROMOTION_256B = 0, 1, 2, 3
+#: the L2 promotion every descriptor is encoded with (read at each encode; benchmarks/probe_mla_tma.py varies it)
+L2_PROMOTION = L2_PROMOTION_128B
 MAP_BYTES = 128
 
 
@@ -54,7 +56,8 @@ def check_page_tensor(name: str, ptr: int, shape, strides_bytes) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _encode_cached(ptr: int, shape: tuple, strides: tuple, box_cols: int, box_rows: int, swizzle: int) -> bytes:
+def _encode_cached(ptr: int, shape: tuple, strides: tuple, box_cols: int, box_rows: int, swizzle: int,
+                   promotion: int = L2_PROMOTION_128B) -> bytes:
     pages, page_size, heads, dim = shape
     gdim = (ctypes.c_uint64 * 4)(dim, heads, page_size, pages)
     gstride = (ctypes.c_uint64 * 3)(strides[2], strides[1], strides[0])  # of dims 1..3 (head, token, page)
@@ -62,7 +65,7 @@ def _encode_cached(ptr: int, shape: tuple, strides: tuple, box_cols: int, box_ro
     estr = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     out = (ctypes.c_uint8 * MAP_BYTES)()
     res = _libcuda()(ctypes.cast(out, ctypes.c_void_p), UINT8, 4, ctypes.c_void_p(ptr), gdim, gstride, box, estr,
-                     0, swizzle, L2_PROMOTION_128B, 0)
+                     0, swizzle, promotion, 0)
     if res != 0:
         raise ValueError(f"cuTensorMapEncodeTiled returned CUresult {res} for a byte tensor {shape} with strides "
                          f"{strides} (bytes), box {box_cols} x {box_rows} rows, swizzle {swizzle}")
@@ -92,7 +95,7 @@ def encode_bytes(name: str, ptr: int, shape, strides_bytes, box_cols: int, box_r
     shape = tuple(int(n) for n in shape)
     strides = tuple(int(s) for s in strides_bytes)
     check_page_tensor(name, int(ptr), shape, strides)
-    return _encode_cached(int(ptr), shape, strides, int(box_cols), int(box_rows), int(swizzle))
+    return _encode_cached(int(ptr), shape, strides, int(box_cols), int(box_rows), int(swizzle), int(L2_PROMOTION))
 
 
 def as_maps_arg(*maps: bytes):

@@ -69,9 +69,23 @@ struct alignas(64) CUtensorMap { unsigned long long opaque[16]; };
 // One box of a 4-d tensor map (coordinates innermost first) into shared memory at dst, completing `bytes`
 // of bar's transaction count. Coordinates outside the tensor read as zeros (and still count).
 __device__ __forceinline__ void tma_load_4d(u32 dst, const CUtensorMap* map, int c0, int c1, int c2, int c3, u32 bar) {
+#ifdef CUKV_TMA_EVICT_FIRST  // probe only (benchmarks/probe_mla_tma.py): the copies' lines first out of L2
+  asm volatile(
+      "{\n .reg .b64 pol;\n createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
+      " cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6], pol;\n}\n"
+      :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+#else
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
       :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+#endif
+}
+
+// The box at these coordinates of a 4-d tensor map into L2 (no shared memory, no barrier).
+__device__ __forceinline__ void tma_prefetch_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];"
+               :: "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 
 // One box of shared memory at src into a 4-d tensor map (coordinates innermost first), in this thread's current bulk

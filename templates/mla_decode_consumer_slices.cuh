@@ -28,6 +28,22 @@
 
 namespace cukv {
 
+#ifdef CUKV_MLA_WAIT_STATS  // probe only (benchmarks/probe_mla_waits.py): where the slice consumers wait, in clocks
+extern "C" {
+// [0] warpgroup 0's Q K^T waits, rope and slices 0-3; [1] its slices 4-7; [2] warpgroup 1's Q K^T waits; [3] V waits;
+// [4] warpgroup 0's wait for P1; [5] warpgroup 1's for P0; [6] consume() in all; [7] warpgroup items
+__device__ unsigned long long cukv_mla_wait_stats[8];
+}
+#define CUKV_MLA_WS(i, stmt)                   \
+  do {                                         \
+    const long long ws_t0_ = clock64();        \
+    stmt;                                      \
+    ws_[i] += (unsigned)(clock64() - ws_t0_);  \
+  } while (0)
+#else
+#define CUKV_MLA_WS(i, stmt) stmt
+#endif
+
 template <typename T> __device__ __forceinline__ float2 unpack2(u32 w);
 template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(u32 w) {
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
@@ -49,6 +65,9 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   static_assert(kSlices == 9 && STAGES >= 2, "9 slices of 64 columns per stage");
 
   int cp_from = 0;  // the first tile that came by cp.async (Pipe::tma_tiles); the ones before by tensor copies
+#ifdef CUKV_MLA_WAIT_STATS
+  mutable unsigned ws_[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#endif
 
   __device__ __forceinline__ MLADecodeSliceConsumer(const Pipe& p, int g_, int t_) : Alt(p, g_, t_) {}
 
@@ -71,7 +90,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   }
   __device__ __forceinline__ void wait_v(int it) const {  // this warpgroup's V slices of a tile it did not score
 #pragma unroll
-    for (int q = 0; q < 4; ++q) wait_slice(it, 4 * g + q);
+    for (int q = 0; q < 4; ++q) CUKV_MLA_WS(3, wait_slice(it, 4 * g + q));
   }
 
   // Issue slices J0 .. J1 - 1 (in warpgroup G's slice_order) of S = Q K^T for tile `it`, each slice's 4 k-steps
@@ -83,7 +102,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
 #pragma unroll
     for (int j = J0; j < J1; ++j) {
       const int c = Pipe::slice_order(G, j);
-      wait_slice(it, c);
+      CUKV_MLA_WS(G == 1 ? 2 : (J0 == 0 ? 0 : 1), wait_slice(it, c));
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -129,7 +148,8 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       release_v(t0);
       if (t1 >= n_tiles) break;
       u32 p1[kPWords];
-      const float2 m1 = Alt::receive(p1, kBarH1);
+      float2 m1;
+      CUKV_MLA_WS(4, m1 = Alt::receive(p1, kBarH1));
       Alt::scale_o(Alt::follow(m1));
       wait_v(t1);
       Alt::pv_issue(p1, t1 % STAGES);
@@ -167,7 +187,8 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       float2 mx = make_float2(-CUKV_INF, -CUKV_INF);
       if (pair) mx = Alt::mask_rowmax(s, w.begin + t1 * BN, lim0, lim1, a.scale_log2);
       u32 p0[kPWords];
-      const float2 m0 = Alt::receive(p0, kBarH0);  // read before this warpgroup publishes P1 into the same buffer
+      float2 m0;
+      CUKV_MLA_WS(5, m0 = Alt::receive(p0, kBarH0));  // read before this warpgroup publishes P1 into the same buffer
       if (pair) {
         const float2 mn = State::next_max(m0, make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y)));
         const float2 a1 = Alt::follow(mn);  // O and l from this warpgroup's old max straight to m1
@@ -216,10 +237,12 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
     mbar_wait(pipe.q_full(), 0);
     fence_proxy_async();
-    if (g == 0)
-      consume0(a, w, n_tiles, lim0, lim1);
-    else
-      consume1(a, w, n_tiles, lim0, lim1);
+    CUKV_MLA_WS(6, if (g == 0) consume0(a, w, n_tiles, lim0, lim1); else consume1(a, w, n_tiles, lim0, lim1));
+#ifdef CUKV_MLA_WAIT_STATS
+    ws_[7] = 1;
+    if (t == 0)
+      for (int i = 0; i < 8; ++i) atomicAdd(&cukv_mla_wait_stats[i], (unsigned long long)ws_[i]);
+#endif
     State::template finish<true>(a, w, r0);
   }
 };

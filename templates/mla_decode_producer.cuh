@@ -343,6 +343,12 @@ struct MLAKVProducerPipeline {
     for (int j = 0; j < kSlices; ++j) {
       const int c = slice_order(owner, j);
       if (it >= num_kv_stages) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
+#ifdef CUKV_MLA_NO_LOAD  // probe only: after the first stages, the ring runs on the tiles already in it
+      if (it >= num_kv_stages) {
+        if (lane == 0) mbar_arrive(full(s, c));
+        continue;
+      }
+#endif
       if (lane == 0) {
         mbar_expect_tx(full(s, c), BN * kAtomRowBytes);
         mbar_arrive(full(s, c));
@@ -374,8 +380,9 @@ struct MLAKVProducerPipeline {
 
   // produce() for per-slice barriers (TMA kernels): the query block; then the full tiles in two streams, producer warp
   // 0 the even tiles (scored by consumer warpgroup 0) and warp 1 the odd ones, so neither scorer's next tile waits
-  // behind the other's slices; each stream looks up its next tile's pages one tile ahead. Then the tiles left (the
-  // partial last one, or all where m.box_rows is 0) by all four warps with cp.async.
+  // behind the other's slices; each stream looks up its next tile's pages one tile ahead and prefetches that tile
+  // into L2 once the current one is issued. Then the tiles left (the partial last one, or all where m.box_rows is 0)
+  // by all four warps with cp.async.
   __device__ void produce_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane,
                                  const MLACacheMap& m) const {
     static_assert(SLICES_, "per-slice barriers");
@@ -389,6 +396,12 @@ struct MLAKVProducerPipeline {
         const int2 box = next_box;
         if (it + 2 < full_tiles) next_box = lookup_box(a, w, it + 2, box_rows, lane);
         load_tile_tma_slices(m, box, it, lane);
+#ifndef CUKV_MLA_NO_TMA_PREFETCH  // (the define: probes time the ring without it)
+        // The stream's next tile into L2 as soon as this one is issued: its copies, issued once the slices free
+        // (late in a pair), then wait on L2 rather than DRAM.
+        if (it + 2 < full_tiles && lane * box_rows < BN)
+          for (int c = 0; c < kSlices; ++c) tma_prefetch_4d(&m.map, c * kAtomRowBytes, 0, next_box.y, next_box.x);
+#endif
       }
     }
     if (full_tiles >= n_tiles) {
