@@ -3,11 +3,13 @@ and each ``bench sparse-mla`` shape in two variants, in interleaved rounds in on
 the time of each, their ratio (above 1: the second is faster) and the largest output difference. The variants:
 ``lazy_rescale`` off ("eager") and on ("lazy"); with ``--define NAME`` the policy's config compiled with the
 preprocessor define NAME ("define") and without ("default"); with ``--schedule NAME`` the op built with that
-``schedule`` ("forced") and with the policy's ("default").
+``schedule`` ("forced") and with the policy's ("default"); with ``--field NAME=VALUE`` the policy's config with that
+field replaced ("field", e.g. ``prefetch_tiles=1``) and as it is ("default").
 
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py [--dense b128,h16] [--sparse prefill,decode] [--rounds 5]
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --define CUKV_MLA_EXACT_EXP2
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --schedule split --dense h16 --sparse h16,h32
+    PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --field prefetch_tiles=1 --dense "" --sparse prefill
 
 ``--dense`` / ``--sparse`` keep the shapes whose names contain one of the comma-separated words ("" runs none).
 """
@@ -23,22 +25,26 @@ def _pick(names, text):
     return [n for n in names if any(w in n for w in text.split(","))] if text else []
 
 
-def _variants(define, schedule=None):
-    """(label, lazy_rescale or None for the policy's, define, schedule or None for the policy's) of the two variants,
-    the reference first."""
+def _variants(define, schedule=None, field=""):
+    """(label, config fields to replace, define, schedule or None for the policy's) of the two variants, the
+    reference first."""
     if schedule:
-        return (("forced", None, "", schedule), ("default", None, "", None))
+        return (("forced", {}, "", schedule), ("default", {}, "", None))
     if define:
-        return (("define", None, define, None), ("default", None, "", None))
-    return (("eager", False, "", None), ("lazy", True, "", None))
+        return (("define", {}, define, None), ("default", {}, "", None))
+    if field:
+        name, value = field.split("=", 1)
+        return (("field", {name: int(value) if value.lstrip("-").isdigit() else value}, "", None),
+                ("default", {}, "", None))
+    return (("eager", {"lazy_rescale": False}, "", None), ("lazy", {"lazy_rescale": True}, "", None))
 
 
-def _config(cfg, lazy, define):
-    """A fresh copy of ``cfg`` (``lazy_rescale`` set unless None), compiled now under ``define``: a config object
-    keeps the module it compiled."""
+def _config(cfg, fields, define):
+    """A fresh copy of ``cfg`` with ``fields`` replaced, compiled now under ``define``: a config object keeps the
+    module it compiled."""
     import os
 
-    cfg = dataclasses.replace(cfg, **({} if lazy is None else {"lazy_rescale": lazy}))
+    cfg = dataclasses.replace(cfg, **fields)
     os.environ["CUKV_DEFINES"] = define
     try:
         cfg.compiled
@@ -70,6 +76,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--define", default="", help="compare the policy's config with and without this define")
     ap.add_argument("--schedule", default="", help="compare the op built with this schedule and with the policy's")
+    ap.add_argument("--field", default="", help="compare the policy's config with NAME=VALUE replaced and without")
     args = ap.parse_args()
     import cupy as cp
 
@@ -89,9 +96,9 @@ def main():
         lens = bd._lengths(batch, ctx)
         cache, table, q = bd._problem(batch, heads, s_q, lens)
         fns, outs = {}, {}
-        for key, lazy, define, sched in _variants(args.define, args.schedule):
+        for key, fields, define, sched in _variants(args.define, args.schedule, args.field):
             dec = BatchMLADecode(heads, schedule=sched).plan(lens, s_q)  # the policy's config for s_q
-            dec.config = _config(dec.config, lazy, define)                  # a copy set by hand: plan keeps it
+            dec.config = _config(dec.config, fields, define)                  # a copy set by hand: plan keeps it
             dec.plan(lens, s_q)
             outs[key] = cp.empty((batch, s_q, heads, 512), cp.uint16)
             fns[key] = (lambda d=dec, o=outs[key]: d.run(q, cache, table, out=o))
@@ -113,9 +120,9 @@ def main():
                            pow2_scales=True, dtype="bfloat16")
             idx = idx + (cp.arange(tokens, dtype=cp.int32) // s_q * s_kv)[:, None]
         fns, outs = {}, {}
-        for key, lazy, define, sched in _variants(args.define, args.schedule):
+        for key, fields, define, sched in _variants(args.define, args.schedule, args.field):
             att = SparseMLA(heads, kv_dtype=kvd, schedule=sched)
-            att.config = _config(att.config, lazy, define)
+            att.config = _config(att.config, fields, define)
             att.plan(tokens, topk)
             outs[key] = cp.empty((tokens, heads, 512), cp.uint16)
             mx = cp.empty((tokens, heads), cp.float32)
@@ -125,7 +132,7 @@ def main():
         kv = q = idx = target = fns = outs = None
         cp.get_default_memory_pool().free_all_blocks()
     if ratios:
-        a, b = (v[0] for v in _variants(args.define, args.schedule))
+        a, b = (v[0] for v in _variants(args.define, args.schedule, args.field))
         print(f"geomean {a}/{b} over {len(ratios)} shapes: {np.exp(np.mean(np.log(list(ratios.values())))):.3f}")
 
 
