@@ -3,7 +3,8 @@ config) timed with the cache descriptor's L2 promotion varied and with L2 evicti
 rounds in one process; prints per shape each variant's time and its ratio to the first (above 1: the variant is
 faster), and the geomean per variant. Compare within one call only.
 
-    PYTHONPATH=. python3 benchmarks/probe_mla_tma.py [--dense h128] [--variants 128B,256B,64B,none,128B:CUKV_TMA_EVICT_FIRST]
+    PYTHONPATH=. python3 benchmarks/probe_mla_tma.py [--dense h128] \
+        [--variants 128B,256B,64B,none,128B:CUKV_TMA_EVICT_FIRST]
 
 A variant is ``promotion[:DEFINE]``; promotion is one of 128B (the default), 256B, 64B, none.
 """
@@ -32,8 +33,7 @@ def main():
     from cukv.bench.timing import Timer, interleaved_medians
     from cukv.ops.mla_decode import BatchMLADecode
 
-    variants = [v.split(":", 1) + [""] if ":" not in v else v.split(":", 1) for v in args.variants.split(",")]
-    variants = [(v[0], v[1]) for v in variants]
+    variants = [tuple((v + ":").split(":")[:2]) for v in args.variants.split(",")]  # (promotion, define)
     timer = Timer()
     ratios = {v: [] for v in args.variants.split(",")}
     for name, batch, heads, s_q, ctx in bd.SHAPES:

@@ -236,6 +236,21 @@ def test_slice_release_compiles_without_spills(cfg):
     assert "MLADecodeSliceConsumer" in cfg.render() and "MLADecodeSliceConsumer" not in alt.render()
 
 
+@pytest.mark.parametrize("define", ["CUKV_MLA_NO_LOAD", "CUKV_MLA_NO_TMA_PREFETCH", "CUKV_TMA_EVICT_FIRST",
+                                    "CUKV_MLA_WAIT_STATS"])
+def test_slice_probe_hooks_compile(define):
+    """The probe defines of the default h128 kernel (benchmarks/probe_mla_rescale.py --define, probe_mla_tma.py,
+    probe_mla_waits.py) still build it: no wgmma serialized, no spills in the timing builds (the wait counters may
+    spill a few bytes), and the counters where asked for."""
+    cfg = mla_decode_config(num_heads=128, rows=128)
+    assert cfg.slice_release
+    mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH, defines=[define])
+    for name, r in mod.functions.items():
+        assert define == "CUKV_MLA_WAIT_STATS" or r.spill_stores == r.spill_loads == r.stack_frame == 0, (define, r)
+    assert "C7514" not in mod.log and "C7515" not in mod.log and "C7517" not in mod.log, mod.log
+    assert ("cukv_mla_wait_stats" in mod.cubin_path.read_bytes().decode("latin-1")) == (define == "CUKV_MLA_WAIT_STATS")
+
+
 def test_slice_release_rules():
     for kw in ({}, {"schedule": "alternate"}, {"tma": True}, {"schedule": "alternate", "tma": True,
                                                               "kv_dtype": "fp8_e4m3"}):
