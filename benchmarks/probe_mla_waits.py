@@ -60,7 +60,7 @@ def main():
             ptr.copy_to_host(host.ctypes.data, 64)
             h = host.astype(np.float64) / args.reps
             items = h[7]
-            tiles_per_item = (ctx / 64) * (batch * (heads // 64)) / (items / 2)
+            tiles_per_item = float(np.sum(-(-lens // 64))) * dec.row_blocks / (items / 2)
             print(f"{name} [{define}] {ms * 1e3:.1f} us, {items / 2:.0f} items, {tiles_per_item:.1f} tiles/item; "
                   "clocks per item (and per pair of tiles):", flush=True)
             for i in range(7):

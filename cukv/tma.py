@@ -57,7 +57,7 @@ def check_page_tensor(name: str, ptr: int, shape, strides_bytes) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _encode_cached(ptr: int, shape: tuple, strides: tuple, box_cols: int, box_rows: int, swizzle: int,
-                   promotion: int = L2_PROMOTION_128B) -> bytes:
+                   promotion: int) -> bytes:
     pages, page_size, heads, dim = shape
     gdim = (ctypes.c_uint64 * 4)(dim, heads, page_size, pages)
     gstride = (ctypes.c_uint64 * 3)(strides[2], strides[1], strides[0])  # of dims 1..3 (head, token, page)

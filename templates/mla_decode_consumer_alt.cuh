@@ -50,35 +50,25 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
 
   // scores()'s scaling and masking of S (tokens tok0 ..) already computed, and its row maxima
   __device__ __forceinline__ float2 mask_rowmax(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2) {
+#if CUKV_MLA_LAZY_RESCALE  // (the eager kernels spill 4 bytes with the second path)
+    // a tile wholly inside every row's limit (all but a sequence's last one or two) needs no per-score compares
+    if (__all_sync(0xffffffffu, tok0 + BN <= min(lim0, lim1))) return scale_rowmax<false>(s, tok0, lim0, lim1, sl2);
+#endif
+    return scale_rowmax<true>(s, tok0, lim0, lim1, sl2);
+  }
+
+  // mask_rowmax's work; kMask: scores at or past a row's limit become -inf
+  template <bool kMask>
+  __device__ __forceinline__ float2 scale_rowmax(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2) {
     const int c0 = tok0 + 2 * (lane & 3);
     float mx[2] = {-CUKV_INF, -CUKV_INF};
-#if CUKV_MLA_LAZY_RESCALE  // (the eager kernels spill 4 bytes with this path)
-    // a tile wholly inside every row's limit (all but a sequence's last one or two) needs no per-score compares
-    if (__all_sync(0xffffffffu, tok0 + BN <= min(lim0, lim1))) {
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          s[4 * j + e] *= sl2;
-          s[4 * j + 2 + e] *= sl2;
-          mx[0] = fmaxf(mx[0], s[4 * j + e]);
-          mx[1] = fmaxf(mx[1], s[4 * j + 2 + e]);
-        }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      }
-      return make_float2(mx[0], mx[1]);
-    }
-#endif
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = c0 + 8 * j + e;
-        s[4 * j + e] = col < lim0 ? s[4 * j + e] * sl2 : -CUKV_INF;
-        s[4 * j + 2 + e] = col < lim1 ? s[4 * j + 2 + e] * sl2 : -CUKV_INF;
+        s[4 * j + e] = !kMask || col < lim0 ? s[4 * j + e] * sl2 : -CUKV_INF;
+        s[4 * j + 2 + e] = !kMask || col < lim1 ? s[4 * j + 2 + e] * sl2 : -CUKV_INF;
         mx[0] = fmaxf(mx[0], s[4 * j + e]);
         mx[1] = fmaxf(mx[1], s[4 * j + 2 + e]);
       }
