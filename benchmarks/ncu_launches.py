@@ -92,18 +92,22 @@ def mla_prefill_fns(args):
 def mla_decode_fns(args):
     """cukv's absorbed MLA decode (the policy's config) on one bench mla-decode shape and, with ``--peers``,
     FlashMLA's dense decode on the same cache (its schedule planned outside the profiled launches)."""
-    from cukv.bench.mla_decode import PAGE, SHAPES, _flash_mla, _lengths, _problem
+    from cukv.bench.mla_decode import PAGE, SHAPES, _flash_mla, _fp8_copy, _lengths, _problem
     from cukv.ops.mla_decode import BatchMLADecode
 
     name, batch, heads, s_q, ctx = next(s for s in SHAPES if s[0] == args.shape)
     lens = _lengths(batch, ctx)
     cache, table, q = _problem(batch, heads, s_q, lens)
-    dec = BatchMLADecode(heads).plan(lens, s_q)
+    kw = dict(slice_release=True) if args.slices else {}
+    if args.kv_dtype:
+        cache = _fp8_copy(cache)
+        kw["kv_dtype"] = args.kv_dtype
+    dec = BatchMLADecode(heads, **kw).plan(lens, s_q)
     print("config:", dec.config.name, flush=True)
     out = cp.empty((batch, s_q, heads, 512), cp.uint16)
     fns = [lambda: dec.run(q, cache, table, out=out)]
     fm, torch, why = _flash_mla()
-    if args.peers and fm is not None:
+    if args.peers and fm is not None and not args.kv_dtype:
         kc = torch.from_dlpack(cache.data).view(torch.bfloat16).view(cache.num_pages, PAGE, 1, 576)
         tq, tt = torch.from_dlpack(q).view(torch.bfloat16), torch.from_dlpack(table)
         tl = torch.from_dlpack(cp.asarray(lens))
@@ -135,6 +139,8 @@ def main():
     md = sub.add_parser("mla-decode")
     md.add_argument("shape", nargs="?", default="b128 h128 ctx8192", help="a bench mla-decode shape name")
     md.add_argument("--peers", action="store_true")
+    md.add_argument("--kv-dtype", default=None, help="fp8_e4m3: cukv over an FP8 copy of the cache (no peer)")
+    md.add_argument("--slices", action="store_true", help="slice_release=True")
     args = ap.parse_args()
     fns = {"decode": decode_fns, "prefill": prefill_fns, "mla-prefill": mla_prefill_fns,
            "mla-decode": mla_decode_fns}[args.op](args)

@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 benchmarks/probe_mla_fp8.py --shapes 128x16x8192,128x128x8192,1x128x32768 \
         --variants bf16:0:8,bf16:1:8,fp8:0:8,fp8:1:8,fp8:2:8,fp8:1:16
 
-A variant is ``cache:prefetch_tiles:fp8_rows[:split]`` (``MLADecodeConfig`` fields on the policy's config for the
-shape; ``split``: the 64-row "split" consumers where the policy picks "narrow"); a shape is
+A variant is ``cache:prefetch_tiles:fp8_rows[:split|:slices]`` (``MLADecodeConfig`` fields on the policy's config for
+the shape; ``split``: the 64-row "split" consumers where the policy picks "narrow"; ``slices``: the alternating
+consumers over per-slice barriers, with the FP8 slice producer for an FP8 cache); a shape is
 ``BxHxCTX`` (s_q 1, page 64, the bench's data). Every FP8 variant's output is compared with the first FP8
 variant's (the producer changes must not change a bit). Times are medians over interleaved rounds, L2 flushed;
 compare them only within one call. ``CUKV_DEFINES=CUKV_MLA_FP8_NO_LOAD`` times the FP8 kernels without their code
@@ -35,7 +36,8 @@ def main():
     variants = []
     for v in args.variants.split(","):
         kind, pf, fr, *flags = v.split(":")
-        variants.append((kind, int(pf), int(fr), "split" in flags))
+        variants.append((kind, int(pf), int(fr), "split" if "split" in flags else "slices" if "slices" in flags
+                         else None))
     timer = Timer()
     ceiling = read_ceiling_tbs(timer)
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; read ceiling {ceiling:.2f} TB/s; "
@@ -48,9 +50,9 @@ def main():
         fcache = _fp8_copy(cache) if any(v[0] == "fp8" for v in variants) else None
         fns, outs, decs = {}, {}, {}
         for kind, pf, fr, split in variants:
-            label = f"{kind}_pf{pf}_r{fr}" + ("_split" if split else "")
-            dec = BatchMLADecode(h, kv_dtype="fp8_e4m3" if kind == "fp8" else None,
-                                 schedule="split" if split else None)
+            label = f"{kind}_pf{pf}_r{fr}" + (f"_{split}" if split else "")
+            kw = dict(slice_release=True) if split == "slices" else dict(schedule=split)
+            dec = BatchMLADecode(h, kv_dtype="fp8_e4m3" if kind == "fp8" else None, **kw)
             dec.config = dataclasses.replace(dec.config, prefetch_tiles=pf, fp8_rows=fr)
             dec.plan(lens, 1)
             c = fcache if kind == "fp8" else cache
