@@ -5,7 +5,7 @@
 
 A variant is ``cache:prefetch_tiles:fp8_rows[:split|:slices]`` (``MLADecodeConfig`` fields on the policy's config for
 the shape; ``split``: the 64-row "split" consumers where the policy picks "narrow"; ``slices``: the alternating
-consumers over per-slice barriers, with the FP8 slice producer for an FP8 cache); a shape is
+consumers over per-slice barriers, 16-bit caches); a shape is
 ``BxHxCTX`` (s_q 1, page 64, the bench's data). Every FP8 variant's output is compared with the first FP8
 variant's (the producer changes must not change a bit). Times are medians over interleaved rounds, L2 flushed;
 compare them only within one call. ``CUKV_DEFINES=CUKV_MLA_FP8_NO_LOAD`` times the FP8 kernels without their code

@@ -52,9 +52,9 @@ template <> __device__ __forceinline__ float2 unpack2<__half>(u32 w) {
   return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
-template <typename T, int BN, int STAGES, bool FP8 = false>
-struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, FP8, true> {
-  typedef MLADecodeAltConsumer<T, BN, STAGES, FP8, true> Alt;
+template <typename T, int BN, int STAGES>
+struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true> {
+  typedef MLADecodeAltConsumer<T, BN, STAGES, false, true> Alt;
   typedef typename Alt::Pipe Pipe;
   typedef typename Alt::State State;
   typedef typename Alt::MmaS MmaS;
@@ -64,9 +64,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, FP8, true> {
   static constexpr int kFirst = 5;  // Q K^T slices of warpgroup 0's next tile issued before P1 V is waited on
   static_assert(kSlices == 9 && STAGES >= 2, "9 slices of 64 columns per stage");
 
-  // the first tile that came by cp.async or FP8 stores (Pipe::tma_tiles; 0 with FP8 rows); the ones before by tensor
-  // copies
-  int cp_from = 0;
+  int cp_from = 0;  // the first tile that came by cp.async (Pipe::tma_tiles); the ones before by tensor copies
 #ifdef CUKV_MLA_WAIT_STATS
   mutable unsigned ws_[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #endif
@@ -229,7 +227,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, FP8, true> {
     }
   }
 
-  // tma_box_rows: the cache map's box rows (0: every tile by cp.async or FP8 stores), as the producer was given them.
+  // tma_box_rows: the cache map's box rows (0: every tile by cp.async), as the producer was given them.
   __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int tma_box_rows) {
     cp_from = Pipe::tma_tiles(w, tma_box_rows);
     const int warp = t >> 5;

@@ -76,7 +76,7 @@ struct MLAKVProducerPipeline {
   static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
   static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
   static_assert(8 * (1 + 2 * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
-  static_assert(!SLICES_ || !SPARSE_, "per-slice barriers: dense tiles (tensor copies, or FP8 rows) only");
+  static_assert(!SLICES_ || (!FP8_ && !SPARSE_), "per-slice barriers: 16-bit dense tiles (tensor copies) only");
   static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
   u32 base;  // shared address of the dynamic shared memory (1 KB aligned)
@@ -100,7 +100,7 @@ struct MLAKVProducerPipeline {
     if constexpr (SLICES_) {
       for (int s = 0; s < num_kv_stages; ++s)
         for (int c = 0; c < kSlices; ++c) {
-          mbar_init(full(s, c), FP8_ ? 4 : 1);  // FP8: lane 0 of each producer warp
+          mbar_init(full(s, c), 1);
           mbar_init(empty(s, c), c == kSlices - 1 ? 4 : 8);
         }
     } else {
@@ -418,156 +418,6 @@ struct MLAKVProducerPipeline {
       const char* cur = next;
       if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
       load_tile_cp_async_slices(a, cur, it, warp, lane);
-    }
-    cp_async_wait<0>();
-  }
-
-  // --- FP8 rows under per-slice barriers (FP8_ && SLICES_) ---------------------------------------------------------
-  // All four producer warps fill every slice, thread t row t / 2 (half h = t % 2 of each slice: 32 codes, bf16 chunks
-  // 4h .. 4h + 3 of the row's swizzled line). A pair of tiles (A = 2k, scored by warpgroup 0; B = 2k + 1) is filled
-  // in the order the consumers free the slices of the stage's previous tiles (mla_decode_consumer_slices.cuh): both
-  // rope slices (cp.async, as they are), A 0-3 (free after warpgroup 0's first P V), B 4-7 (warpgroup 1's first),
-  // B 0-3 (warpgroup 0's second), A 4-7 (warpgroup 1's second). Each V slice's codes and scale are loaded into
-  // registers kFp8Ahead slices ahead of that order, so once the slice is free only the dequantization and the
-  // stores remain. Each warp's lane 0 arrives on a slice's full barrier (4 arrivals) once its stores are fenced for
-  // wgmma (or its rope copies counted).
-  static constexpr int kFp8Ahead = 2;
-  static constexpr int kFp8PairSlices = 16;  // V slices of a pair in fill order
-
-  struct SliceCodes {
-    uint4 q[2];
-    float scale;
-  };
-
-  // Fill position i (0-15) of a pair: its tile (0: A, 1: B) and slice. A's slices 4-7 come before B's 0-3: warpgroup 0
-  // waits on them right away, warpgroup 1 reads B's 0-3 last in its Q K^T.
-  static __device__ __forceinline__ int2 pair_slice(int i) {
-#ifdef CUKV_MLA_FP8_ORDER_BA  // experiment: B's 0-3 before A's 4-7
-    return i < 4 ? make_int2(0, i) : i < 8 ? make_int2(1, i) : i < 12 ? make_int2(1, i - 8) : make_int2(0, i - 8);
-#else
-    return i < 4 ? make_int2(0, i) : i < 8 ? make_int2(1, i) : i < 12 ? make_int2(0, i - 4) : make_int2(1, i - 12);
-#endif
-  }
-  // whether fill position i is one of A's slices 4-7
-  static __device__ __forceinline__ bool late_a(int i) {
-    const int2 at = pair_slice(i);
-    return at.x == 0 && at.y >= 4;
-  }
-
-  // This thread's 32 codes of slice c of `row` and their scale (null: zeros, scale 0, which dequantize to +0)
-  static __device__ __forceinline__ void load_slice_codes(SliceCodes& b, const char* row, int c, int h, bool l1) {
-#ifdef CUKV_MLA_FP8_NO_LOAD  // probe only: the producer's cost without the code loads (benchmarks/probe_mla_fp8.py)
-    b.q[0] = b.q[1] = make_uint4(0x38383838u, 0x38383838u, 0x38383838u, 0x38383838u);
-    b.scale = row ? 1.f : 0.f;
-    return;
-#endif
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const uint4* src = reinterpret_cast<const uint4*>(row + 64 * c + 32 * h + 16 * k);
-      b.q[k] = !row ? make_uint4(0u, 0u, 0u, 0u) : l1 ? __ldg(src) : ldg_stream16(src);
-    }
-    b.scale = row ? __ldg(reinterpret_cast<const float*>(row + kMlaNope) + c / 2) : 0.f;
-  }
-
-  __device__ __forceinline__ void store_slice_codes(const SliceCodes& b, int s, int c, int r, int h) const {
-    const u32 line = stage(s) + (u32)(c * atom_col_bytes + r * kAtomRowBytes);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      st_shared16(line + (((4 * h + 2 * k) ^ (r & 7)) << 4), dequant8<T>(make_uint2(b.q[k].x, b.q[k].y), b.scale));
-      st_shared16(line + (((4 * h + 2 * k + 1) ^ (r & 7)) << 4), dequant8<T>(make_uint2(b.q[k].z, b.q[k].w), b.scale));
-    }
-  }
-
-  __device__ __forceinline__ void wait_slice_free(int it, int c) const {
-    if (it >= num_kv_stages) mbar_wait(empty(it % num_kv_stages, c), ((it / num_kv_stages) - 1) & 1);
-  }
-
-  // The rows of the current pair's tiles and of the next pair's (this thread's row r)
-  struct PairRows {
-    const char* cur[2];
-    const char* next[2];
-  };
-
-  // Fill position p of the pair sequence from `buf` (the codes loaded kFp8Ahead positions before), then load position
-  // p + kFp8Ahead into it; at a pair's first position, first that pair's rope slices (and its next pair's rows).
-  template <int PREFETCH>
-  __device__ __forceinline__ void fill_position(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int p,
-                                                int total, PairRows& rows, SliceCodes& buf, int r, int h,
-                                                int lane) const {
-    const int i = p % kFp8PairSlices, k = p / kFp8PairSlices;
-    if (i == 0) {
-      rows.cur[0] = rows.next[0];
-      rows.cur[1] = rows.next[1];
-      rows.next[0] = 2 * k + 2 < n_tiles ? row_ptr(a, w, w.begin + (2 * k + 2) * BN + r) : nullptr;
-      rows.next[1] = 2 * k + 3 < n_tiles ? row_ptr(a, w, w.begin + (2 * k + 3) * BN + r) : nullptr;
-      if constexpr (PREFETCH > 0) prefetch_row(h ? rows.next[1] : rows.next[0]);
-#ifndef CUKV_MLA_FP8_NO_L1  // (the define: probes time the producer without it)
-      // tile A's slices 4-7, filled last and awaited at once by warpgroup 0, into L1 (their loads then hit there)
-      if (rows.cur[0])
-#pragma unroll
-        for (int j = 0; j < 4; ++j) asm volatile("prefetch.global.L1 [%0];" :: "l"(rows.cur[0] + 64 * (4 + j) + 32 * h));
-#endif
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int it = 2 * k + e, s = it % num_kv_stages;
-        if (it >= n_tiles) break;
-        const char* row = rows.cur[e];
-        wait_slice_free(it, kSlices - 1);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          cp_async16(stage(s) + chunk_offset(r, 64 + 4 * h + j, atom_col_bytes),
-                     row ? row + 528 + 64 * h + 16 * j : a.cache, row ? 16 : 0);
-        asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(full(s, kSlices - 1)) : "memory");
-        __syncwarp();
-        if (lane == 0) mbar_arrive(full(s, kSlices - 1));
-      }
-    }
-    const int2 at = pair_slice(i);
-    const int it = 2 * k + at.x;
-    if (it < n_tiles) {
-      wait_slice_free(it, at.y);
-      store_slice_codes(buf, it % num_kv_stages, at.y, r, h);
-#ifndef CUKV_MLA_FP8_NO_PFENCE
-      fence_proxy_async();  // the generic-proxy stores -> the consumers' wgmma reads
-#endif
-      __syncwarp();
-#ifdef CUKV_MLA_FP8_RELAXED
-      if (lane == 0) asm volatile("mbarrier.arrive.relaxed.cta.shared::cta.b64 _, [%0];" :: "r"(full(it % num_kv_stages, at.y)) : "memory");
-#else
-      if (lane == 0) mbar_arrive(full(it % num_kv_stages, at.y));
-#endif
-    }
-    const int q = p + kFp8Ahead;
-    const int2 aq = pair_slice(q % kFp8PairSlices);
-    const char* src = q >= total                 ? nullptr
-                      : q / kFp8PairSlices == k ? (aq.x ? rows.cur[1] : rows.cur[0])
-                                                : (aq.x ? rows.next[1] : rows.next[0]);
-#ifndef CUKV_MLA_FP8_NO_L1
-    load_slice_codes(buf, src, aq.y, h, late_a(q % kFp8PairSlices));
-#else
-    load_slice_codes(buf, src, aq.y, h, false);
-#endif
-  }
-
-  // PREFETCH (0 or 1): the next pair's rows go into L2 as a pair starts.
-  template <int PREFETCH>
-  __device__ void produce_slices_fp8(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp,
-                                     int lane) const {
-    static_assert(FP8_ && SLICES_ && PREFETCH >= 0 && PREFETCH <= 1, "FP8 rows, per-slice barriers");
-    static_assert(num_kv_stages == 2 && kFp8Ahead == 2, "a stage per tile of a pair; two register buffers");
-    load_q(a, w, warp, lane);
-    const int t = warp * 32 + lane, r = t >> 1, h = t & 1;
-    const int total = kFp8PairSlices * ((n_tiles + 1) / 2);  // a multiple of 2
-    PairRows rows;
-    rows.next[0] = n_tiles > 0 ? row_ptr(a, w, w.begin + r) : nullptr;
-    rows.next[1] = n_tiles > 1 ? row_ptr(a, w, w.begin + BN + r) : nullptr;
-    SliceCodes b0, b1;  // positions p (even) and p + 1 (odd)
-    load_slice_codes(b0, rows.next[0], pair_slice(0).y, h, false);  // positions 0 and 1: tile A
-    load_slice_codes(b1, rows.next[0], pair_slice(1).y, h, false);
-#pragma unroll 1
-    for (int p = 0; p < total; p += 2) {
-      fill_position<PREFETCH>(a, w, n_tiles, p, total, rows, b0, r, h, lane);
-      fill_position<PREFETCH>(a, w, n_tiles, p + 1, total, rows, b1, r, h, lane);
     }
     cp_async_wait<0>();
   }

@@ -126,11 +126,9 @@ class MLADecodeConfig(KernelConfig):
                    f"schedule='narrow' takes block_rows in {NARROW_ROWS}; the other schedules {BLOCK_M}")
         check_rule(c, "block_n", self.block_n, self.schedule != "narrow" or self.block_n == 64,
                    "the narrow consumers score a whole 64-token tile as the wgmma M: use block_n=64")
-        check_rule(c, "schedule", self.schedule, self.schedule != "alternate" or self.kv_dtype is None
-                   or self.slice_release,
-                   "the alternating consumers need more than the 176-200 registers a batched FP8 producer leaves "
-                   "them (they spill): use schedule='split', or slice_release=True (its FP8 producer needs 56), "
-                   "with kv_dtype='fp8_e4m3'")
+        check_rule(c, "schedule", self.schedule, self.schedule != "alternate" or self.kv_dtype is None,
+                   "the alternating consumers need more than the 176-200 registers an FP8 producer leaves them "
+                   "(they spill): use schedule='split' with kv_dtype='fp8_e4m3'")
         check_rule(c, "tma", self.tma, not (self.tma and self.kv_dtype), "tensor copies feed 16-bit tiles only: "
                    "an FP8 cache's rows are dequantized by the producer; use tma=False with kv_dtype='fp8_e4m3'")
         check_rule(c, "prefetch_tiles", self.prefetch_tiles, not (self.tma and self.prefetch_tiles),
@@ -141,16 +139,9 @@ class MLADecodeConfig(KernelConfig):
         check_bool(c, "slice_release", self.slice_release)
         check_bool(c, "lazy_rescale", self.lazy_rescale)
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
-            self.schedule == "alternate" and (self.tma or self.kv_dtype is not None) and self.num_kv_stages == 2),
-            "per-slice barriers are built for the alternating consumers over 2 stages, fed by tensor copies (a "
-            "16-bit cache) or by the FP8 slice producer: use schedule='alternate', num_kv_stages=2 and tma=True with "
-            "a 16-bit cache, or kv_dtype='fp8_e4m3'; or slice_release=False")
-        check_rule(c, "fp8_rows", self.fp8_rows, not (self.slice_release and (self.fp8_rows != 8 or
-                                                                                self.fp8_rope_first)),
-                   "the FP8 slice producer loads a slice of a row at a time: leave fp8_rows=8 and "
-                   "fp8_rope_first=False with slice_release=True")
-        check_rule(c, "prefetch_tiles", self.prefetch_tiles, not (self.slice_release and self.prefetch_tiles > 1),
-                   "the FP8 slice producer prefetches a stream's next tile or nothing: use prefetch_tiles 0 or 1")
+            self.schedule == "alternate" and self.tma and self.kv_dtype is None),
+            "per-slice barriers are built for the alternating consumers fed by tensor copies: use "
+            "schedule='alternate' and tma=True with a 16-bit cache (kv_dtype=None), or slice_release=False")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
                    f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
                    f"at most {SMEM_LIMIT} (227 KB) fit")
@@ -229,9 +220,7 @@ class MLADecodeConfig(KernelConfig):
     @property
     def regs(self) -> tuple:
         """The setmaxnreg split (producer, consumer registers per thread)."""
-        if self.kv_dtype and not self.slice_release:
-            return FP8_ROWS_REGS[self.fp8_rows]
-        return PRODUCER_REGS, CONSUMER_REGS  # the FP8 slice producer holds one slice of a row: it fits 56
+        return FP8_ROWS_REGS[self.fp8_rows] if self.kv_dtype else (PRODUCER_REGS, CONSUMER_REGS)
 
 def tma_box_rows(page_size: int, block_n: int) -> int:
     """Rows per tensor copy of a ``tma`` kernel for this page size: a box never crosses a page or a tile, and boxes

@@ -99,10 +99,9 @@ class BatchMLADecode:
         prefetch_tiles = check_choice("prefetch_tiles", prefetch_tiles, (None,) + PREFETCH_TILES)
         fp8_rows = check_choice("fp8_rows", fp8_rows, (None,) + tuple(FP8_ROWS_REGS))
         dt, kvd = mla_dtypes(dtype, kv_dtype)
-        if kvd is not None and schedule == "alternate" and not slice_release:
-            raise ValueError("schedule='alternate' with kv_dtype='fp8_e4m3' needs slice_release=True (beside the "
-                             "batched FP8 producer its consumers would spill); use schedule='split' or None, or "
-                             "slice_release=True")
+        if kvd is not None and schedule == "alternate":
+            raise ValueError("schedule='alternate' is not offered with kv_dtype='fp8_e4m3' (its consumers would "
+                             "spill); use schedule='split' or None")
         if kvd is not None and tma:
             raise ValueError("tma=True is not offered with kv_dtype='fp8_e4m3' (the producer dequantizes FP8 rows "
                              "itself); use tma=None or False")
@@ -114,15 +113,11 @@ class BatchMLADecode:
             raise ValueError(f"schedule='narrow' serves at most {NARROW_ROWS[-1]} query rows (s_q * num_heads) with "
                              f"block_n 64 and no slice_release; got num_heads={self.num_heads}, block_n={block_n!r}, "
                              f"slice_release={slice_release!r}")
-        if slice_release and (schedule in ("split", "narrow") or num_kv_stages not in (None, 2) or (
-                kvd is None and (tma is False or prefetch_tiles)) or (kvd is not None and (
-                prefetch_tiles not in (None, 0, 1) or fp8_rows not in (None, 8)))):
-            raise ValueError(f"slice_release=True needs the alternating schedule over 2 stages, fed by tensor copies of "
-                             f"a 16-bit cache or by the FP8 slice producer; got kv_dtype={kvd!r}, "
-                             f"schedule={schedule!r}, num_kv_stages={num_kv_stages!r}, tma={tma!r}, "
-                             f"prefetch_tiles={prefetch_tiles!r}, fp8_rows={fp8_rows!r} (use schedule None or "
-                             "'alternate', num_kv_stages None or 2; a 16-bit cache: tma None or True, prefetch_tiles "
-                             "None or 0; FP8: prefetch_tiles None, 0 or 1, fp8_rows None or 8)")
+        if slice_release and (kvd is not None or schedule in ("split", "narrow") or tma is False or prefetch_tiles):
+            raise ValueError(f"slice_release=True needs the alternating schedule over tensor copies of a 16-bit cache; "
+                             f"got kv_dtype={kvd!r}, schedule={schedule!r}, tma={tma!r}, "
+                             f"prefetch_tiles={prefetch_tiles!r} (use kv_dtype=None, schedule None or 'alternate', "
+                             "tma None or True, prefetch_tiles None or 0)")
         self._choices = (dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows, slice_release,
                          self.num_heads)
         self.config = mla_decode_config(*self._choices, rows=self.num_heads)  # plan() decides again from s_q

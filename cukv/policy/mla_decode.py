@@ -141,12 +141,12 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
         prefetch_tiles = NARROW_FP8_PREFETCH if kv_dtype is not None and schedule == "narrow" else \
             DEFAULT_PREFETCH[kv_dtype]
     if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64); the 32-row narrow consumers spill with them
-        fp8_rows = (DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4 and not slice_release
+        fp8_rows = (DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4
                     and not (schedule == "narrow" and block_rows > NARROW_ROWS[0]) else 8)
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
                            slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows,
-                           fp8_rope_first=not slice_release and _rope_first(kv_dtype, block_n, schedule))
+                           fp8_rope_first=_rope_first(kv_dtype, block_n, schedule))
 
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
