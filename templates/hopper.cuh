@@ -200,6 +200,15 @@ __device__ __forceinline__ void named_barrier_arrive(int id) {
   asm volatile("bar.arrive %0, %1;" :: "r"(id), "n"(THREADS) : "memory");
 }
 
+// Whether `v` holds in all THREADS threads syncing on named barrier `id` (a bar.red.and: a barrier with a vote).
+template <int THREADS>
+__device__ __forceinline__ bool named_barrier_all(int id, bool v) {
+  u32 r;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+               : "=r"(r) : "r"((u32)v), "r"(id), "n"(THREADS) : "memory");
+  return r != 0;
+}
+
 // --- wgmma sequencing ------------------------------------------------------------------------------
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }

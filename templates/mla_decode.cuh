@@ -12,6 +12,10 @@
 #pragma once
 #include "hopper.cuh"
 
+#ifndef CUKV_MLA_LAZY_RESCALE  // set by the rendered source (MLADecodeConfig.lazy_rescale)
+#define CUKV_MLA_LAZY_RESCALE 0
+#endif
+
 namespace cukv {
 
 constexpr int kMlaDim = 576, kMlaNope = 512, kMlaRope = 64;

@@ -19,10 +19,19 @@
 // free first; warpgroup 0 issues its next Q K^T behind P1 V, and Q K^T reads the slices in the order the producer
 // refills them (slice_order), waiting on each slice's full barrier right before its 4 k-steps.
 //
+// With 64-token tiles and the lazy rescale (kSmemP = Pipe::p_in_rope, the shipped h128 kernels) the other
+// warpgroup's P is not copied into registers: the scoring warpgroup stores its P into the tile's rope slice once its
+// Q K^T has read it (stmatrix, the slice's swizzled layout), and the other warpgroup's P V takes it from there as the
+// wgmma A operand (Wgmma::sv), as FlashMLA's SM90 kernel does with a buffer of its own. P0 then stays scaled to m0:
+// warpgroup 1 adds P1 V and P0 V back to back where m1 = m0 in all its rows (the lazy rescale's usual case; a vote on
+// a named barrier, since the warpgroup's wgmmas must be the same in its 4 warps), else P0 V first and O moves to m1
+// between the two. The rope slice is loaded last and frees once both P V have read it.
+//
 // Barrier arrivals (lane 0 of each warp, after the wgmma_wait covering its last read): after Q K^T of a tile, the
-// scoring warpgroup's 4 warps on all 9 slices; after P V, each warpgroup's 4 warps on its 4 V slices. So the rope
-// slice's empty barrier counts 4 arrivals, the others 8, and every arrival on a slice for a tile comes from a warp
-// that waited on that slice's full barrier for the same tile (it cannot run a phase ahead).
+// scoring warpgroup's 4 warps on all 9 slices; after P V, each warpgroup's 4 warps on its 4 V slices (and, kSmemP, on
+// the rope slice that held the tile's P). So the rope slice's empty barrier counts 4 arrivals (12 with kSmemP), the
+// others 8, and every arrival on a slice for a tile comes from a warp that waited on that slice's full barrier for the
+// same tile, or read the P stored there after it did (it cannot run a phase ahead).
 #pragma once
 #include "mla_decode_consumer_alt.cuh"
 
@@ -61,7 +70,11 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   using State::pipe, State::g, State::t, State::lane, State::m, State::o;
   static constexpr int kSRegs = Alt::kSRegs, kPWords = Alt::kPWords, kSlices = Pipe::kSlices;
   static constexpr int kBarH0 = Alt::kBarH0, kBarH1 = Alt::kBarH1;
-  static constexpr int kFirst = 5;  // Q K^T slices of warpgroup 0's next tile issued before P1 V is waited on
+  static constexpr bool kSmemP = Pipe::p_in_rope;  // the other warpgroup's P read from the tile's rope slice
+  static constexpr int kBarVote = 6;  // kSmemP: warpgroup 1's vote on its P V order (a wgmma sequence is collective)
+  // Q K^T slices of warpgroup 0's next tile issued before P1 V is waited on: the ones freed by its own first P V (and
+  // the rope slice where it comes first)
+  static constexpr int kFirst = kSmemP ? 4 : 5;
   static_assert(kSlices == 9 && STAGES >= 2, "9 slices of 64 columns per stage");
 
   int cp_from = 0;  // the first tile that came by cp.async (Pipe::tma_tiles); the ones before by tensor copies
@@ -112,6 +125,50 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     }
   }
 
+  // kSmemP: the shared address of the P of tile `it` (its stage's rope slice)
+  __device__ __forceinline__ u32 p_tile(int it) const {
+    return pipe.stage(it % STAGES) + (u32)((kSlices - 1) * Pipe::atom_col_bytes);
+  }
+
+  // kSmemP: this warpgroup's P of tile `it` into the tile's rope slice (K-major, 128-byte swizzle: a wgmma A operand)
+  // and its max into its stats slot; then arrive on `bar` (Alt::publish's hand-over).
+  __device__ __forceinline__ void publish_p(const u32 (&p)[kPWords], int it, int bar) {
+    // stmatrix x4 of 8-token chunks j, j + 1: matrices (rows 0-7, j), (rows 8-15, j), (rows 0-7, j + 1), (rows 8-15,
+    // j + 1) of this warp's 16 rows, which are p[2j .. 2j + 3]; lane l addresses row l % 8 of matrix l / 8
+    const int row = (t >> 5) * 16 + (lane & 7) + (lane & 8), half = lane >> 4;
+    const u32 line = p_tile(it) + (u32)(row * kAtomRowBytes);
+#pragma unroll
+    for (int j = 0; j < kPWords / 2; j += 2)
+      stmatrix_x4(line + (u32)(((j + half) ^ (row & 7)) << 4), p[2 * j], p[2 * j + 1], p[2 * j + 2], p[2 * j + 3]);
+    State::stats()[g * 128 + t] = make_float2(m[0], m[1]);
+    fence_proxy_async();  // the P stores -> the other warpgroup's wgmma reads
+    __threadfence_block();
+    named_barrier_arrive<256>(bar);
+  }
+
+  // kSmemP: the other warpgroup's max, once it has arrived on `bar` (its P is in the tile's rope slice)
+  __device__ __forceinline__ float2 receive_m(int bar) {
+    named_barrier_sync<256>(bar);
+    return State::stats()[(1 - g) * 128 + t];
+  }
+
+  // kSmemP: issue O[:, this warpgroup's 256 columns] += P V over tile `it`, P from the tile's rope slice.
+  __device__ __forceinline__ void pv_issue_smem(int it) {
+    const u64 vd = sw128_desc(pipe.stage(it % STAGES) + (u32)(g * 4 * Pipe::atom_col_bytes), Pipe::atom_col_bytes, 1024);
+    const u64 pd = sw128_desc(p_tile(it), 1, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      Alt::MmaO::sv(o, desc_add(pd, (u32)(kk * 32)), desc_add(vd, (u32)(kk * 16 * kAtomRowBytes)), 1);
+    wgmma_commit();
+  }
+
+  // This warp is done with the P V of tile `it`: its V slices, and (kSmemP) the rope slice holding the tile's P.
+  __device__ __forceinline__ void release_pv(int it) const {
+    release_v(it);
+    if constexpr (kSmemP) release(it, kSlices - 1);
+  }
+
   // P words (rows r0 and r0 + 8 alternate, as probabilities() packs them) scaled by r.x, r.y and rounded to T again.
   __device__ __forceinline__ void rescale_p(u32 (&p)[kPWords], float2 r) const {
 #pragma unroll
@@ -140,23 +197,27 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       const float2 a0 = Alt::follow(State::next_max(make_float2(m[0], m[1]),
                                                     make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y))));
       Alt::probabilities(s, p);
-      Alt::publish(p, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
+      // warpgroup 1 goes on with its softmax while this one runs P0 V
+      if constexpr (kSmemP) publish_p(p, t0, kBarH0);
+      else Alt::publish(p, kBarH0);
       Alt::scale_o(a0);
       Alt::pv_issue(p, t0 % STAGES);
       wgmma_wait<0>();
       fence_regs(o);
-      release_v(t0);
+      release_pv(t0);
       if (t1 >= n_tiles) break;
-      u32 p1[kPWords];
+      u32 p1[kPWords];  // (kSmemP: P1 V reads P1 where warpgroup 1 stored it)
       float2 m1;
-      CUKV_MLA_WS(4, m1 = Alt::receive(p1, kBarH1));
+      if constexpr (kSmemP) CUKV_MLA_WS(4, m1 = receive_m(kBarH1));
+      else CUKV_MLA_WS(4, m1 = Alt::receive(p1, kBarH1));
       Alt::scale_o(Alt::follow(m1));
       wait_v(t1);
-      Alt::pv_issue(p1, t1 % STAGES);
+      if constexpr (kSmemP) pv_issue_smem(t1);
+      else Alt::pv_issue(p1, t1 % STAGES);
       if (t2 < n_tiles) {  // the next tile's Q K^T behind P1 V: the slices it freed first, then the rest
         qk_slices<0, 0, kFirst>(s, t2);
         wgmma_wait<kFirst>();  // P1 V is done
-        release_v(t1);
+        release_pv(t1);
         qk_slices<0, kFirst, kSlices>(s, t2);
         wgmma_wait<0>();
         fence_regs(o);
@@ -165,7 +226,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       } else {
         wgmma_wait<0>();
         fence_regs(o);
-        release_v(t1);
+        release_pv(t1);
       }
     }
   }
@@ -186,37 +247,73 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       const bool pair = t1 < n_tiles;  // the same in both warpgroups
       float2 mx = make_float2(-CUKV_INF, -CUKV_INF);
       if (pair) mx = Alt::mask_rowmax(s, w.begin + t1 * BN, lim0, lim1, a.scale_log2);
-      u32 p0[kPWords];
+      u32 p0[kPWords];  // (kSmemP: P0 V reads P0 where warpgroup 0 stored it)
       float2 m0;
-      CUKV_MLA_WS(5, m0 = Alt::receive(p0, kBarH0));  // read before this warpgroup publishes P1 into the same buffer
+      // (without kSmemP, read before this warpgroup publishes P1 into the same buffer)
+      if constexpr (kSmemP) CUKV_MLA_WS(5, m0 = receive_m(kBarH0));
+      else CUKV_MLA_WS(5, m0 = Alt::receive(p0, kBarH0));
       if (pair) {
+        const float2 mold = make_float2(m[0], m[1]);
         const float2 mn = State::next_max(m0, make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y)));
         const float2 a1 = Alt::follow(mn);  // O and l from this warpgroup's old max straight to m1
         u32 p1[kPWords];
         Alt::probabilities(s, p1);
-        Alt::publish(p1, kBarH1);  // warpgroup 0 goes on with P1 V
-        Alt::scale_o(a1);
-        Alt::pv_issue(p1, t1 % STAGES);  // its own tile first: those slices free first
+        // warpgroup 0 goes on with P1 V
+        if constexpr (kSmemP) publish_p(p1, t1, kBarH1);
+        else Alt::publish(p1, kBarH1);
+        if constexpr (!kSmemP) {
+          Alt::scale_o(a1);
+          Alt::pv_issue(p1, t1 % STAGES);  // its own tile first: those slices free first
+        }
         // P0 was scaled to m0; to m1 now (a factor in (0, 1]). A row whose m0 is still -inf has P0 = 0: factor 0,
         // never exp2 of a large difference (inf, and 0 * inf)
         const float b1x = mn.x == -CUKV_INF ? 0.f : mn.x, b1y = mn.y == -CUKV_INF ? 0.f : mn.y;
         const float2 f0 = make_float2(m0.x == -CUKV_INF ? 0.f : mla_exp2(m0.x - b1x),
                                       m0.y == -CUKV_INF ? 0.f : mla_exp2(m0.y - b1y));
-        if (!State::unit(f0)) rescale_p(p0, f0);
-        wait_v(t0);
-        Alt::pv_issue(p0, t0 % STAGES);
-        wgmma_wait<1>();  // P1 V is done
-        release_v(t1);
-        wgmma_wait<0>();
-        fence_regs(o);
-        release_v(t0);
+        if constexpr (kSmemP) {
+          // m1 = m0 in every row of the warpgroup: both P V back to back, its own tile first (those slices free first)
+          if (named_barrier_all<128>(kBarVote, State::unit(f0))) {
+            Alt::scale_o(a1);
+            Alt::pv_issue(p1, t1 % STAGES);
+            wait_v(t0);
+            pv_issue_smem(t0);
+            wgmma_wait<1>();  // P1 V is done
+            release_pv(t1);
+            wgmma_wait<0>();
+            fence_regs(o);
+            release_pv(t0);
+          } else {  // O to m0, P0 V; then O to m1, P1 V (P1 from shared memory too: its registers are free by then)
+            const float b0x = m0.x == -CUKV_INF ? 0.f : m0.x, b0y = m0.y == -CUKV_INF ? 0.f : m0.y;
+            Alt::scale_o(make_float2(mla_exp2(mold.x - b0x), mla_exp2(mold.y - b0y)));
+            wait_v(t0);
+            pv_issue_smem(t0);
+            wgmma_wait<0>();
+            fence_regs(o);
+            release_pv(t0);
+            Alt::scale_o(f0);
+            pv_issue_smem(t1);
+            wgmma_wait<0>();
+            fence_regs(o);
+            release_pv(t1);
+          }
+        } else {
+          if (!State::unit(f0)) rescale_p(p0, f0);
+          wait_v(t0);
+          Alt::pv_issue(p0, t0 % STAGES);
+          wgmma_wait<1>();  // P1 V is done
+          release_v(t1);
+          wgmma_wait<0>();
+          fence_regs(o);
+          release_v(t0);
+        }
       } else {
         Alt::scale_o(Alt::follow(m0));
         wait_v(t0);
-        Alt::pv_issue(p0, t0 % STAGES);
+        if constexpr (kSmemP) pv_issue_smem(t0);
+        else Alt::pv_issue(p0, t0 % STAGES);
         wgmma_wait<0>();
         fence_regs(o);
-        release_v(t0);
+        release_pv(t0);
       }
       if (t3 < n_tiles) {
         qk_slices<1, 0, kSlices>(s, t3);

@@ -5,10 +5,6 @@
 #pragma once
 #include "mla_decode_producer.cuh"
 
-#ifndef CUKV_MLA_LAZY_RESCALE  // set by the rendered source (MLADecodeConfig.lazy_rescale)
-#define CUKV_MLA_LAZY_RESCALE 0
-#endif
-
 namespace cukv {
 
 // 2^x for the softmax: with the lazy rescale one ex2.approx.ftz (results below 2^-126 flush to 0, far below P's

@@ -46,6 +46,16 @@ struct MLAKVProducerPipeline {
   // the rope part, read by Q K^T only) have a full and an empty barrier of their own, so a slice is refilled as soon
   // as its last reader is done (mla_decode_consumer_slices.cuh); else one pair per stage.
   static constexpr int kSlices = SLICES_ ? kMlaDim / 64 : 1;
+  // SLICES_ with 64-token tiles and the lazy rescale: once the scoring warpgroup's Q K^T has read a tile's rope slice,
+  // that warpgroup stores the tile's P there (64 rows x 64 tokens, the slice's own swizzled layout: a wgmma A operand),
+  // and both warpgroups' P V read it (mla_decode_consumer_slices.cuh). The rope slice then frees after the Q K^T and
+  // both P V (kRopeReleases arrivals), and is loaded last.
+#ifndef CUKV_MLA_REG_P  // (the define: probes time the register hand-over of P instead)
+  static constexpr bool p_in_rope = SLICES_ && BN_ == 64 && CUKV_MLA_LAZY_RESCALE;
+#else
+  static constexpr bool p_in_rope = false;
+#endif
+  static constexpr int kRopeReleases = p_in_rope ? 12 : 4;
   static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
   static constexpr int k_nope_elements = BN * kMlaNope, k_rope_elements = BN * kMlaRope;
@@ -101,7 +111,7 @@ struct MLAKVProducerPipeline {
       for (int s = 0; s < num_kv_stages; ++s)
         for (int c = 0; c < kSlices; ++c) {
           mbar_init(full(s, c), 1);
-          mbar_init(empty(s, c), c == kSlices - 1 ? 4 : 8);
+          mbar_init(empty(s, c), c == kSlices - 1 ? kRopeReleases : 8);
         }
     } else {
       init_stage_barriers();
@@ -317,10 +327,12 @@ struct MLAKVProducerPipeline {
   }
 
   // --- per-slice barriers (SLICES_) ---------------------------------------------------------------------------
-  // The order in which a tile's slices are loaded and read by Q K^T: the rope slice first (its only reader, Q K^T of
-  // the stage's previous tile, released it long ago), then the V slices of the warpgroup that scores the tile (`owner`,
-  // tile parity; released by that warpgroup's first P V), then the other warpgroup's (released by its second).
+  // The order in which a tile's slices are loaded and read by Q K^T: the V slices of the warpgroup that scores the tile
+  // (`owner`, tile parity; released by that warpgroup's first P V), then the other warpgroup's (released by its
+  // second); the rope slice first where Q K^T of the stage's previous tile was its only reader (it was released long
+  // ago), last where it held that tile's P (p_in_rope: released with the other warpgroup's V slices).
   static __device__ __forceinline__ constexpr int slice_order(int owner, int j) {
+    if (p_in_rope) return j == kSlices - 1 ? kSlices - 1 : (j + 4 * owner) % 8;
     return j == 0 ? kSlices - 1 : (j - 1 + 4 * owner) % 8;
   }
 
