@@ -3,6 +3,7 @@
 events, medians. FLOPs = ``2 B H s_q ctx (576 + 512)``; bytes = cache rows read + Q + O."""
 from __future__ import annotations
 
+import time
 
 import numpy as np
 
@@ -200,8 +201,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
         print(_fmt(r), flush=True)
         fns = cache = table = q = out = lse = dec = decs = fcache = fdec = None  # free this shape's buffers
         cp.get_default_memory_pool().free_all_blocks()
-    result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "read_ceiling_tbs": ceiling,
-              "read_ceiling_variants": ceiling_variants, "flashmla": why or "imported",
+    result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "date": time.strftime("%Y-%m-%d"),
+              "read_ceiling_tbs": ceiling, "read_ceiling_variants": ceiling_variants, "flashmla": why or "imported",
               "cukv": sorted({r["config"] for r in rows}), "rows": rows}
     h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]
     if h128:

@@ -4,6 +4,7 @@ CUDA events, medians. FLOPs = ``2 * tokens * H * topk * (576 + 512)``. FlashMLA 
 and 32 heads are padded to 64 as serving engines do, and the padded time is reported."""
 from __future__ import annotations
 
+import time
 
 from .timing import Timer, write_json
 
@@ -109,8 +110,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
         print(_fmt(r), flush=True)
         fns = kv = q = idx = out = lse = mx = target = att = None
         cp.get_default_memory_pool().free_all_blocks()
-    result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "flashmla": why or "imported",
-              "rows": rows}
+    result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "date": time.strftime("%Y-%m-%d"),
+              "flashmla": why or "imported", "rows": rows}
     if out_dir:
         write_json(out_dir, "bench_sparse_mla.json", result)
     return result
