@@ -163,6 +163,22 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     wgmma_commit();
   }
 
+  // The hand-over of a tile's P between the warpgroups: through the rope slice (kSmemP; `p` unused on the receiving
+  // side) or through registers (Alt's shared buffer).
+  __device__ __forceinline__ void publish_tile(const u32 (&p)[kPWords], int it, int bar) {
+    if constexpr (kSmemP) publish_p(p, it, bar);
+    else Alt::publish(p, bar);
+  }
+  __device__ __forceinline__ float2 receive_tile(u32 (&p)[kPWords], int bar) {
+    if constexpr (kSmemP) return receive_m(bar);
+    else return Alt::receive(p, bar);
+  }
+  // Issue O += P V over tile `it` for the P the other warpgroup published (received into `p` without kSmemP).
+  __device__ __forceinline__ void pv_issue_other(const u32 (&p)[kPWords], int it) {
+    if constexpr (kSmemP) pv_issue_smem(it);
+    else Alt::pv_issue(p, it % STAGES);
+  }
+
   // This warp is done with the P V of tile `it`: its V slices, and (kSmemP) the rope slice holding the tile's P.
   __device__ __forceinline__ void release_pv(int it) const {
     release_v(it);
@@ -197,9 +213,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       const float2 a0 = Alt::follow(State::next_max(make_float2(m[0], m[1]),
                                                     make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y))));
       Alt::probabilities(s, p);
-      // warpgroup 1 goes on with its softmax while this one runs P0 V
-      if constexpr (kSmemP) publish_p(p, t0, kBarH0);
-      else Alt::publish(p, kBarH0);
+      publish_tile(p, t0, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
       Alt::scale_o(a0);
       Alt::pv_issue(p, t0 % STAGES);
       wgmma_wait<0>();
@@ -208,12 +222,10 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       if (t1 >= n_tiles) break;
       u32 p1[kPWords];  // (kSmemP: P1 V reads P1 where warpgroup 1 stored it)
       float2 m1;
-      if constexpr (kSmemP) CUKV_MLA_WS(4, m1 = receive_m(kBarH1));
-      else CUKV_MLA_WS(4, m1 = Alt::receive(p1, kBarH1));
+      CUKV_MLA_WS(4, m1 = receive_tile(p1, kBarH1));
       Alt::scale_o(Alt::follow(m1));
       wait_v(t1);
-      if constexpr (kSmemP) pv_issue_smem(t1);
-      else Alt::pv_issue(p1, t1 % STAGES);
+      pv_issue_other(p1, t1);
       if (t2 < n_tiles) {  // the next tile's Q K^T behind P1 V: the slices it freed first, then the rest
         qk_slices<0, 0, kFirst>(s, t2);
         wgmma_wait<kFirst>();  // P1 V is done
@@ -250,17 +262,14 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       u32 p0[kPWords];  // (kSmemP: P0 V reads P0 where warpgroup 0 stored it)
       float2 m0;
       // (without kSmemP, read before this warpgroup publishes P1 into the same buffer)
-      if constexpr (kSmemP) CUKV_MLA_WS(5, m0 = receive_m(kBarH0));
-      else CUKV_MLA_WS(5, m0 = Alt::receive(p0, kBarH0));
+      CUKV_MLA_WS(5, m0 = receive_tile(p0, kBarH0));
       if (pair) {
         const float2 mold = make_float2(m[0], m[1]);
         const float2 mn = State::next_max(m0, make_float2(fmaxf(m0.x, mx.x), fmaxf(m0.y, mx.y)));
         const float2 a1 = Alt::follow(mn);  // O and l from this warpgroup's old max straight to m1
         u32 p1[kPWords];
         Alt::probabilities(s, p1);
-        // warpgroup 0 goes on with P1 V
-        if constexpr (kSmemP) publish_p(p1, t1, kBarH1);
-        else Alt::publish(p1, kBarH1);
+        publish_tile(p1, t1, kBarH1);  // warpgroup 0 goes on with P1 V
         if constexpr (!kSmemP) {
           Alt::scale_o(a1);
           Alt::pv_issue(p1, t1 % STAGES);  // its own tile first: those slices free first
@@ -270,47 +279,40 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         const float b1x = mn.x == -CUKV_INF ? 0.f : mn.x, b1y = mn.y == -CUKV_INF ? 0.f : mn.y;
         const float2 f0 = make_float2(m0.x == -CUKV_INF ? 0.f : mla_exp2(m0.x - b1x),
                                       m0.y == -CUKV_INF ? 0.f : mla_exp2(m0.y - b1y));
-        if constexpr (kSmemP) {
-          // m1 = m0 in every row of the warpgroup: both P V back to back, its own tile first (those slices free first)
-          if (named_barrier_all<128>(kBarVote, State::unit(f0))) {
+        // kSmemP: P1 V and P0 V back to back (its own tile first: those slices free first) only where m1 = m0 in every
+        // row of the warpgroup; without it P0 is rescaled in registers and they always are
+        if (!kSmemP || named_barrier_all<128>(kBarVote, State::unit(f0))) {
+          if constexpr (kSmemP) {
             Alt::scale_o(a1);
             Alt::pv_issue(p1, t1 % STAGES);
-            wait_v(t0);
-            pv_issue_smem(t0);
-            wgmma_wait<1>();  // P1 V is done
-            release_pv(t1);
-            wgmma_wait<0>();
-            fence_regs(o);
-            release_pv(t0);
-          } else {  // O to m0, P0 V; then O to m1, P1 V (P1 from shared memory too: its registers are free by then)
-            const float b0x = m0.x == -CUKV_INF ? 0.f : m0.x, b0y = m0.y == -CUKV_INF ? 0.f : m0.y;
-            Alt::scale_o(make_float2(mla_exp2(mold.x - b0x), mla_exp2(mold.y - b0y)));
-            wait_v(t0);
-            pv_issue_smem(t0);
-            wgmma_wait<0>();
-            fence_regs(o);
-            release_pv(t0);
-            Alt::scale_o(f0);
-            pv_issue_smem(t1);
-            wgmma_wait<0>();
-            fence_regs(o);
-            release_pv(t1);
+          } else if (!State::unit(f0)) {
+            rescale_p(p0, f0);
           }
-        } else {
-          if (!State::unit(f0)) rescale_p(p0, f0);
           wait_v(t0);
-          Alt::pv_issue(p0, t0 % STAGES);
+          pv_issue_other(p0, t0);
           wgmma_wait<1>();  // P1 V is done
-          release_v(t1);
+          release_pv(t1);
           wgmma_wait<0>();
           fence_regs(o);
-          release_v(t0);
+          release_pv(t0);
+        } else {  // O to m0, P0 V; then O to m1, P1 V (P1 from shared memory too: its registers are free by then)
+          const float b0x = m0.x == -CUKV_INF ? 0.f : m0.x, b0y = m0.y == -CUKV_INF ? 0.f : m0.y;
+          Alt::scale_o(make_float2(mla_exp2(mold.x - b0x), mla_exp2(mold.y - b0y)));
+          wait_v(t0);
+          pv_issue_smem(t0);
+          wgmma_wait<0>();
+          fence_regs(o);
+          release_pv(t0);
+          Alt::scale_o(f0);
+          pv_issue_smem(t1);
+          wgmma_wait<0>();
+          fence_regs(o);
+          release_pv(t1);
         }
       } else {
         Alt::scale_o(Alt::follow(m0));
         wait_v(t0);
-        if constexpr (kSmemP) pv_issue_smem(t0);
-        else Alt::pv_issue(p0, t0 % STAGES);
+        pv_issue_other(p0, t0);
         wgmma_wait<0>();
         fence_regs(o);
         release_pv(t0);

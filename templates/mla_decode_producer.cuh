@@ -238,9 +238,16 @@ struct MLAKVProducerPipeline {
     }
   }
 
-  // The rope chunks of this warp's rows of a tile into stage s as they are (lanes 0-7, cp.async; zeros for rows read
-  // as zeros). ROPE_FIRST: issued before the rows' code loads, so that their latency overlaps the loads' instead of
-  // following it; else each row's behind its codes (store_codes).
+  // Lane l < 8: the rope chunk l of FP8 row `src` (bytes 528 ..; zeros for a null row) into row r of the tile at dst.
+  __device__ __forceinline__ void copy_rope_chunk(const MLADecodeParams& a, const char* src, u32 dst, int r,
+                                                  int lane) const {
+    if (lane < 8)
+      cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), src ? src + 528 + 16 * lane : a.cache, src ? 16 : 0);
+  }
+
+  // The rope chunks of this warp's rows of a tile into stage s as they are (lanes 0-7, cp.async). ROPE_FIRST: issued
+  // before the rows' code loads, so that their latency overlaps the loads' instead of following it; else each row's
+  // behind its codes (store_codes).
   __device__ __forceinline__ void copy_rope(const MLADecodeParams& a, const char* mine, int s, int warp,
                                             int lane) const {
     constexpr int kRowsPerWarp = BN / 4;
@@ -248,8 +255,7 @@ struct MLAKVProducerPipeline {
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, i);
-      if (lane < 8) cp_async16(dst + chunk_offset(warp * kRowsPerWarp + i, 64 + lane, atom_col_bytes),
-                               src ? src + 528 + 16 * lane : a.cache, src ? 16 : 0);
+      copy_rope_chunk(a, src, dst, warp * kRowsPerWarp + i, lane);
     }
   }
 
@@ -264,8 +270,7 @@ struct MLAKVProducerPipeline {
     for (int i = 0; i < kBatch; ++i) {
       const char* src = ROPE_FIRST ? nullptr : (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, r0 + i);
       const int r = warp * kRowsPerWarp + r0 + i;
-      if (!ROPE_FIRST && lane < 8)
-        cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), src ? src + 528 + 16 * lane : a.cache, src ? 16 : 0);
+      if constexpr (!ROPE_FIRST) copy_rope_chunk(a, src, dst, r, lane);
       st_shared16(dst + chunk_offset(r, 2 * lane, atom_col_bytes),
                   dequant8<T>(make_uint2(b.codes[i].x, b.codes[i].y), b.scale[i]));
       st_shared16(dst + chunk_offset(r, 2 * lane + 1, atom_col_bytes),

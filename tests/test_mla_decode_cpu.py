@@ -335,6 +335,8 @@ def test_narrow_rules():
     assert not mla_decode_config(kv_dtype="fp8_e4m3", block_n=32, num_kv_stages=4).fp8_rope_first
     with pytest.raises(ValueError, match="MLADecodeConfig.fp8_rope_first"):
         MLADecodeConfig(fp8_rope_first=1)
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.schedule='alternate' is not valid"):
+        mla_decode_config(kv_dtype="fp8_e4m3", schedule="alternate")  # the policy leaves the verdict to the config
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32"):
         BatchMLADecode(33, schedule="narrow")
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 query rows; s_q=4"):

@@ -67,8 +67,8 @@ def test_schedule_growing_scores(rng, schedule, dtype):
     row, so every rescale path runs (with per-slice barriers at 64-token tiles: warpgroup 1's P0 V before its P1 V,
     O moved between the two, where P1's max passes P0's)."""
     ramp = 30.0  # outputs up to 31x the usual: the tolerance with them
-    run_check(rng, [4096, 700, 65, 0], 2, 128, 64, dtype, ramp=ramp, atol=(2e-2 if dtype == "bfloat16" else 4e-3) * (1 + ramp),
-              **_kw(schedule))
+    atol = (2e-2 if dtype == "bfloat16" else 4e-3) * (1 + ramp)
+    run_check(rng, [4096, 700, 65, 0], 2, 128, 64, dtype, ramp=ramp, atol=atol, **_kw(schedule))
 
 
 @pytest.mark.parametrize("other", ["alternate", "slices"])

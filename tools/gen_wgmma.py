@@ -33,41 +33,38 @@ def outs(n):
     return ", ".join(f'"+f"(d[{i}])' for i in range(n))
 
 
-def one(ctype, ptx, n):
+#: the wrappers whose A and B both come by descriptor: name -> (A transposed, B transposed) immediates
+DESC_FORMS = {"ss": (0, 0), "ts": (1, 0), "sv": (0, 1)}
+
+
+def desc_method(ptx, n, name, tnsp_a, tnsp_b):
     nd = n // 2
-    ss = (f'"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{nd + 2}, 0;\\n'
-          f' wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs(nd)}}}, %{nd}, %{nd + 1}, p, 1, 1, 0, 0;\\n}}\\n"')
-    rs = (f'"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{nd + 5}, 0;\\n'
-          f' wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs(nd)}}}, '
-          f'{{%{nd},%{nd + 1},%{nd + 2},%{nd + 3}}}, %{nd + 4}, p, 1, 1, 1;\\n}}\\n"')
-    ts = (f'"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{nd + 2}, 0;\\n'
-          f' wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs(nd)}}}, %{nd}, %{nd + 1}, p, 1, 1, 1, 0;\\n}}\\n"')
-    sv = (f'"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{nd + 2}, 0;\\n'
-          f' wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs(nd)}}}, %{nd}, %{nd + 1}, p, 1, 1, 0, 1;\\n}}\\n"')
-    return f'''
-template <> struct Wgmma<{ctype}, {n}> {{
-  static constexpr int kRegs = {nd};
-  static __device__ __forceinline__ void ss(float (&d)[{nd}], unsigned long long a, unsigned long long b, int acc) {{
-    asm volatile({ss}
+    asm = (f'"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{nd + 2}, 0;\\n'
+           f' wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs(nd)}}}, %{nd}, %{nd + 1}, p, 1, 1, '
+           f'{tnsp_a}, {tnsp_b};\\n}}\\n"')
+    return f'''  static __device__ __forceinline__ void {name}(float (&d)[{nd}], unsigned long long a, unsigned long long b, int acc) {{
+    asm volatile({asm}
                  : {outs(nd)}
                  : "l"(a), "l"(b), "r"(acc));
   }}
-  static __device__ __forceinline__ void rs(float (&d)[{nd}], const unsigned (&a)[4], unsigned long long b, int acc) {{
+'''
+
+
+def one(ctype, ptx, n):
+    nd = n // 2
+    rs = (f'"{{\\n .reg .pred p;\\n setp.ne.b32 p, %{nd + 5}, 0;\\n'
+          f' wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{regs(nd)}}}, '
+          f'{{%{nd},%{nd + 1},%{nd + 2},%{nd + 3}}}, %{nd + 4}, p, 1, 1, 1;\\n}}\\n"')
+    ss, ts, sv = (desc_method(ptx, n, name, *DESC_FORMS[name]) for name in ("ss", "ts", "sv"))
+    return f'''
+template <> struct Wgmma<{ctype}, {n}> {{
+  static constexpr int kRegs = {nd};
+{ss}  static __device__ __forceinline__ void rs(float (&d)[{nd}], const unsigned (&a)[4], unsigned long long b, int acc) {{
     asm volatile({rs}
                  : {outs(nd)}
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
   }}
-  static __device__ __forceinline__ void ts(float (&d)[{nd}], unsigned long long a, unsigned long long b, int acc) {{
-    asm volatile({ts}
-                 : {outs(nd)}
-                 : "l"(a), "l"(b), "r"(acc));
-  }}
-  static __device__ __forceinline__ void sv(float (&d)[{nd}], unsigned long long a, unsigned long long b, int acc) {{
-    asm volatile({sv}
-                 : {outs(nd)}
-                 : "l"(a), "l"(b), "r"(acc));
-  }}
-}};
+{ts}{sv}}};
 '''
 
 

@@ -109,8 +109,9 @@ def _narrow(rows: int | None, block_n: int | None) -> bool:
 
 
 def _rope_first(kv_dtype: str | None, block_n: int, kernel: str) -> bool:
-    """``MLADecodeConfig.fp8_rope_first`` for a ``kernel`` of :data:`FP8_ROPE_FIRST` (a schedule, or "sparse")."""
-    return kv_dtype is not None and block_n == 64 and FP8_ROPE_FIRST[kernel]
+    """``MLADecodeConfig.fp8_rope_first`` for a ``kernel`` of :data:`FP8_ROPE_FIRST` (a schedule, or "sparse"); off
+    for one it does not list (an FP8 cache's config for it then fails its own checks, naming the field)."""
+    return kv_dtype is not None and block_n == 64 and FP8_ROPE_FIRST.get(kernel, False)
 
 
 def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
