@@ -4,12 +4,15 @@ the time of each, their ratio (above 1: the second is faster) and the largest ou
 ``lazy_rescale`` off ("eager") and on ("lazy"); with ``--define NAME`` the policy's config compiled with the
 preprocessor define NAME ("define") and without ("default"); with ``--schedule NAME`` the op built with that
 ``schedule`` ("forced") and with the policy's ("default"); with ``--field NAME=VALUE`` the policy's config with that
-field replaced ("field", e.g. ``prefetch_tiles=1``) and as it is ("default").
+field replaced ("field", e.g. ``prefetch_tiles=1``) and as it is ("default"); with ``--plan NAME=VALUE`` the op
+planned with that ``BatchMLADecode.plan`` argument ("plan", e.g. ``lists=false``: equal chunks of each sequence instead of
+the per-slice kernels' balanced lists) and by default ("default"; dense shapes only).
 
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py [--dense b128,h16] [--sparse prefill,decode] [--rounds 5]
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --define CUKV_MLA_EXACT_EXP2
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --schedule split --dense h16 --sparse h16,h32
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --field prefetch_tiles=1 --dense "" --sparse prefill
+    PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --plan lists=false --sparse ""
 
 ``--dense`` / ``--sparse`` keep the shapes whose names contain one of the comma-separated words ("" runs none).
 """
@@ -25,16 +28,29 @@ def _pick(names, text):
     return [n for n in names if any(w in n for w in text.split(","))] if text else []
 
 
-def _variants(define, schedule=None, field=""):
-    """(label, config fields to replace, define, schedule or None for the policy's) of the two variants, the
-    reference first."""
+def _value(text):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def _variants(define, schedule=None, field="", plan=""):
+    """(label, config fields to replace, define, schedule or None for the policy's, plan arguments) of the two
+    variants, the reference first."""
+    if plan:
+        name, value = plan.split("=", 1)
+        return (("plan", {}, "", None, {name: _value(value)}), ("default", {}, "", None, {}))
+    return tuple(v + ({},) for v in _variants_op(define, schedule, field))
+
+
+def _variants_op(define, schedule=None, field=""):
     if schedule:
         return (("forced", {}, "", schedule), ("default", {}, "", None))
     if define:
         return (("define", {}, define, None), ("default", {}, "", None))
     if field:
         name, value = field.split("=", 1)
-        return (("field", {name: int(value) if value.lstrip("-").isdigit() else value}, "", None),
+        return (("field", {name: _value(value)}, "", None),
                 ("default", {}, "", None))
     return (("eager", {"lazy_rescale": False}, "", None), ("lazy", {"lazy_rescale": True}, "", None))
 
@@ -77,6 +93,7 @@ def main():
     ap.add_argument("--define", default="", help="compare the policy's config with and without this define")
     ap.add_argument("--schedule", default="", help="compare the op built with this schedule and with the policy's")
     ap.add_argument("--field", default="", help="compare the policy's config with NAME=VALUE replaced and without")
+    ap.add_argument("--plan", default="", help="compare the dense op planned with NAME=VALUE and by default")
     args = ap.parse_args()
     import cupy as cp
 
@@ -96,10 +113,10 @@ def main():
         lens = bd._lengths(batch, ctx)
         cache, table, q = bd._problem(batch, heads, s_q, lens)
         fns, outs = {}, {}
-        for key, fields, define, sched in _variants(args.define, args.schedule, args.field):
+        for key, fields, define, sched, plan_kw in _variants(args.define, args.schedule, args.field, args.plan):
             dec = BatchMLADecode(heads, schedule=sched).plan(lens, s_q)  # the policy's config for s_q
             dec.config = _config(dec.config, fields, define)                  # a copy set by hand: plan keeps it
-            dec.plan(lens, s_q)
+            dec.plan(lens, s_q, **plan_kw)
             outs[key] = cp.empty((batch, s_q, heads, 512), cp.uint16)
             fns[key] = (lambda d=dec, o=outs[key]: d.run(q, cache, table, out=o))
             fns[key]()
@@ -120,7 +137,7 @@ def main():
                            pow2_scales=True, dtype="bfloat16")
             idx = idx + (cp.arange(tokens, dtype=cp.int32) // s_q * s_kv)[:, None]
         fns, outs = {}, {}
-        for key, fields, define, sched in _variants(args.define, args.schedule, args.field):
+        for key, fields, define, sched, _ in _variants(args.define, args.schedule, args.field):
             att = SparseMLA(heads, kv_dtype=kvd, schedule=sched)
             att.config = _config(att.config, fields, define)
             att.plan(tokens, topk)
@@ -132,7 +149,7 @@ def main():
         kv = q = idx = target = fns = outs = None
         cp.get_default_memory_pool().free_all_blocks()
     if ratios:
-        a, b = (v[0] for v in _variants(args.define, args.schedule, args.field))
+        a, b = (v[0] for v in _variants(args.define, args.schedule, args.field, args.plan))
         print(f"geomean {a}/{b} over {len(ratios)} shapes: {np.exp(np.mean(np.log(list(ratios.values())))):.3f}")
 
 
