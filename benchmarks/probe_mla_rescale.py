@@ -5,14 +5,14 @@ the time of each, their ratio (above 1: the second is faster) and the largest ou
 preprocessor define NAME ("define") and without ("default"); with ``--schedule NAME`` the op built with that
 ``schedule`` ("forced") and with the policy's ("default"); with ``--field NAME=VALUE`` the policy's config with that
 field replaced ("field", e.g. ``prefetch_tiles=1``) and as it is ("default"); with ``--plan NAME=VALUE`` the op
-planned with that ``BatchMLADecode.plan`` argument ("plan", e.g. ``lists=false``: equal chunks of each sequence instead of
-the per-slice kernels' balanced lists) and by default ("default"; dense shapes only).
+planned with that ``BatchMLADecode.plan`` argument ("plan", e.g. ``chunk_tiles=32``: chunks of that many tiles
+instead of the plan's choice) and by default ("default"; dense shapes only).
 
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py [--dense b128,h16] [--sparse prefill,decode] [--rounds 5]
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --define CUKV_MLA_EXACT_EXP2
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --schedule split --dense h16 --sparse h16,h32
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --field prefetch_tiles=1 --dense "" --sparse prefill
-    PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --plan lists=false --sparse ""
+    PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --plan chunk_tiles=32 --sparse ""
 
 ``--dense`` / ``--sparse`` keep the shapes whose names contain one of the comma-separated words ("" runs none).
 """

@@ -32,8 +32,7 @@ struct MLADecodeParams {
   const char* cache;     // page 0, token 0 of the MLA cache
   const int* block_table;
   const int* seq_lens;   // [B]
-  const int* items;      // [capacity, 8]: batch, row block, first token, end token, partial slot (-1: direct), the
-                         // next item of the same block (0: none; the per-slice kernels walk such lists)
+  const int* items;      // [capacity, 8]: batch, row block, first token, end token, partial slot (-1: direct)
   const int* num_items;  // device scalar: blocks past it return at once
   const int* rb_indptr;  // [B * row_blocks + 1]: the items of each (sequence, row block) ...
   const int* rb_slots;   // ... as partial slots, for the combine kernel
@@ -67,25 +66,6 @@ __device__ __forceinline__ int mla_sparse_end(const MLADecodeParams& a, const ML
 __device__ __forceinline__ MLAWorkItem mla_load_item(const MLADecodeParams& a, int idx) {
   const int* p = a.items + 8 * idx;
   return MLAWorkItem{p[0], p[1], p[2], p[3], p[4]};
-}
-
-// The item a block runs after item idx (0: none; item 0 is block 0's first, never another's next).
-__device__ __forceinline__ int mla_next_item(const MLADecodeParams& a, int idx) { return a.items[8 * idx + 5]; }
-
-// Runs f(item, its tiles of BN tokens, the block's tiles before it, the items before it) for each item of this
-// block's list, from item blockIdx.x (the next item's index is read after f, so that it is not live across it).
-template <int BN, class F>
-__device__ __forceinline__ void mla_walk_items(const MLADecodeParams& a, F&& f) {
-  int base = 0;
-#pragma unroll 1
-  for (int idx = blockIdx.x, k = 0;; ++k) {
-    const MLAWorkItem w = mla_load_item(a, idx);
-    const int n_tiles = (w.end - w.begin + BN - 1) / BN;
-    f(w, n_tiles, base, k);
-    idx = mla_next_item(a, idx);
-    if (idx == 0) break;
-    base += n_tiles;
-  }
 }
 
 // Query row R (0 .. rows) of sequence b: its new-token index, its head, and the keys it may see in [begin, end).

@@ -78,27 +78,20 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   static_assert(kSlices == 9 && STAGES >= 2, "9 slices of 64 columns per stage");
 
   int cp_from = 0;  // the first tile that came by cp.async (Pipe::tma_tiles); the ones before by tensor copies
-  int base = 0;     // the block's tiles before this item's (the ring's position: tile `it` of the item is base + it)
 #ifdef CUKV_MLA_WAIT_STATS
   mutable unsigned ws_[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #endif
 
   __device__ __forceinline__ MLADecodeSliceConsumer(const Pipe& p, int g_, int t_) : Alt(p, g_, t_) {}
 
-  // The ring stage of the item's tile `it`
-  __device__ __forceinline__ int stage_of(int it) const { return (base + it) % STAGES; }
   // Slice c of tile `it` has landed (its wgmma reads may start).
   __device__ __forceinline__ void wait_slice(int it, int c) const {
-    mbar_wait(pipe.full(stage_of(it), c), ((base + it) / STAGES) & 1);
+    mbar_wait(pipe.full(it % STAGES, c), (it / STAGES) & 1);
     if (it >= cp_from) fence_proxy_async();  // a cp.async tile's copies (generic proxy) -> wgmma reads
   }
   // This warp is done with slice c of tile `it`.
   __device__ __forceinline__ void release(int it, int c) const {
-    if (lane == 0) mbar_arrive(pipe.empty(stage_of(it), c));
-  }
-  // This warp is done with the query block (its last Q K^T of the item has completed): the producer may load the next.
-  __device__ __forceinline__ void release_q() const {
-    if (lane == 0) mbar_arrive(pipe.q_empty());
+    if (lane == 0) mbar_arrive(pipe.empty(it % STAGES, c));
   }
   __device__ __forceinline__ void release_v(int it) const {  // this warpgroup's V slices (its output columns)
 #pragma unroll
@@ -118,7 +111,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   template <int G, int J0, int J1>
   __device__ __forceinline__ void qk_slices(float (&s)[kSRegs], int it) const {
     const u64 qd = sw128_desc(pipe.q(), 1, 1024);
-    const u64 kd = sw128_desc(pipe.stage(stage_of(it)), 1, 1024);
+    const u64 kd = sw128_desc(pipe.stage(it % STAGES), 1, 1024);
 #pragma unroll
     for (int j = J0; j < J1; ++j) {
       const int c = Pipe::slice_order(G, j);
@@ -134,7 +127,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
 
   // kSmemP: the shared address of the P of tile `it` (its stage's rope slice)
   __device__ __forceinline__ u32 p_tile(int it) const {
-    return pipe.stage(stage_of(it)) + (u32)((kSlices - 1) * Pipe::atom_col_bytes);
+    return pipe.stage(it % STAGES) + (u32)((kSlices - 1) * Pipe::atom_col_bytes);
   }
 
   // kSmemP: this warpgroup's P of tile `it` into the tile's rope slice (K-major, 128-byte swizzle: a wgmma A operand)
@@ -161,7 +154,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
 
   // kSmemP: issue O[:, this warpgroup's 256 columns] += P V over tile `it`, P from the tile's rope slice.
   __device__ __forceinline__ void pv_issue_smem(int it) {
-    const u64 vd = sw128_desc(pipe.stage(stage_of(it)) + (u32)(g * 4 * Pipe::atom_col_bytes), Pipe::atom_col_bytes, 1024);
+    const u64 vd = sw128_desc(pipe.stage(it % STAGES) + (u32)(g * 4 * Pipe::atom_col_bytes), Pipe::atom_col_bytes, 1024);
     const u64 pd = sw128_desc(p_tile(it), 1, 1024);
     wgmma_fence();
 #pragma unroll
@@ -183,7 +176,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   // Issue O += P V over tile `it` for the P the other warpgroup published (received into `p` without kSmemP).
   __device__ __forceinline__ void pv_issue_other(const u32 (&p)[kPWords], int it) {
     if constexpr (kSmemP) pv_issue_smem(it);
-    else Alt::pv_issue(p, stage_of(it));
+    else Alt::pv_issue(p, it % STAGES);
   }
 
   // This warp is done with the P V of tile `it`: its V slices, and (kSmemP) the rope slice holding the tile's P.
@@ -212,7 +205,6 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       fence_regs(s);
       release_scored(0);
     }
-    if (n_tiles <= 2) release_q();  // tile 0 is its last Q K^T (or it has none)
 #pragma unroll 1
     for (int t0 = 0; t0 < n_tiles; t0 += 2) {
       const int t1 = t0 + 1, t2 = t0 + 2;
@@ -223,7 +215,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       Alt::probabilities(s, p);
       publish_tile(p, t0, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
       Alt::scale_o(a0);
-      Alt::pv_issue(p, stage_of(t0));
+      Alt::pv_issue(p, t0 % STAGES);
       wgmma_wait<0>();
       fence_regs(o);
       release_pv(t0);
@@ -243,7 +235,6 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         fence_regs(o);
         fence_regs(s);
         release_scored(t2);
-        if (t2 + 2 >= n_tiles) release_q();
       } else {
         wgmma_wait<0>();
         fence_regs(o);
@@ -262,7 +253,6 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       fence_regs(s);
       release_scored(1);
     }
-    if (n_tiles <= 3) release_q();  // tile 1 is its last Q K^T (or it has none)
 #pragma unroll 1
     for (int t0 = 0; t0 < n_tiles; t0 += 2) {
       const int t1 = t0 + 1, t3 = t0 + 3;
@@ -282,7 +272,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         publish_tile(p1, t1, kBarH1);  // warpgroup 0 goes on with P1 V
         if constexpr (!kSmemP) {
           Alt::scale_o(a1);
-          Alt::pv_issue(p1, stage_of(t1));  // its own tile first: those slices free first
+          Alt::pv_issue(p1, t1 % STAGES);  // its own tile first: those slices free first
         }
         // P0 was scaled to m0; to m1 now (a factor in (0, 1]). A row whose m0 is still -inf has P0 = 0: factor 0,
         // never exp2 of a large difference (inf, and 0 * inf)
@@ -294,7 +284,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         if (!kSmemP || named_barrier_all<128>(kBarVote, State::unit(f0))) {
           if constexpr (kSmemP) {
             Alt::scale_o(a1);
-            Alt::pv_issue(p1, stage_of(t1));
+            Alt::pv_issue(p1, t1 % STAGES);
           } else if (!State::unit(f0)) {
             rescale_p(p0, f0);
           }
@@ -332,23 +322,19 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         wgmma_wait<0>();
         fence_regs(s);
         release_scored(t3);
-        if (t3 + 2 >= n_tiles) release_q();
       }
     }
   }
 
-  // One item of the block's list. tma_box_rows: the cache map's box rows (0: every tile by cp.async), as the producer
-  // was given them; base_: the block's tiles before this item; k: the items before it (the query block's phase).
-  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int tma_box_rows, int base_,
-                          int k) {
+  // tma_box_rows: the cache map's box rows (0: every tile by cp.async), as the producer was given them.
+  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int tma_box_rows) {
     cp_from = Pipe::tma_tiles(w, tma_box_rows);
-    base = base_;
     const int warp = t >> 5;
     const int r0 = warp * 16 + (lane >> 2);
     const int len = a.seq_lens[w.batch];
     const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
-    mbar_wait(pipe.q_full(), k & 1);
+    mbar_wait(pipe.q_full(), 0);
     fence_proxy_async();
     CUKV_MLA_WS(6, if (g == 0) consume0(a, w, n_tiles, lim0, lim1); else consume1(a, w, n_tiles, lim0, lim1));
 #ifdef CUKV_MLA_WAIT_STATS
@@ -357,7 +343,6 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       for (int i = 0; i < 8; ++i) atomicAdd(&cukv_mla_wait_stats[i], (unsigned long long)ws_[i]);
 #endif
     State::template finish<true>(a, w, r0);
-    named_barrier_sync<256>(1);  // both have read the l exchange before a next item's hand-over reuses the slots
   }
 };
 

@@ -70,9 +70,7 @@ struct MLAKVProducerPipeline {
   static constexpr int half = BN / 2;                                          // tokens per consumer warpgroup
   static constexpr int p_bytes = 2 * 128 * (half / 4) * 4;                     // each thread's P words, both WGs
   static constexpr int stats_bytes = 2 * 128 * 8;                              // (m or l) x 2 rows per thread
-  // the query block's full barrier (and, SLICES_, its empty one), then each stage's (or slice's) full and empty
-  static constexpr int kQBarriers = SLICES_ ? 2 : 1;
-  static constexpr int barrier_bytes = (8 * (kQBarriers + 2 * num_kv_stages * kSlices) + 63) / 64 * 64;
+  static constexpr int barrier_bytes = (8 * (1 + 2 * num_kv_stages * kSlices) + 63) / 64 * 64;
   // offsets: the query block, the ring, then the exchange buffers and barriers (swizzled parts 1 KB aligned)
   static constexpr int q_offset = 0;
   static constexpr int ring_offset = q_offset + q_bytes;
@@ -87,7 +85,7 @@ struct MLAKVProducerPipeline {
   static_assert(!FP8_ || sizeof(T) == 2, "FP8 rows dequantize into 16-bit tiles");
   static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
   static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
-  static_assert(8 * (kQBarriers + 2 * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
+  static_assert(8 * (1 + 2 * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
   static_assert(!SLICES_ || (!FP8_ && !SPARSE_), "per-slice barriers: 16-bit dense tiles (tensor copies) only");
   static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
@@ -98,10 +96,6 @@ struct MLAKVProducerPipeline {
   __device__ __forceinline__ u32 q_full() const { return base + barrier_offset; }
   __device__ __forceinline__ u32 full(int s) const { return base + barrier_offset + 8 + 8 * s; }
   __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 8 + 8 * (num_kv_stages + s); }
-  // SLICES_: the query block is free (every consumer warp's last Q K^T of the item is done), after the slices' barriers
-  __device__ __forceinline__ u32 q_empty() const {
-    return base + barrier_offset + 8 + 8 * (2 * num_kv_stages * kSlices);
-  }
 
   // SLICES_: slice c of stage s. Full: one arrival (with the slice's bytes, or after every producer lane's cp.async
   // copies, each netted out by cp.async.mbarrier.arrive). Empty: the scoring warpgroup's 4 warps after Q K^T, and for
@@ -119,7 +113,6 @@ struct MLAKVProducerPipeline {
           mbar_init(full(s, c), 1);
           mbar_init(empty(s, c), c == kSlices - 1 ? kRopeReleases : 8);
         }
-      mbar_init(q_empty(), 8);  // lane 0 of each consumer warp
     } else {
       init_stage_barriers();
     }
@@ -357,18 +350,18 @@ struct MLAKVProducerPipeline {
   // The barrier the producer warps sync on among themselves (1-4 are the consumers')
   static constexpr int kProducerBarrier = 5;
 
-  // A full tile `it` of the item (its tile gt of the block: stage gt % STAGES) by tensor copies, one slice at a time in
-  // slice_order, each once its empty barrier has completed for the stage's previous tile: lane 0 arms the slice's full
-  // barrier with its bytes (boxes outside the cache still count) and arrives; lane g < BN / box_rows copies box g (its
-  // page and offset from lookup_box) of the slice.
-  __device__ __forceinline__ void load_tile_tma_slices(const MLACacheMap& m, int2 box, int it, int gt, int lane) const {
-    const int s = gt % num_kv_stages, owner = it & 1;
+  // A full tile `it` into stage it % STAGES by tensor copies, one slice at a time in slice_order, each once its empty
+  // barrier has completed for the stage's previous tile: lane 0 arms the slice's full barrier with its bytes (boxes
+  // outside the cache still count) and arrives; lane g < BN / box_rows copies box g (its page and offset from
+  // lookup_box) of the slice.
+  __device__ __forceinline__ void load_tile_tma_slices(const MLACacheMap& m, int2 box, int it, int lane) const {
+    const int s = it % num_kv_stages, owner = it & 1;
 #pragma unroll 1
     for (int j = 0; j < kSlices; ++j) {
       const int c = slice_order(owner, j);
-      if (gt >= num_kv_stages) mbar_wait(empty(s, c), ((gt / num_kv_stages) - 1) & 1);
+      if (it >= num_kv_stages) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
 #ifdef CUKV_MLA_NO_LOAD  // probe only: after the first stages, the ring runs on the tiles already in it
-      if (gt >= num_kv_stages) {
+      if (it >= num_kv_stages) {
         if (lane == 0) mbar_arrive(full(s, c));
         continue;
       }
@@ -384,16 +377,16 @@ struct MLAKVProducerPipeline {
     }
   }
 
-  // A tile (the block's tile gt) by cp.async (a chunk's last, partial tile; every tile of a page size tensor copies do
-  // not suit) keeps whole-tile semantics: every producer lane waits for all 9 slices, copies its rows (copy_rows) and
-  // adds a cp.async arrival to every slice's full barrier (cp.async.mbarrier.arrive without .noinc raises the pending
-  // count now and counts it down once the lane's copies land); once all lanes have, lane 0 of warp 0 gives the one
+  // A tile `it` by cp.async (a chunk's last, partial tile; every tile of a page size tensor copies do not suit) keeps
+  // whole-tile semantics: every producer lane waits for all 9 slices, copies its rows (copy_rows) and adds a
+  // cp.async arrival to every slice's full barrier (cp.async.mbarrier.arrive without .noinc raises the pending count
+  // now and counts it down once the lane's copies land); once all lanes have, lane 0 of warp 0 gives the one
   // arrival each barrier expects.
-  __device__ __forceinline__ void load_tile_cp_async_slices(const MLADecodeParams& a, const char* mine, int gt,
+  __device__ __forceinline__ void load_tile_cp_async_slices(const MLADecodeParams& a, const char* mine, int it,
                                                             int warp, int lane) const {
-    const int s = gt % num_kv_stages;
-    if (gt >= num_kv_stages)
-      for (int c = 0; c < kSlices; ++c) mbar_wait(empty(s, c), ((gt / num_kv_stages) - 1) & 1);
+    const int s = it % num_kv_stages;
+    if (it >= num_kv_stages)
+      for (int c = 0; c < kSlices; ++c) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
     copy_rows(a, mine, s, warp, lane);
     for (int c = 0; c < kSlices; ++c)
       asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(full(s, c)) : "memory");
@@ -402,27 +395,24 @@ struct MLAKVProducerPipeline {
       for (int c = 0; c < kSlices; ++c) mbar_arrive(full(s, c));
   }
 
-  // produce() for per-slice barriers (TMA kernels), one item of the block's list: `base` tiles and `k` items came
-  // before it (the ring's position and the query block's phase carry on). Once the consumers are done with the last
-  // item's query block, the new one; then the full tiles in two streams, producer warp w the block's tiles of parity w
-  // (an even ring: each stage keeps one issuer across items, so its empty waits follow every phase in order), each
-  // looking up its next tile's pages one tile ahead and prefetching that tile into L2 once the current one is issued.
-  // Then the tiles left (the partial last one, or all where m.box_rows is 0) by all four warps with cp.async.
-  __device__ void produce_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int base, int k,
-                                 int warp, int lane, const MLACacheMap& m) const {
-    static_assert(SLICES_ && num_kv_stages % 2 == 0, "per-slice barriers: an even ring, one producer stream a stage");
+  // produce() for per-slice barriers (TMA kernels): the query block; then the full tiles in two streams, producer warp
+  // 0 the even tiles (scored by consumer warpgroup 0) and warp 1 the odd ones, so neither scorer's next tile waits
+  // behind the other's slices; each stream looks up its next tile's pages one tile ahead and prefetches that tile
+  // into L2 once the current one is issued. Then the tiles left (the partial last one, or all where m.box_rows is 0)
+  // by all four warps with cp.async.
+  __device__ void produce_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane,
+                                 const MLACacheMap& m) const {
+    static_assert(SLICES_, "per-slice barriers");
     const int box_rows = m.box_rows;
     const int full_tiles = tma_tiles(w, box_rows);
-    if (k > 0) mbar_wait(q_empty(), (k - 1) & 1);
     load_q(a, w, warp, lane);
     if (warp < 2) {
-      const int first = (warp - base) & 1;  // the item's first tile of block parity `warp`
-      int2 next_box = first < full_tiles ? lookup_box(a, w, first, box_rows, lane) : make_int2(-1, 0);
+      int2 next_box = warp < full_tiles ? lookup_box(a, w, warp, box_rows, lane) : make_int2(-1, 0);
 #pragma unroll 1
-      for (int it = first; it < full_tiles; it += 2) {
+      for (int it = warp; it < full_tiles; it += 2) {
         const int2 box = next_box;
         if (it + 2 < full_tiles) next_box = lookup_box(a, w, it + 2, box_rows, lane);
-        load_tile_tma_slices(m, box, it, base + it, lane);
+        load_tile_tma_slices(m, box, it, lane);
 #ifndef CUKV_MLA_NO_TMA_PREFETCH  // (the define: probes time the ring without it)
         // The stream's next tile into L2 as soon as this one is issued: its copies, issued once the slices free
         // (late in a pair), then wait on L2 rather than DRAM.
@@ -436,7 +426,7 @@ struct MLAKVProducerPipeline {
       return;
     }
     const char* next = lookup(a, w, full_tiles, warp, lane);
-    // A parity wait only tells the last two phases apart: warps 2-3 (and the stream of the other stage) skipped the
+    // A parity wait only tells the last two phases apart: warps 2-3 (and the stream of the other parity) skipped the
     // tensor-copied tiles' empty waits, so they wait here until both streams have issued theirs; the stage's phase
     // before the one load_tile_cp_async_slices waits for has then completed.
     if (full_tiles > 0) named_barrier_sync<128>(kProducerBarrier);
@@ -444,7 +434,7 @@ struct MLAKVProducerPipeline {
     for (int it = full_tiles; it < n_tiles; ++it) {
       const char* cur = next;
       if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
-      load_tile_cp_async_slices(a, cur, base + it, warp, lane);
+      load_tile_cp_async_slices(a, cur, it, warp, lane);
     }
     cp_async_wait<0>();
   }

@@ -12,8 +12,7 @@ from cukv.configs.mla_decode import MLADecodeConfig
 from cukv.ops.mla_decode import BatchMLADecode
 from cukv.policy import mla_decode as mla_decode_policy
 from cukv.policy.mla_decode import (DEFAULT_BLOCK_N, DEFAULT_FP8_ROWS, DEFAULT_LAZY_RESCALE, DEFAULT_PREFETCH,
-                                    DEFAULT_STAGES, DEFAULT_TMA, MIN_PIECE_TILES,
-                                    NARROW_FP8_PREFETCH, mla_decode_config, plan_items, plan_lists)
+                                    DEFAULT_STAGES, DEFAULT_TMA, NARROW_FP8_PREFETCH, mla_decode_config, plan_items)
 
 ARCH = "sm_90a"
 SHIPPED = mla_decode_policy.shipped() + mla_append.shipped()
@@ -80,54 +79,6 @@ def test_plan_items_cover_every_token_once(lens, nrb, sms, block_n):
             assert all(s[0] % block_n == 0 for s in spans)
     sizes = [e - s for _, _, s, e, _ in items]
     assert sizes == sorted(sizes, reverse=True)
-
-
-@given(lens=st.lists(st.integers(0, 70000), min_size=1, max_size=40), nrb=st.integers(1, 4),
-       sms=st.sampled_from([1, 3, 8, 132]), block_n=st.sampled_from([32, 64]))
-def test_plan_lists_cover_every_token_once(lens, nrb, sms, block_n):
-    """The per-slice kernels' lists: at most ``sms`` blocks, each list's first item at the block's index and every
-    other item reached once; every (sequence, row block) covered once in tile-aligned pieces of at least
-    MIN_PIECE_TILES tiles (but a unit's last); no block more than two pieces' slack above the equal share."""
-    items, nxt, share = plan_lists(lens, nrb, block_n, sms)
-    heads = len(items) - sum(1 for x in nxt if x)
-    assert 1 <= heads <= sms and len(nxt) == len(items)
-    assert sorted(x for x in nxt if x) == list(range(heads, len(items)))  # each continuation reached once
-    got, tiles = {}, []
-    for j in range(heads):
-        i, n_tiles = j, 0
-        while True:
-            b, rb, begin, end, n = items[i]
-            got.setdefault((b, rb), []).append((begin, end, n))
-            n_tiles += -(-(end - begin) // block_n)
-            i = nxt[i]
-            if i == 0:
-                break
-        tiles.append(n_tiles)
-    assert len(got) == len(lens) * nrb
-    for (b, rb), spans in got.items():
-        spans.sort()
-        assert spans[0][0] == 0 and spans[-1][1] == lens[b]
-        assert all(x[1] == y[0] and x[1] % block_n == 0 for x, y in zip(spans, spans[1:]))
-        assert all(s[2] == len(spans) for s in spans)
-        assert all(-(-(e - s0) // block_n) >= MIN_PIECE_TILES for s0, e, _ in spans[:-1])
-    per_part = nrb if sms >= nrb else 1  # a block's tiles: one row block of its part, or all of them
-    assert max(tiles) <= (share + 2 * MIN_PIECE_TILES) * (nrb // per_part)
-
-
-def test_plan_lists_balance_the_bench_shapes():
-    """b128 h128 ctx 4K: 256 units of 64 tiles over 132 blocks, at most 126 tiles each (equal chunks: 2 x 64)."""
-    items, nxt, share = plan_lists([4096] * 128, 2, 64, 132)
-    heads = len(items) - sum(1 for x in nxt if x)
-    tiles = []
-    for j in range(heads):
-        i, n = j, 0
-        while True:
-            n += (items[i][3] - items[i][2]) // 64
-            i = nxt[i]
-            if i == 0:
-                break
-        tiles.append(n)
-    assert heads == 132 and max(tiles) <= 126 and sum(tiles) == 128 * 2 * 64
 
 
 def test_plan_splits_long_single_sequence():

@@ -137,17 +137,3 @@ def test_slices_cuda_graph_replay(rng, heads, s_q):
     replay(graph, stream)
     stream.synchronize()
     assert cp.array_equal(first, out)
-
-
-@pytest.mark.parametrize("max_blocks", [1, 2, 5])
-@pytest.mark.parametrize("lens,s_q,heads,page_size", [
-    ([4096, 140, 0, 65, 1], 2, 128, 64),    # odd and even tile counts in one list: the ring's parity carries on
-    ([3000, 0, 77, 130, 64], 1, 128, 48),   # page 48: every tile by cp.async
-    ([700, 33, 0, 1000], 2, 64, 16),        # tensor copies of 16-token boxes, a partial last tile per item
-], ids=lambda x: str(x)[:20])
-def test_slices_lists(rng, max_blocks, lens, s_q, heads, page_size):
-    """The per-slice kernels' block lists (plan's balanced shares): a block runs several items, cut sequences merged
-    by the combine kernel."""
-    dec, *_ = run_check(rng, lens, s_q, heads, page_size, sink=True, plan_kw={"max_blocks": max_blocks},
-                        **_kw("slices"))
-    assert dec.lists and dec.num_blocks <= max_blocks and dec.num_items > dec.num_blocks

@@ -142,9 +142,6 @@ class MLADecodeConfig(KernelConfig):
             self.schedule == "alternate" and self.tma and self.kv_dtype is None),
             "per-slice barriers are built for the alternating consumers fed by tensor copies: use "
             "schedule='alternate' and tma=True with a 16-bit cache (kv_dtype=None), or slice_release=False")
-        check_rule(c, "num_kv_stages", self.num_kv_stages, not self.slice_release or self.num_kv_stages % 2 == 0,
-                   "per-slice barriers take an even ring (two producer streams, each stage kept by one): use 2 or 4 "
-                   "stages, or slice_release=False")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
                    f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
                    f"at most {SMEM_LIMIT} (227 KB) fit")
@@ -183,8 +180,7 @@ class MLADecodeConfig(KernelConfig):
     @property
     def smem_bytes(self) -> int:
         slices = SLICES if self.slice_release else 1
-        q_barriers = 2 if self.slice_release else 1  # the query block's full (and, per-slice, empty) barrier
-        barriers = (8 * (q_barriers + 2 * self.num_kv_stages * slices) + 63) // 64 * 64
+        barriers = (8 * (1 + 2 * self.num_kv_stages * slices) + 63) // 64 * 64
         return self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
 
     @property

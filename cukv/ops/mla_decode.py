@@ -21,7 +21,7 @@ from ..configs.mla_decode import (BLOCK_M, BLOCK_NS, DIM, FP8_ROWS_REGS, NARROW_
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
-from ..policy.mla_decode import BALANCED_LISTS, mla_decode_config, plan_items, plan_lists
+from ..policy.mla_decode import mla_decode_config, plan_items
 from ..validate import (check_bool, check_choice, check_device_array, check_float, check_int, check_per_head, check_planned,
                         check_table, checked, host_ints, mla_dtypes)
 
@@ -127,23 +127,15 @@ class BatchMLADecode:
         self._device = None
         self._cap = 0
 
-    def plan(self, seq_lens, s_q: int = 1, *, chunk_tiles: int | None = None, lists: bool | None = None,
-             max_blocks: int | None = None) -> "BatchMLADecode":
+    def plan(self, seq_lens, s_q: int = 1, *, chunk_tiles: int | None = None) -> "BatchMLADecode":
         """Fix the work list for sequences of ``seq_lens[B]`` cached tokens (host ints, or a device array that
         is copied to the host once here; the new tokens are included) and ``s_q`` new tokens each (1..8).
         Call again with new lengths before replaying a captured :meth:`run`: buffers are reused while the
-        batch and ``s_q`` stay the same. Compiles the kernel (or loads it from the disk cache).
-
-        The per-slice kernels (``config.slice_release``) run one block per SM over a list of items each, every
-        block an equal share of the batch's tiles (``lists``: default :data:`cukv.policy.mla_decode.BALANCED_LISTS`;
-        ``chunk_tiles`` asks for equal chunks of each sequence instead; ``max_blocks`` caps the blocks, default the
-        SM count); the other kernels run a block per chunk."""
+        batch and ``s_q`` stay the same. Compiles the kernel (or loads it from the disk cache)."""
         import cupy as cp
 
         s_q = check_int("s_q", s_q, 1, MAX_S_Q)
         chunk_tiles = check_int("chunk_tiles", chunk_tiles, 1, none_ok=True, note="the plan's choice")
-        lists = check_bool("lists", lists) if lists is not None else None
-        max_blocks = check_int("max_blocks", max_blocks, 1, none_ok=True, note="the SM count")
         lens = host_ints("seq_lens", seq_lens, ndim=1)
         if lens.size == 0:
             raise ValueError("seq_lens is empty; plan at least one sequence")
@@ -168,18 +160,7 @@ class BatchMLADecode:
         if self._planned and device != self._device:  # a new device: buffers and kernels of its own
             self._cap = 0
         sms = sm_count()
-        if lists and not self.config.slice_release:
-            raise ValueError(f"lists=True needs a per-slice kernel (slice_release); {self.config.name} runs a block "
-                             "per chunk: use lists=None or False")
-        if lists is None:
-            lists = BALANCED_LISTS and chunk_tiles is None and self.config.slice_release
-        if lists:
-            items, next_item, share = plan_lists(lens, nrb, self.config.block_n, min(sms, max_blocks or sms))
-            self.chunk_tiles, heads = None, len(items) - sum(1 for x in next_item if x)  # the lists' first items
-        else:
-            items, self.chunk_tiles = plan_items(lens, nrb, self.config.block_n, sms, chunk_tiles)
-            next_item, heads = [0] * len(items), len(items)
-        self.lists, self.num_blocks = bool(lists), heads
+        items, self.chunk_tiles = plan_items(lens, nrb, self.config.block_n, sms, chunk_tiles)
         cap = max(2 * sms + b * nrb, len(items))
         if cap > self._cap or (b, s_q) != (getattr(self, "batch_size", None), getattr(self, "s_q", None)):
             self._cap = cap
@@ -193,14 +174,14 @@ class BatchMLADecode:
         host = np.zeros((self._cap, 8), np.int32)
         per_rb = [[] for _ in range(b * nrb)]
         for idx, (bb, rb, begin, end, n_chunks) in enumerate(items):
-            host[idx, :6] = (bb, rb, begin, end, idx if n_chunks > 1 else -1, next_item[idx])
+            host[idx, :5] = (bb, rb, begin, end, idx if n_chunks > 1 else -1)
             per_rb[bb * nrb + rb].append(idx)
         indptr = np.zeros(b * nrb + 1, np.int32)
         indptr[1:] = np.cumsum([len(x) for x in per_rb])
         slots = np.zeros(self._cap, np.int32)
         slots[:indptr[-1]] = [i for x in per_rb for i in x]
         self._items.set(host)
-        self._num_items.set(np.array([heads], np.int32))  # blocks with work (a list's first item each)
+        self._num_items.set(np.array([len(items)], np.int32))
         self._rb_indptr.set(indptr)
         self._rb_slots.set(slots)
         self._lens.set(lens.astype(np.int32))

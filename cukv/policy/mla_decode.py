@@ -55,11 +55,6 @@ NARROW_MAX_ROWS = 32
 ITEM_OVERHEAD_TILES = 8.0
 #: chunks per (sequence, row block): the combine kernel's shared arrays (kMlaMaxChunks in mla_decode_combine.cuh)
 MAX_CHUNKS = 512
-#: the per-slice kernels walk a list of items per block, so ``plan`` gives each SM an equal share of the batch's
-#: tiles (:func:`plan_lists`, FlashMLA's split) instead of equal chunks of each sequence (docs/tuning.md "MLA decode")
-BALANCED_LISTS = True
-#: no piece of a sequence cut between two shares is shorter than this many tiles (a partial costs a write and a merge)
-MIN_PIECE_TILES = 4
 
 
 def _makespan(costs: list[float], slots: int) -> float:
@@ -106,67 +101,6 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
                 items.append((b, rb, begin, end, n_chunks))
     items.sort(key=lambda x: -(x[3] - x[2]))
     return items, c
-
-
-def plan_lists(lengths, row_blocks: int, block_n: int, num_sms: int):
-    """Work lists of at most ``num_sms`` blocks with equal shares of the batch's tiles. The sequences are cut, in
-    batch order, into ``num_sms // row_blocks`` parts of equal tiles (a cut moved to the sequence's edge where a
-    piece would be shorter than :data:`MIN_PIECE_TILES` tiles; the pieces' partials are merged by the combine
-    kernel), and each part is one block per row block: the blocks of a part read the same cache rows at the same
-    time, so the row blocks after the first find them in L2 (as with equal chunks, whose row blocks run side by side;
-    with fewer SMs than row blocks one block runs every row block of its pieces).
-
-    Returns ``(items, next_item, share)``: ``items`` as :func:`plan_items` gives them (``(batch, row block, first
-    token, end token, pieces of that (sequence, row block))``), block ``j``'s first item at index ``j`` (blocks with
-    work first) and ``next_item[i]`` the index of the item its block runs after item ``i`` (0: none); ``share`` the
-    tiles per part.
-
-    >>> items, nxt, share = plan_lists([1000, 64], row_blocks=1, block_n=64, num_sms=2)
-    >>> items, nxt, share               # 16 + 1 tiles over 2 blocks: the long sequence cut 8 + 8
-    ([(0, 0, 0, 512, 2), (0, 0, 512, 1000, 2), (1, 0, 0, 64, 1)], [0, 2, 0], 8.5)
-    """
-    tiles = [-(-int(n) // block_n) for n in lengths]
-    side = row_blocks if num_sms >= row_blocks else 1  # blocks a part spreads its row blocks over
-    num_parts = num_sms // side
-    share = max(sum(tiles) / num_parts, 1.0)
-    parts: list[list[tuple]] = [[]]
-    pos = 0  # tiles placed so far; part j ends at round((j + 1) * share)
-    for b, t in enumerate(tiles):
-        start = 0
-        while True:
-            j = len(parts) - 1
-            room = round((j + 1) * share) - pos
-            left = t - start
-            if parts[j] and room <= 0 and j + 1 < num_parts:
-                parts.append([])  # this share is full: the next part
-                continue
-            take = left if j + 1 == num_parts else min(left, max(room, MIN_PIECE_TILES))
-            if 0 < left - take < MIN_PIECE_TILES:  # no short piece behind: the rest here, or leave MIN_PIECE_TILES
-                short = left - MIN_PIECE_TILES
-                take = short if short >= MIN_PIECE_TILES and left - room > room - short >= 0 else left
-            parts[j].append((b, start, start + take))
-            pos += take
-            start += take
-            if start >= t:
-                break
-    n_pieces = [0] * len(tiles)
-    for part in parts:
-        for b, _, _ in part:
-            n_pieces[b] += 1
-    item = lambda b, rb, s0, s1: (b, rb, s0 * block_n, min(int(lengths[b]), s1 * block_n), n_pieces[b])  # noqa: E731
-    if side > 1:
-        blocks = [[item(b, rb, s0, s1) for b, s0, s1 in part] for part in parts if part for rb in range(row_blocks)]
-    else:  # fewer blocks than row blocks: a block runs each piece for every row block
-        blocks = [[item(b, rb, s0, s1) for b, s0, s1 in part for rb in range(row_blocks)] for part in parts if part]
-    rest = [(j, i) for j, x in enumerate(blocks) for i in range(1, len(x))]
-    items = [x[0] for x in blocks] + [blocks[j][i] for j, i in rest]
-    index = {(j, 0): j for j in range(len(blocks))}
-    index.update({ji: len(blocks) + n for n, ji in enumerate(rest)})
-    next_item = [0] * len(items)
-    for (j, i), idx in index.items():
-        if i + 1 < len(blocks[j]):
-            next_item[idx] = index[(j, i + 1)]
-    return items, next_item, share
 
 
 def _narrow(rows: int | None, block_n: int | None) -> bool:
