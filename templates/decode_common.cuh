@@ -32,11 +32,6 @@ struct alignas(64) DecodeMaps {
   CUtensorMap k, v;  // v == &k + 1 (the FP8 ring indexes them by lane)
 };
 
-// Makes this thread's mbarrier.init visible to the async proxy (the tensor copies that complete on the barriers).
-__device__ __forceinline__ void fence_mbarrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
 // Static shared memory of a decode block: what decode_epilogue merges through, and Q (16 rows of Q_PITCH
 // elements, rows past the group zero) when the head is too wide to keep Q in registers. WARP_SLOTS gives each
 // warp its own slot for its output (one barrier instead of one per warp in the merge); without it the warps

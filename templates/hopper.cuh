@@ -82,6 +82,16 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const CUtensorMap* map, int
 #endif
 }
 
+// tma_load_4d into the same shared address of every block of the cluster in `mask` (bit r: cluster rank r),
+// completing the box's bytes on the barrier at the same address in each.
+__device__ __forceinline__ void tma_load_4d_multicast(u32 dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                                      u32 bar, unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;"
+      :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(mask) : "memory");
+}
+
 // The box at these coordinates of a 4-d tensor map into L2 (no shared memory, no barrier).
 __device__ __forceinline__ void tma_prefetch_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {
   asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];"
@@ -180,6 +190,21 @@ __device__ __forceinline__ u32 cluster_map(u32 smem, int rank) {
   u32 r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem), "r"(rank));
   return r;
+}
+// This block's rank in its cluster.
+__device__ __forceinline__ int cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return (int)r;
+}
+// Arrive on an mbarrier of another block of the cluster (its address from cluster_map).
+__device__ __forceinline__ void mbar_arrive_remote(u32 cluster_bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(cluster_bar) : "memory");
+}
+// Makes this thread's mbarrier.init visible to the async proxy (the tensor copies that complete on the barriers) and
+// to the cluster's other blocks (before a cluster_sync).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 __device__ __forceinline__ float ld_cluster_f32(u32 addr) {
   float v;

@@ -78,6 +78,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   static_assert(kSlices == 9 && STAGES >= 2, "9 slices of 64 columns per stage");
 
   int cp_from = 0;  // the first tile that came by cp.async (Pipe::tma_tiles); the ones before by tensor copies
+  int peer = 0;     // multicast: the other block of the cluster pair
 #ifdef CUKV_MLA_WAIT_STATS
   mutable unsigned ws_[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #endif
@@ -89,9 +90,12 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     mbar_wait(pipe.full(it % STAGES, c), (it / STAGES) & 1);
     if (it >= cp_from) fence_proxy_async();  // a cp.async tile's copies (generic proxy) -> wgmma reads
   }
-  // This warp is done with slice c of tile `it`.
+  // This warp is done with slice c of tile `it` (multicast: in both blocks of the pair, whose copies it shares).
   __device__ __forceinline__ void release(int it, int c) const {
-    if (lane == 0) mbar_arrive(pipe.empty(it % STAGES, c));
+    if (lane == 0) {
+      mbar_arrive(pipe.empty(it % STAGES, c));
+      if constexpr (Pipe::multicast) mbar_arrive_remote(cluster_map(pipe.empty(it % STAGES, c), peer));
+    }
   }
   __device__ __forceinline__ void release_v(int it) const {  // this warpgroup's V slices (its output columns)
 #pragma unroll
@@ -329,6 +333,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   // tma_box_rows: the cache map's box rows (0: every tile by cp.async), as the producer was given them.
   __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int tma_box_rows) {
     cp_from = Pipe::tma_tiles(w, tma_box_rows);
+    if constexpr (Pipe::multicast) peer = cluster_rank() ^ 1;
     const int warp = t >> 5;
     const int r0 = warp * 16 + (lane >> 2);
     const int len = a.seq_lens[w.batch];

@@ -23,6 +23,10 @@
 #include "mla_decode.cuh"
 #include "fp8.cuh"
 
+#ifndef CUKV_MLA_MULTICAST  // set by the rendered source (MLADecodeConfig.multicast)
+#define CUKV_MLA_MULTICAST 0
+#endif
+
 namespace cukv {
 
 __device__ __forceinline__ void st_shared16(u32 addr, uint4 v) {
@@ -56,6 +60,12 @@ struct MLAKVProducerPipeline {
   static constexpr bool p_in_rope = false;
 #endif
   static constexpr int kRopeReleases = p_in_rope ? 12 : 4;
+  // SLICES_ with MLADecodeConfig.multicast: the block pair of a cluster (the two row blocks of one chunk: the same
+  // tiles) shares each full tile's copies: rank r copies the slices c with c % 2 == r into both blocks' stages (TMA
+  // multicast), and a slice's empty barrier counts both blocks' releases (each consumer warp arrives on its own and
+  // on the other block's), so that neither refills a slice the other still reads.
+  static constexpr bool multicast = SLICES_ && CUKV_MLA_MULTICAST;
+  static constexpr int kPeers = multicast ? 2 : 1;
   static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
   static constexpr int k_nope_elements = BN * kMlaNope, k_rope_elements = BN * kMlaRope;
@@ -111,7 +121,7 @@ struct MLAKVProducerPipeline {
       for (int s = 0; s < num_kv_stages; ++s)
         for (int c = 0; c < kSlices; ++c) {
           mbar_init(full(s, c), 1);
-          mbar_init(empty(s, c), c == kSlices - 1 ? kRopeReleases : 8);
+          mbar_init(empty(s, c), kPeers * (c == kSlices - 1 ? kRopeReleases : 8));
         }
     } else {
       init_stage_barriers();
@@ -353,8 +363,9 @@ struct MLAKVProducerPipeline {
   // A full tile `it` into stage it % STAGES by tensor copies, one slice at a time in slice_order, each once its empty
   // barrier has completed for the stage's previous tile: lane 0 arms the slice's full barrier with its bytes (boxes
   // outside the cache still count) and arrives; lane g < BN / box_rows copies box g (its page and offset from
-  // lookup_box) of the slice.
-  __device__ __forceinline__ void load_tile_tma_slices(const MLACacheMap& m, int2 box, int it, int lane) const {
+  // lookup_box) of the slice (multicast: of the slices of this block's `rank`, into both blocks).
+  __device__ __forceinline__ void load_tile_tma_slices(const MLACacheMap& m, int2 box, int it, int lane,
+                                                      int rank = 0) const {
     const int s = it % num_kv_stages, owner = it & 1;
 #pragma unroll 1
     for (int j = 0; j < kSlices; ++j) {
@@ -366,14 +377,19 @@ struct MLAKVProducerPipeline {
         continue;
       }
 #endif
-      if (lane == 0) {
+      if (lane == 0) {  // (multicast: the other block's copies may land first; the phase completes with both)
         mbar_expect_tx(full(s, c), BN * kAtomRowBytes);
         mbar_arrive(full(s, c));
       }
       __syncwarp();
-      if (lane * m.box_rows < BN)
-        tma_load_4d(stage(s) + (u32)(c * atom_col_bytes + lane * m.box_rows * kAtomRowBytes), &m.map,
-                    c * kAtomRowBytes, 0, box.y, box.x, full(s, c));
+      if (lane * m.box_rows < BN) {
+        const u32 dst = stage(s) + (u32)(c * atom_col_bytes + lane * m.box_rows * kAtomRowBytes);
+        if constexpr (multicast) {
+          if ((c & 1) == rank) tma_load_4d_multicast(dst, &m.map, c * kAtomRowBytes, 0, box.y, box.x, full(s, c), 3);
+        } else {
+          tma_load_4d(dst, &m.map, c * kAtomRowBytes, 0, box.y, box.x, full(s, c));
+        }
+      }
     }
   }
 
@@ -405,6 +421,7 @@ struct MLAKVProducerPipeline {
     static_assert(SLICES_, "per-slice barriers");
     const int box_rows = m.box_rows;
     const int full_tiles = tma_tiles(w, box_rows);
+    const int rank = multicast ? cluster_rank() : 0;
     load_q(a, w, warp, lane);
     if (warp < 2) {
       int2 next_box = warp < full_tiles ? lookup_box(a, w, warp, box_rows, lane) : make_int2(-1, 0);
@@ -412,12 +429,13 @@ struct MLAKVProducerPipeline {
       for (int it = warp; it < full_tiles; it += 2) {
         const int2 box = next_box;
         if (it + 2 < full_tiles) next_box = lookup_box(a, w, it + 2, box_rows, lane);
-        load_tile_tma_slices(m, box, it, lane);
+        load_tile_tma_slices(m, box, it, lane, rank);
 #ifndef CUKV_MLA_NO_TMA_PREFETCH  // (the define: probes time the ring without it)
         // The stream's next tile into L2 as soon as this one is issued: its copies, issued once the slices free
         // (late in a pair), then wait on L2 rather than DRAM.
         if (it + 2 < full_tiles && lane * box_rows < BN)
-          for (int c = 0; c < kSlices; ++c) tma_prefetch_4d(&m.map, c * kAtomRowBytes, 0, next_box.y, next_box.x);
+          for (int c = 0; c < kSlices; ++c)
+            if (!multicast || (c & 1) == rank) tma_prefetch_4d(&m.map, c * kAtomRowBytes, 0, next_box.y, next_box.x);
 #endif
       }
     }

@@ -1,5 +1,7 @@
 """MLA decode and cache without a GPU: every shipped specialization compiles for sm_90a without spills, the
 config domain, the plan's work list, the references, and named errors."""
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -273,7 +275,7 @@ def test_slice_release_default_applies_only_where_it_can():
     """From SLICE_RELEASE_MIN_HEADS heads the 16-bit TMA default takes per-slice barriers (and the alternating
     schedule); FP8, sparse, cp.async, prefetch and an explicit split schedule keep their configs (and stay valid)."""
     h = mla_decode_policy.SLICE_RELEASE_MIN_HEADS
-    on = mla_decode_config(num_heads=h)
+    on = mla_decode_config(num_heads=h, rows=h)
     assert on.slice_release and on.schedule == "alternate" and on.tma and on in mla_decode_policy.shipped()
     assert BatchMLADecode(h).config == on and not BatchMLADecode(h - 1).config.slice_release
     assert mla_decode_config(schedule="alternate", num_heads=h).slice_release
@@ -281,6 +283,33 @@ def test_slice_release_default_applies_only_where_it_can():
         assert not mla_decode_config(num_heads=h, **kw).slice_release
     assert not mla_decode_policy.sparse_mla_config().slice_release
     assert not mla_decode_config(slice_release=False).slice_release
+
+
+def test_multicast_field_and_default():
+    """Cluster pairs (multicast): a bool field named in the kernel's name, only with per-slice barriers; the
+    policy's default for an even count of 64-row blocks whose chunks hold MULTICAST_MIN_TILES tiles or more; both
+    forms of the h128 kernel ship; an odd count of row blocks is refused by plan."""
+    from cukv.policy.mla_decode import DEFAULT_MULTICAST, MULTICAST_MIN_TILES
+
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.multicast=True is not valid: .*slice_release=True"):
+        MLADecodeConfig(multicast=True)
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.multicast=1 is not valid"):
+        MLADecodeConfig(schedule="alternate", tma=True, slice_release=True, multicast=1)
+    cfg = MLADecodeConfig(schedule="alternate", tma=True, slice_release=True, lazy_rescale=True, multicast=True)
+    assert cfg.name.endswith("_slices_mc_lr") and "__cluster_dims__(2, 1, 1)" in cfg.render()
+    assert "__cluster_dims__" not in dataclasses.replace(cfg, multicast=False).render()
+    for rows, chunk, want in ((128, None, True), (256, 249, True), (128, MULTICAST_MIN_TILES, True),
+                              (128, MULTICAST_MIN_TILES - 1, False), (128, 8, False), (192, None, False),
+                              (64, None, False)):
+        got = mla_decode_config(num_heads=128, rows=rows, chunk_tiles=chunk, slice_release=True).multicast
+        assert got == (want and DEFAULT_MULTICAST), (rows, chunk)
+    assert not mla_decode_config(num_heads=128, rows=128, multicast=False).multicast
+    names = [c.name for c in mla_decode_policy.shipped()]
+    assert sum(n.endswith("_slices_mc_lr") for n in names) == 2 and sum(n.endswith("_slices_lr") for n in names) == 2
+    with pytest.raises(ValueError, match=r"multicast=True shares the per-slice ring"):
+        BatchMLADecode(128, slice_release=False, multicast=True)
+    with pytest.raises(ValueError, match=r"cluster pairs .* 3 row blocks of 64; it needs an even count"):
+        BatchMLADecode(96, schedule="alternate", slice_release=True, multicast=True).plan([100, 7], 2)
 
 
 def test_lazy_rescale_field_and_default():

@@ -137,3 +137,59 @@ def test_slices_cuda_graph_replay(rng, heads, s_q):
     replay(graph, stream)
     stream.synchronize()
     assert cp.array_equal(first, out)
+
+
+MC = {"schedule": "alternate", "slice_release": True, "multicast": True}
+MC_CASES = [c for c in CASES if -(-c[1] * c[2] // 64) % 2 == 0]  # an even count of 64-row blocks: cluster pairs
+
+
+@pytest.mark.parametrize("lens,s_q,heads,page_size", MC_CASES, ids=lambda x: str(x)[:20])
+def test_multicast_grid(rng, lens, s_q, heads, page_size):
+    """multicast: a chunk's two row blocks as a cluster pair, every full tile copied once into both (pages 64 and 16
+    by tensor copies, 48 by each block's own cp.async); against the reference, and bit-identical to the per-slice
+    kernel without the pair."""
+    import cupy as cp
+
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    dec, out, lse = run_check(rng, lens, s_q, heads, page_size, sink=True, **MC)
+    assert dec.config.multicast and dec.config.name.endswith("_mc_lr")
+    cache, table, q, *_ = make_problem(rng, lens, s_q, heads, page_size)
+    outs = [BatchMLADecode(heads, **kw).plan(lens, s_q).run(q, cache, table) for kw in (MC, _kw("slices"))]
+    assert cp.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("chunk_tiles", [1, 2, 3])
+def test_multicast_chunks_and_growing_scores(rng, chunk_tiles):
+    """Pairs of 1-3 tile chunks (an odd last tile in each) through the combine kernel, with keys growing 30x along
+    each sequence (every lazy-rescale path)."""
+    dec, *_ = run_check(rng, [4096, 300, 0, 65], 2, 128, 64, sink=True, ramp=30.0, atol=2e-2 * 31,
+                        plan_kw={"chunk_tiles": chunk_tiles}, **MC)
+    assert dec.config.multicast and dec.num_items > 8
+
+
+def test_multicast_graph_replay_and_odd_row_blocks(rng):
+    """A captured multicast run replayed after plan() with new lengths matches the reference; an odd count of row
+    blocks is refused before launch, naming them."""
+    import cupy as cp
+
+    from cukv import reference
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    lens1, lens2 = [4000, 30, 0], [100, 5000, 64]
+    cache, table, q, qv, vals, table_h = make_problem(rng, [5000, 5000, 100], 1, 128, 64, garbage=False)
+    dec = BatchMLADecode(128, **MC).plan(lens1, 1)
+    out = cp.zeros((3, 1, 128, 512), cp.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        dec.run(q, cache, table, out=out)
+        stream.begin_capture()
+        dec.run(q, cache, table, out=out, stream=stream)
+        graph = stream.end_capture()
+    dec.plan(lens2, 1)
+    replay(graph, stream)
+    stream.synchronize()
+    want, _ = reference.mla_decode(qv, np.nan_to_num(vals), table_h, lens2)
+    np.testing.assert_allclose(_to_host(out, "bfloat16"), want, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match=r"cluster pairs .* 3 row blocks"):
+        BatchMLADecode(96, **MC).plan([100, 7], 2)

@@ -108,6 +108,10 @@ class MLADecodeConfig(KernelConfig):
     #: FP8 rows: the producer issues a tile's rope copies before its code loads (their latencies overlap) instead of
     #: each row's behind its codes
     fp8_rope_first: bool = False
+    #: with ``slice_release``: the two row blocks of each chunk run as a cluster pair, and each full tile's slices are
+    #: copied once from L2 and multicast into both blocks' rings (the pair releases a slice together); ``plan`` keeps
+    #: a chunk's row blocks side by side in pairs, so it needs an even count of row blocks (``s_q * num_heads / 64``)
+    multicast: bool = False
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -138,6 +142,9 @@ class MLADecodeConfig(KernelConfig):
         check_bool(c, "fp8_rope_first", self.fp8_rope_first)
         check_bool(c, "slice_release", self.slice_release)
         check_bool(c, "lazy_rescale", self.lazy_rescale)
+        check_bool(c, "multicast", self.multicast)
+        check_rule(c, "multicast", self.multicast, not self.multicast or self.slice_release,
+                   "the cluster pair shares the per-slice ring's copies: use slice_release=True, or multicast=False")
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
             self.schedule == "alternate" and self.tma and self.kv_dtype is None),
             "per-slice barriers are built for the alternating consumers fed by tensor copies: use "
@@ -199,7 +206,7 @@ class MLADecodeConfig(KernelConfig):
         tma = "_tma" if self.tma else ""
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
-        sl = "_slices" if self.slice_release else ""
+        sl = ("_slices" if self.slice_release else "") + ("_mc" if self.multicast else "")
         lr = "_lr" if self.lazy_rescale else ""
         lr += "_rf" if self.kv_dtype and self.fp8_rope_first else ""
         return (f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}"
@@ -215,7 +222,7 @@ class MLADecodeConfig(KernelConfig):
             tma=self.tma, slice_release=self.slice_release, lazy_rescale=self.lazy_rescale,
             prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
             producer_regs=self.regs[0], consumer_regs=self.regs[1], block_rows=self.block_rows,
-            fp8_rope_first=self.fp8_rope_first)
+            fp8_rope_first=self.fp8_rope_first, multicast=self.multicast)
 
     @property
     def regs(self) -> tuple:

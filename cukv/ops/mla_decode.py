@@ -55,6 +55,10 @@ class BatchMLADecode:
         A full and an empty barrier per 64-column slice of each ring stage, so each slice is refilled as soon as its
         last reader is done (schedule 'alternate' with TMA; None or True with schedule None picks 'alternate');
         None takes the policy's default: on from 128 heads (docs/mla.md, "Schedules").
+    multicast : bool, optional
+        With ``slice_release``: each chunk's two row blocks run as a cluster pair that copies every full tile once
+        and multicasts it to both (an even count of 64-row blocks, ``s_q * num_heads / 64``); None takes the
+        policy's default (:data:`cukv.policy.mla_decode.DEFAULT_MULTICAST`).
     prefetch_tiles, fp8_rows : int, optional
         The producer's L2 prefetch distance in tiles (0..4) and, for an FP8 cache, the rows each producer lane
         loads before dequantizing them (8 or 16, 16 with block_n 64 only); None takes the policy's defaults for
@@ -89,13 +93,15 @@ class BatchMLADecode:
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
                  num_kv_stages: int | None = None, schedule: str | None = None, tma: bool | None = None,
-                 prefetch_tiles: int | None = None, fp8_rows: int | None = None, slice_release: bool | None = None):
+                 prefetch_tiles: int | None = None, fp8_rows: int | None = None, slice_release: bool | None = None,
+                 multicast: bool | None = None):
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
         schedule = check_choice("schedule", schedule, (None,) + SCHEDULES)
         tma = check_bool("tma", tma) if tma is not None else None
         slice_release = check_bool("slice_release", slice_release) if slice_release is not None else None
+        multicast = check_bool("multicast", multicast) if multicast is not None else None
         prefetch_tiles = check_choice("prefetch_tiles", prefetch_tiles, (None,) + PREFETCH_TILES)
         fp8_rows = check_choice("fp8_rows", fp8_rows, (None,) + tuple(FP8_ROWS_REGS))
         dt, kvd = mla_dtypes(dtype, kv_dtype)
@@ -118,9 +124,14 @@ class BatchMLADecode:
                              f"got kv_dtype={kvd!r}, schedule={schedule!r}, tma={tma!r}, "
                              f"prefetch_tiles={prefetch_tiles!r} (use kv_dtype=None, schedule None or 'alternate', "
                              "tma None or True, prefetch_tiles None or 0)")
+        if multicast and slice_release is False:
+            raise ValueError("multicast=True shares the per-slice ring's copies between a cluster pair: use "
+                             "slice_release None or True, or multicast None or False")
         self._choices = (dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows, slice_release,
                          self.num_heads)
-        self.config = mla_decode_config(*self._choices, rows=self.num_heads)  # plan() decides again from s_q
+        self._multicast = multicast
+        self.config = mla_decode_config(*self._choices, rows=self.num_heads,  # plan() decides again from s_q
+                                        multicast=multicast)
         self._derived = self.config
         self.dtype = self.config.dtype
         self._planned = False
@@ -147,21 +158,28 @@ class BatchMLADecode:
         # the policy's config for these rows; a config set by hand (a probe's) stays, and so does the current instance
         # (with the module it compiled) while the choice is the same
         by_hand = self.config is not self._derived
-        cfg = self.config if by_hand else mla_decode_config(*self._choices, rows=rows)
+        cfg = self.config if by_hand else mla_decode_config(*self._choices, rows=rows, multicast=self._multicast)
+        nrb = -(-rows // BLOCK_M)
+        sms = sm_count()
+        items, self.chunk_tiles = plan_items(lens, nrb, cfg.block_n, sms, chunk_tiles)
+        if not by_hand and cfg.slice_release:  # cluster pairs or not, by the chunks' length
+            cfg = mla_decode_config(*self._choices, rows=rows, multicast=self._multicast, chunk_tiles=self.chunk_tiles)
         cfg = self.config if cfg == self.config else cfg
         if cfg.schedule == "narrow" and rows > cfg.block_rows:
             raise ValueError(f"schedule='narrow' serves at most {cfg.block_rows} query rows; s_q={s_q} x "
                              f"num_heads={self.num_heads} = {rows} ({cfg.name}; use schedule None or 'split')")
+        if cfg.multicast and nrb % 2:
+            raise ValueError(f"{cfg.name} runs a chunk's row blocks in cluster pairs (multicast): s_q={s_q} x "
+                             f"num_heads={self.num_heads} = {rows} rows make {nrb} row blocks of {BLOCK_M}; it needs an "
+                             "even count")
         self.config = cfg
         if not by_hand:
             self._derived = cfg
-        nrb = -(-rows // BLOCK_M)
         device = current_device()
         if self._planned and device != self._device:  # a new device: buffers and kernels of its own
             self._cap = 0
-        sms = sm_count()
-        items, self.chunk_tiles = plan_items(lens, nrb, self.config.block_n, sms, chunk_tiles)
         cap = max(2 * sms + b * nrb, len(items))
+        cap += cap % 2  # (cluster pairs: an even grid)
         if cap > self._cap or (b, s_q) != (getattr(self, "batch_size", None), getattr(self, "s_q", None)):
             self._cap = cap
             self._items = cp.zeros((cap, 8), cp.int32)

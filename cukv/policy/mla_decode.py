@@ -43,6 +43,12 @@ NARROW_FP8_PREFETCH = 0
 FP8_ROPE_FIRST = {"split": True, "narrow": False, "sparse": True}
 #: FP8 rows each producer lane loads before dequantizing (16: one batch a tile; 1-5% faster than 8, same calls)
 DEFAULT_FP8_ROWS = 16
+#: the per-slice kernels' chunks run as cluster pairs of their two row blocks, each full tile copied once and
+#: multicast into both (``MLADecodeConfig.multicast``; where the row blocks are even in number): 4-7% faster at b128
+#: h128, 1% at s_q 2, level on the skewed batch's 40-tile chunks, 7% slower on b1's 8-tile ones (H100, docs/tuning.md)
+DEFAULT_MULTICAST = True
+#: ... so only where the plan's chunks hold at least this many tiles
+MULTICAST_MIN_TILES = 64
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
 #: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
 #: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
@@ -94,11 +100,12 @@ def plan_items(lengths, row_blocks: int, block_n: int, num_sms: int, chunk_tiles
     items = []
     for b, t in enumerate(tiles):
         n_chunks = max(1, -(-t // c))
-        for rb in range(row_blocks):
-            for j in range(n_chunks):
-                begin = j * c * block_n
-                end = min(int(lengths[b]), (j + 1) * c * block_n)
-                items.append((b, rb, begin, end, n_chunks))
+        for j in range(n_chunks):
+            begin = j * c * block_n
+            end = min(int(lengths[b]), (j + 1) * c * block_n)
+            items.extend((b, rb, begin, end, n_chunks) for rb in range(row_blocks))
+    # longest first; a chunk's row blocks stay side by side (they read the same rows: the later ones from L2), in
+    # pairs at even indices when row_blocks is even (MLADecodeConfig.multicast's cluster pairs)
     items.sort(key=lambda x: -(x[3] - x[2]))
     return items, c
 
@@ -118,12 +125,15 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                       num_kv_stages: int | None = None, schedule: str | None = None,
                       tma: bool | None = None, prefetch_tiles: int | None = None,
                       fp8_rows: int | None = None, slice_release: bool | None = None,
-                      num_heads: int | None = None, rows: int | None = None) -> MLADecodeConfig:
+                      num_heads: int | None = None, rows: int | None = None,
+                      multicast: bool | None = None, chunk_tiles: int | None = None) -> MLADecodeConfig:
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (the lazy
     rescale always on; an FP8 cache keeps the "split" or "narrow" schedule, the ones it compiles without spills,
     and cp.async; ``slice_release`` asks for the alternating schedule, and is on by default from
-    :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``). ``rows`` (``s_q * num_heads``, when known) picks the "narrow"
-    schedule up to :data:`NARROW_MAX_ROWS` and its block of 16 or 32 rows."""
+    :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``; ``multicast`` by default :data:`DEFAULT_MULTICAST` where
+    ``rows`` make an even count of 64-row blocks and the plan's ``chunk_tiles``, when known, are at least
+    :data:`MULTICAST_MIN_TILES`). ``rows`` (``s_q * num_heads``, when known) picks the "narrow" schedule up to
+    :data:`NARROW_MAX_ROWS` and its block of 16 or 32 rows."""
     if schedule is None and not slice_release and _narrow(rows, block_n):
         schedule = "narrow"
     block_rows = BLOCK_M
@@ -144,10 +154,13 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64); the 32-row narrow consumers spill with them
         fp8_rows = (DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4
                     and not (schedule == "narrow" and block_rows > NARROW_ROWS[0]) else 8)
+    if multicast is None:  # cluster pairs of row blocks: an even count of them
+        multicast = (DEFAULT_MULTICAST and slice_release and rows is not None and (-(-rows // BLOCK_M)) % 2 == 0
+                     and (chunk_tiles is None or chunk_tiles >= MULTICAST_MIN_TILES))
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
                            slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows,
-                           fp8_rope_first=_rope_first(kv_dtype, block_n, schedule))
+                           fp8_rope_first=_rope_first(kv_dtype, block_n, schedule), multicast=bool(multicast))
 
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
@@ -170,7 +183,10 @@ def shipped() -> list[MLADecodeConfig]:
     heads = (None, SLICE_RELEASE_MIN_HEADS)
     narrow = [mla_decode_config(dt, kvd, rows=r) for dt, kvd in (("bfloat16", None), ("float16", None),
                                                                  ("bfloat16", "fp8_e4m3")) for r in NARROW_ROWS]
-    return ([mla_decode_config(dt, num_heads=h) for dt in ("bfloat16", "float16") for h in heads]
+    wide = SLICE_RELEASE_MIN_HEADS  # the per-slice kernels with and without cluster pairs (by chunk length)
+    pairs = [mla_decode_config(dt, num_heads=wide, rows=wide, multicast=mc) for dt in ("bfloat16", "float16")
+             for mc in (True, False)]
+    return ([mla_decode_config(dt) for dt in ("bfloat16", "float16")] + pairs
             + [mla_decode_config(kv_dtype="fp8_e4m3")] + narrow)
 
 
