@@ -3,9 +3,10 @@
     PYTHONPATH=. python3 benchmarks/probe_mla_fp8.py --shapes 128x16x8192,128x128x8192,1x128x32768 \
         --variants bf16:0:8,bf16:1:8,fp8:0:8,fp8:1:8,fp8:2:8,fp8:1:16
 
-A variant is ``cache:prefetch_tiles:fp8_rows[:split|:slices]`` (``MLADecodeConfig`` fields on the policy's config for
-the shape; ``split``: the 64-row "split" consumers where the policy picks "narrow"; ``slices``: the alternating
-consumers over per-slice barriers, 16-bit caches); a shape is
+A variant is ``cache:prefetch_tiles:fp8_rows[:split|:slices][:mc|:nomc]`` (``MLADecodeConfig`` fields on the
+policy's config for the shape; ``split``: the 64-row "split" consumers where the policy picks "narrow"; ``slices``:
+the alternating consumers over per-slice barriers, 16-bit caches; ``mc`` / ``nomc``: ``multicast`` on / off, the
+cluster pairs that share a tile's copies or an FP8 tile's dequantization); a shape is
 ``BxHxCTX`` (s_q 1, page 64, the bench's data). Every FP8 variant's output is compared with the first FP8
 variant's (the producer changes must not change a bit). Times are medians over interleaved rounds, L2 flushed;
 compare them only within one call. ``CUKV_DEFINES=CUKV_MLA_FP8_NO_LOAD`` times the FP8 kernels without their code
@@ -37,7 +38,7 @@ def main():
     for v in args.variants.split(","):
         kind, pf, fr, *flags = v.split(":")
         variants.append((kind, int(pf), int(fr), "split" if "split" in flags else "slices" if "slices" in flags
-                         else None))
+                         else None, True if "mc" in flags else False if "nomc" in flags else None))
     timer = Timer()
     ceiling = read_ceiling_tbs(timer)
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; read ceiling {ceiling:.2f} TB/s; "
@@ -49,11 +50,12 @@ def main():
         cache, table, q = _problem(b, h, 1, lens)
         fcache = _fp8_copy(cache) if any(v[0] == "fp8" for v in variants) else None
         fns, outs, decs = {}, {}, {}
-        for kind, pf, fr, split in variants:
-            label = f"{kind}_pf{pf}_r{fr}" + (f"_{split}" if split else "")
+        for kind, pf, fr, split, mc in variants:
+            label = f"{kind}_pf{pf}_r{fr}" + (f"_{split}" if split else "") + {None: "", True: "_mc", False: "_nomc"}[mc]
             kw = dict(slice_release=True) if split == "slices" else dict(schedule=split)
             dec = BatchMLADecode(h, kv_dtype="fp8_e4m3" if kind == "fp8" else None, **kw)
-            dec.config = dataclasses.replace(dec.config, prefetch_tiles=pf, fp8_rows=fr)
+            fields = {} if mc is None else {"multicast": mc}
+            dec.config = dataclasses.replace(dec.config, prefetch_tiles=pf, fp8_rows=fr, **fields)
             dec.plan(lens, 1)
             c = fcache if kind == "fp8" else cache
             out = cp.empty((b, 1, h, 512), cp.uint16)

@@ -201,6 +201,13 @@ __device__ __forceinline__ int cluster_rank() {
 __device__ __forceinline__ void mbar_arrive_remote(u32 cluster_bar) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(cluster_bar) : "memory");
 }
+// `bytes` (a multiple of 16) of this block's shared memory at src into another block's at dst (a cluster_map
+// address), by the bulk-copy engine, completing them on that block's mbarrier at bar (a cluster_map address). The
+// source must have been written before a fence_proxy_async().
+__device__ __forceinline__ void bulk_copy_to_peer(u32 dst, u32 src, int bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "r"(src), "r"(bytes), "r"(bar) : "memory");
+}
 // Makes this thread's mbarrier.init visible to the async proxy (the tensor copies that complete on the barriers) and
 // to the cluster's other blocks (before a cluster_sync).
 __device__ __forceinline__ void fence_mbarrier_init() {

@@ -128,6 +128,7 @@ struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
     mbar_wait(pipe.q_full(), 0);
     fence_proxy_async();
+    const int peer = Pipe::fp8_pair ? cluster_rank() ^ 1 : 0;  // fp8_pair: the other block of the pair
 #pragma unroll 1
     for (int it = 0; it < n_tiles; ++it) {
       const int stage = it % STAGES;
@@ -143,7 +144,10 @@ struct MLADecodeConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN
       u32 p[kPWords];
       softmax(s, p);
       accumulate(p, stage);
-      if (lane == 0) mbar_arrive(pipe.empty(stage));
+      if (lane == 0) {
+        mbar_arrive(pipe.empty(stage));
+        if constexpr (Pipe::fp8_pair) mbar_arrive_remote(cluster_map(pipe.empty(stage), peer));  // its stores too
+      }
     }
     State::template finish<false>(a, w, r0);
   }

@@ -65,7 +65,11 @@ struct MLAKVProducerPipeline {
   // multicast), and a slice's empty barrier counts both blocks' releases (each consumer warp arrives on its own and
   // on the other block's), so that neither refills a slice the other still reads.
   static constexpr bool multicast = SLICES_ && CUKV_MLA_MULTICAST;
-  static constexpr int kPeers = multicast ? 2 : 1;
+  // FP8 rows with MLADecodeConfig.multicast (the split consumers): the pair shares each tile's dequantization instead;
+  // rank r loads, dequantizes and stores rows 32 r .. 32 r + 31 and copies them into the other block's stage
+  // (load_tile_fp8_pair), and both blocks' consumers release each stage in both.
+  static constexpr bool fp8_pair = FP8_ && !SLICES_ && !SPARSE_ && CUKV_MLA_MULTICAST;
+  static constexpr int kPeers = multicast || fp8_pair ? 2 : 1;
   static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
   static constexpr int k_nope_elements = BN * kMlaNope, k_rope_elements = BN * kMlaRope;
@@ -130,9 +134,10 @@ struct MLAKVProducerPipeline {
 
   __device__ __forceinline__ void init_stage_barriers() const {
     for (int s = 0; s < num_kv_stages; ++s) {
-      // FP8: each producer thread arrives for its stores and its copies; sparse: for its validity word and copies
-      mbar_init(full(s), FP8_ || SPARSE_ ? 256 : 128);
-      mbar_init(empty(s), 8);  // lane 0 of each consumer warp, once its wgmmas on the stage are done
+      // FP8: each producer thread arrives for its stores and its copies (fp8_pair: for its stores, the other block's
+      // half counted in bytes); sparse: for its validity word and copies
+      mbar_init(full(s), (FP8_ && !fp8_pair) || SPARSE_ ? 256 : 128);
+      mbar_init(empty(s), 8 * kPeers);  // lane 0 of each consumer warp (of both blocks: fp8_pair), its wgmmas done
     }
   }
 
@@ -293,6 +298,91 @@ struct MLAKVProducerPipeline {
     fence_proxy_async();  // the generic-proxy stores -> the consumers' wgmma reads
     mbar_arrive(full(s));
     mbar_arrive_cp_async(full(s));
+  }
+
+  // fp8_pair: this block's half of an FP8 tile (rows 32 rank .. 32 rank + 31) in registers. Warp w takes rows
+  // 32 rank + 8 w + i (i < 8; their addresses in lanes i of `mine`): each lane loads 16 codes of each and the rope
+  // chunk l % 8 of rows l / 8 and l / 8 + 4.
+  struct PairHalf {
+    CodeBatch<8> codes;
+    uint4 rope[2];
+  };
+  static __device__ __forceinline__ void load_half(PairHalf& h, const char* mine, int lane) {
+    load_codes(h.codes, mine, 0, lane);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, (lane >> 3) + 4 * k);
+      h.rope[k] = src ? ldg_stream16(src + 528 + 16 * (lane & 7)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+
+  // fp8_pair: the half dequantized and stored into stage s; once the four warps have, thread 0 copies it (32 rows of
+  // each of the 9 atom columns, 4 KB apiece) into the other block's stage by the bulk engine, completing there on
+  // its full barrier, which this block's thread 0 arms for the other's half.
+  __device__ __forceinline__ void store_half(const PairHalf& h, int s, int warp, int lane, int rank) const {
+    constexpr int kHalfBytes = 32 * kAtomRowBytes;
+    static_assert(fp8_pair && BN == 64, "a pair's blocks take 32 rows of a 64-token tile each");
+    const u32 dst = stage(s);
+    const int r0 = 32 * rank + 8 * warp;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      st_shared16(dst + chunk_offset(r0 + i, 2 * lane, atom_col_bytes),
+                  dequant8<T>(make_uint2(h.codes.codes[i].x, h.codes.codes[i].y), h.codes.scale[i]));
+      st_shared16(dst + chunk_offset(r0 + i, 2 * lane + 1, atom_col_bytes),
+                  dequant8<T>(make_uint2(h.codes.codes[i].z, h.codes.codes[i].w), h.codes.scale[i]));
+    }
+#pragma unroll
+    for (int k = 0; k < 2; ++k)
+      st_shared16(dst + chunk_offset(r0 + (lane >> 3) + 4 * k, 64 + (lane & 7), atom_col_bytes), h.rope[k]);
+    fence_proxy_async();  // the generic-proxy stores -> the consumers' wgmma reads and the bulk copies
+    named_barrier_sync<128>(kProducerBarrier);
+    if (warp == 0 && lane == 0) {
+      mbar_expect_tx(full(s), kMlaDim / 64 * kHalfBytes);  // the other block's half (it may land first)
+      const u32 far = cluster_map(dst, rank ^ 1), far_bar = cluster_map(full(s), rank ^ 1);
+      const u32 half = (u32)(32 * rank * kAtomRowBytes);
+#pragma unroll
+      for (int c = 0; c < kMlaDim / 64; ++c)
+        bulk_copy_to_peer(far + half + (u32)(c * atom_col_bytes), dst + half + (u32)(c * atom_col_bytes), kHalfBytes,
+                          far_bar);
+    }
+    mbar_arrive(full(s));
+  }
+
+  // produce() for fp8_pair: the query block, then this block's half of every tile once its stage is free (loads
+  // issued before that wait measured slower), each tile's row lookups one tile ahead and (PREFETCH > 0) its rows
+  // into L2 PREFETCH tiles ahead.
+  template <int PREFETCH>
+  __device__ void produce_fp8_pair(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp,
+                                   int lane) const {
+    static_assert(PREFETCH >= 0 && PREFETCH <= 4, "prefetch distance in tiles");
+    const int rank = cluster_rank();
+    // lane i < 8 of warp `warp`: the row of this block's half of tile it (null: read as zeros)
+    const auto look = [&](int it) -> const char* {
+      return lane < 8 ? row_ptr(a, w, w.begin + it * BN + 32 * rank + 8 * warp + lane) : nullptr;
+    };
+    const char* next = look(0);
+    const char* ahead = nullptr;
+    if constexpr (PREFETCH > 0) {
+#pragma unroll
+      for (int j = 0; j < PREFETCH; ++j) prefetch_row(look(j));
+      ahead = look(PREFETCH);
+    }
+    load_q(a, w, warp, lane);
+#pragma unroll 1
+    for (int it = 0; it < n_tiles; ++it) {
+      const int s = it % num_kv_stages;
+      const char* cur = next;
+      next = look(it + 1);
+      if constexpr (PREFETCH > 0) {
+        prefetch_row(ahead);
+        ahead = look(it + PREFETCH + 1);
+      }
+      if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
+      PairHalf h;
+      load_half(h, cur, lane);
+      store_half(h, s, warp, lane, rank);
+    }
+    cp_async_wait<0>();  // the query block's copies
   }
 
   // TMA: lane g < BN / box_rows of warp 0 looks up the page of box g of tile `it` (rows g * box_rows ..): its page

@@ -286,9 +286,9 @@ def test_slice_release_default_applies_only_where_it_can():
 
 
 def test_multicast_field_and_default():
-    """Cluster pairs (multicast): a bool field named in the kernel's name, only with per-slice barriers; the
-    policy's default for an even count of 64-row blocks whose chunks hold MULTICAST_MIN_TILES tiles or more; both
-    forms of the h128 kernel ship; an odd count of row blocks is refused by plan."""
+    """Cluster pairs (multicast): a bool field named in the kernel's name, with per-slice barriers or an FP8 cache's
+    split kernel; the policy's default for an even count of 64-row blocks whose chunks hold MULTICAST_MIN_TILES
+    tiles or more; both forms of the h128 kernels ship; an odd count of row blocks is refused by plan."""
     from cukv.policy.mla_decode import DEFAULT_MULTICAST, MULTICAST_MIN_TILES
 
     with pytest.raises(ValueError, match=r"MLADecodeConfig\.multicast=True is not valid: .*slice_release=True"):
@@ -306,6 +306,18 @@ def test_multicast_field_and_default():
     assert not mla_decode_config(num_heads=128, rows=128, multicast=False).multicast
     names = [c.name for c in mla_decode_policy.shipped()]
     assert sum(n.endswith("_slices_mc_lr") for n in names) == 2 and sum(n.endswith("_slices_lr") for n in names) == 2
+    # an FP8 cache's split kernel: the pair shares the dequantization, 8 rows a producer lane, no L2 prefetch
+    fp8 = mla_decode_config(kv_dtype="fp8_e4m3", num_heads=128, rows=128)
+    if DEFAULT_MULTICAST:
+        assert (fp8.multicast, fp8.fp8_rows, fp8.prefetch_tiles, fp8.schedule) == (True, 8, 0, "split")
+        assert fp8 in mla_decode_policy.shipped() and "__cluster_dims__(2, 1, 1)" in fp8.render()
+    for kw in ({"rows": 64}, {"rows": 128, "chunk_tiles": 8}):
+        off = mla_decode_config(kv_dtype="fp8_e4m3", num_heads=128, **kw)
+        assert (off.multicast, off.fp8_rows, off.prefetch_tiles) == (False, 16, 1), kw
+    sparse = mla_decode_policy.sparse_mla_config(kv_dtype="fp8_e4m3", num_heads=128)
+    assert not sparse.multicast and (sparse.fp8_rows, sparse.prefetch_tiles) == (16, 1)
+    with pytest.raises(ValueError, match=r"multicast=True is not valid: .*fp8_rows=8"):
+        MLADecodeConfig(kv_dtype="fp8_e4m3", schedule="split", fp8_rows=16, multicast=True)
     with pytest.raises(ValueError, match=r"multicast=True shares the per-slice ring"):
         BatchMLADecode(128, slice_release=False, multicast=True)
     with pytest.raises(ValueError, match=r"cluster pairs .* 3 row blocks of 64; it needs an even count"):

@@ -56,9 +56,11 @@ class BatchMLADecode:
         last reader is done (schedule 'alternate' with TMA; None or True with schedule None picks 'alternate');
         None takes the policy's default: on from 128 heads (docs/mla.md, "Schedules").
     multicast : bool, optional
-        With ``slice_release``: each chunk's two row blocks run as a cluster pair that copies every full tile once
-        and multicasts it to both (an even count of 64-row blocks, ``s_q * num_heads / 64``); None takes the
-        policy's default (:data:`cukv.policy.mla_decode.DEFAULT_MULTICAST`).
+        Each chunk's two row blocks run as a cluster pair (an even count of 64-row blocks, ``s_q * num_heads /
+        64``): with ``slice_release`` the pair copies every full tile once and multicasts it to both; with an FP8
+        cache (schedule 'split', ``fp8_rows`` 8) each block dequantizes half of every tile and copies it into the
+        other's. None takes the policy's default (:data:`cukv.policy.mla_decode.DEFAULT_MULTICAST`, for chunks of
+        at least :data:`~cukv.policy.mla_decode.MULTICAST_MIN_TILES` tiles).
     prefetch_tiles, fp8_rows : int, optional
         The producer's L2 prefetch distance in tiles (0..4) and, for an FP8 cache, the rows each producer lane
         loads before dequantizing them (8 or 16, 16 with block_n 64 only); None takes the policy's defaults for
@@ -124,7 +126,7 @@ class BatchMLADecode:
                              f"got kv_dtype={kvd!r}, schedule={schedule!r}, tma={tma!r}, "
                              f"prefetch_tiles={prefetch_tiles!r} (use kv_dtype=None, schedule None or 'alternate', "
                              "tma None or True, prefetch_tiles None or 0)")
-        if multicast and slice_release is False:
+        if multicast and slice_release is False and kvd is None:
             raise ValueError("multicast=True shares the per-slice ring's copies between a cluster pair: use "
                              "slice_release None or True, or multicast None or False")
         self._choices = (dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows, slice_release,
@@ -162,7 +164,7 @@ class BatchMLADecode:
         nrb = -(-rows // BLOCK_M)
         sms = sm_count()
         items, self.chunk_tiles = plan_items(lens, nrb, cfg.block_n, sms, chunk_tiles)
-        if not by_hand and cfg.slice_release:  # cluster pairs or not, by the chunks' length
+        if not by_hand:  # cluster pairs or not, by the chunks' length
             cfg = mla_decode_config(*self._choices, rows=rows, multicast=self._multicast, chunk_tiles=self.chunk_tiles)
         cfg = self.config if cfg == self.config else cfg
         if cfg.schedule == "narrow" and rows > cfg.block_rows:

@@ -49,6 +49,10 @@ DEFAULT_FP8_ROWS = 16
 DEFAULT_MULTICAST = True
 #: ... so only where the plan's chunks hold at least this many tiles
 MULTICAST_MIN_TILES = 64
+#: an FP8 cache's "split" kernel with ``multicast``: each block of the pair dequantizes half of every tile and copies
+#: it into the other's stage, 8 rows a producer lane, without L2 prefetch: 7-11% faster at b128 h128 (prefetch 1:
+#: 4-9%; the next half's loads issued before the wait for its stage: 1-5%), 7% slower at b1 (H100, docs/tuning.md)
+FP8_PAIR_ROWS, FP8_PAIR_PREFETCH = 8, 0
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
 #: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
 #: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
@@ -130,10 +134,12 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (the lazy
     rescale always on; an FP8 cache keeps the "split" or "narrow" schedule, the ones it compiles without spills,
     and cp.async; ``slice_release`` asks for the alternating schedule, and is on by default from
-    :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``; ``multicast`` by default :data:`DEFAULT_MULTICAST` where
-    ``rows`` make an even count of 64-row blocks and the plan's ``chunk_tiles``, when known, are at least
-    :data:`MULTICAST_MIN_TILES`). ``rows`` (``s_q * num_heads``, when known) picks the "narrow" schedule up to
+    :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``; ``multicast``, for the per-slice kernels and an FP8 cache's
+    "split" one, by default :data:`DEFAULT_MULTICAST` where ``rows`` make an even count of 64-row blocks and the
+    plan's ``chunk_tiles``, when known, are at least :data:`MULTICAST_MIN_TILES`; an FP8 pair's producer
+    defaults are :data:`FP8_PAIR_ROWS` and :data:`FP8_PAIR_PREFETCH`). ``rows`` (``s_q * num_heads``, when known) picks the "narrow" schedule up to
     :data:`NARROW_MAX_ROWS` and its block of 16 or 32 rows."""
+    asked_pf, asked_rows = prefetch_tiles, fp8_rows
     if schedule is None and not slice_release and _narrow(rows, block_n):
         schedule = "narrow"
     block_rows = BLOCK_M
@@ -154,9 +160,14 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     if fp8_rows is None:  # 16 rows need 16 per warp and tile (block_n 64); the 32-row narrow consumers spill with them
         fp8_rows = (DEFAULT_FP8_ROWS if kv_dtype is not None and DEFAULT_FP8_ROWS <= block_n // 4
                     and not (schedule == "narrow" and block_rows > NARROW_ROWS[0]) else 8)
+    pair_fp8 = kv_dtype is not None and schedule == "split" and block_n == 64  # FP8 rows shared by a pair
     if multicast is None:  # cluster pairs of row blocks: an even count of them
-        multicast = (DEFAULT_MULTICAST and slice_release and rows is not None and (-(-rows // BLOCK_M)) % 2 == 0
+        multicast = (DEFAULT_MULTICAST and (slice_release or (pair_fp8 and asked_rows in (None, FP8_PAIR_ROWS)))
+                     and rows is not None and (-(-rows // BLOCK_M)) % 2 == 0
                      and (chunk_tiles is None or chunk_tiles >= MULTICAST_MIN_TILES))
+    if multicast and pair_fp8:
+        fp8_rows = FP8_PAIR_ROWS if asked_rows is None else asked_rows
+        prefetch_tiles = FP8_PAIR_PREFETCH if asked_pf is None else asked_pf
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
                            slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows,
@@ -171,7 +182,8 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     always come by cp.async (each row its own gather)."""
     if schedule is None:
         schedule = "narrow" if _narrow(num_heads, block_n) else "split"
-    d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads)
+    d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads,
+                          multicast=False)
     return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, d.schedule, tma=False,
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
                            block_rows=d.block_rows, fp8_rope_first=_rope_first(d.kv_dtype, d.block_n, "sparse"))
@@ -179,15 +191,15 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
 
 def shipped() -> list[MLADecodeConfig]:
     """The MLA decode specializations compiled ahead of time (cukv/specs.py): the default configs of each 16-bit
-    dtype (few heads, and from :data:`SLICE_RELEASE_MIN_HEADS` on) and of an FP8 cache."""
+    dtype and of an FP8 cache (few heads, and from :data:`SLICE_RELEASE_MIN_HEADS` on, with cluster pairs and
+    without)."""
     heads = (None, SLICE_RELEASE_MIN_HEADS)
     narrow = [mla_decode_config(dt, kvd, rows=r) for dt, kvd in (("bfloat16", None), ("float16", None),
                                                                  ("bfloat16", "fp8_e4m3")) for r in NARROW_ROWS]
-    wide = SLICE_RELEASE_MIN_HEADS  # the per-slice kernels with and without cluster pairs (by chunk length)
-    pairs = [mla_decode_config(dt, num_heads=wide, rows=wide, multicast=mc) for dt in ("bfloat16", "float16")
-             for mc in (True, False)]
-    return ([mla_decode_config(dt) for dt in ("bfloat16", "float16")] + pairs
-            + [mla_decode_config(kv_dtype="fp8_e4m3")] + narrow)
+    wide = SLICE_RELEASE_MIN_HEADS  # the h128 kernels with and without cluster pairs (by chunk length)
+    pairs = [mla_decode_config(dt, kvd, num_heads=wide, rows=wide, multicast=mc)
+             for dt, kvd in (("bfloat16", None), ("float16", None), ("bfloat16", "fp8_e4m3")) for mc in (True, False)]
+    return [mla_decode_config(dt) for dt in ("bfloat16", "float16")] + pairs + narrow
 
 
 def sparse_shipped() -> list[SparseMLAConfig]:
