@@ -4,7 +4,7 @@ the time of each, their ratio (above 1: the second is faster) and the largest ou
 ``lazy_rescale`` off ("eager") and on ("lazy"); with ``--define NAME`` the policy's config compiled with the
 preprocessor define NAME ("define") and without ("default"); with ``--schedule NAME`` the op built with that
 ``schedule`` ("forced") and with the policy's ("default"); with ``--field NAME=VALUE`` the policy's config with that
-field replaced ("field", e.g. ``prefetch_tiles=1``) and as it is ("default"); with ``--plan NAME=VALUE`` the op
+field (or comma-separated fields) replaced ("field", e.g. ``prefetch_tiles=1``) and as it is ("default"); with ``--plan NAME=VALUE`` the op
 planned with that ``BatchMLADecode.plan`` argument ("plan", e.g. ``chunk_tiles=32``: chunks of that many tiles
 instead of the plan's choice) and by default ("default"; dense shapes only).
 
@@ -49,8 +49,8 @@ def _variants_op(define, schedule=None, field=""):
     if define:
         return (("define", {}, define, None), ("default", {}, "", None))
     if field:
-        name, value = field.split("=", 1)
-        return (("field", {name: _value(value)}, "", None),
+        fields = dict(f.split("=", 1) for f in field.split(","))  # NAME=VALUE[,NAME=VALUE...]
+        return (("field", {k: _value(v) for k, v in fields.items()}, "", None),
                 ("default", {}, "", None))
     return (("eager", {"lazy_rescale": False}, "", None), ("lazy", {"lazy_rescale": True}, "", None))
 

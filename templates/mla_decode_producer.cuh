@@ -68,7 +68,7 @@ struct MLAKVProducerPipeline {
   // FP8 rows with MLADecodeConfig.multicast (the split consumers): the pair shares each tile's dequantization instead;
   // rank r loads, dequantizes and stores rows 32 r .. 32 r + 31 and copies them into the other block's stage
   // (load_tile_fp8_pair), and both blocks' consumers release each stage in both.
-  static constexpr bool fp8_pair = FP8_ && !SLICES_ && !SPARSE_ && CUKV_MLA_MULTICAST;
+  static constexpr bool fp8_pair = FP8_ && !SLICES_ && CUKV_MLA_MULTICAST;
   static constexpr int kPeers = multicast || fp8_pair ? 2 : 1;
   static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
@@ -136,7 +136,7 @@ struct MLAKVProducerPipeline {
     for (int s = 0; s < num_kv_stages; ++s) {
       // FP8: each producer thread arrives for its stores and its copies (fp8_pair: for its stores, the other block's
       // half counted in bytes); sparse: for its validity word and copies
-      mbar_init(full(s), (FP8_ && !fp8_pair) || SPARSE_ ? 256 : 128);
+      mbar_init(full(s), !fp8_pair && (FP8_ || SPARSE_) ? 256 : 128);
       mbar_init(empty(s), 8 * kPeers);  // lane 0 of each consumer warp (of both blocks: fp8_pair), its wgmmas done
     }
   }
@@ -307,11 +307,13 @@ struct MLAKVProducerPipeline {
     CodeBatch<8> codes;
     uint4 rope[2];
   };
+  // (SPARSE_: the addresses in lanes 16 + i; lanes 0-15 hold the warp's 16 rows of the whole tile, for validity)
+  static constexpr int kHalfLane = SPARSE_ ? 16 : 0;
   static __device__ __forceinline__ void load_half(PairHalf& h, const char* mine, int lane) {
-    load_codes(h.codes, mine, 0, lane);
+    load_codes(h.codes, mine, kHalfLane, lane);
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, (lane >> 3) + 4 * k);
+      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, kHalfLane + (lane >> 3) + 4 * k);
       h.rope[k] = src ? ldg_stream16(src + 528 + 16 * (lane & 7)) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
@@ -356,9 +358,12 @@ struct MLAKVProducerPipeline {
                                    int lane) const {
     static_assert(PREFETCH >= 0 && PREFETCH <= 4, "prefetch distance in tiles");
     const int rank = cluster_rank();
-    // lane i < 8 of warp `warp`: the row of this block's half of tile it (null: read as zeros)
+    // lane kHalfLane + i (i < 8) of warp `warp`: the row of this block's half of tile it (null: read as zeros);
+    // SPARSE_: lane j < 16 the warp's row j of the whole tile (its validity bit)
     const auto look = [&](int it) -> const char* {
-      return lane < 8 ? row_ptr(a, w, w.begin + it * BN + 32 * rank + 8 * warp + lane) : nullptr;
+      const int j = lane - kHalfLane;
+      if (SPARSE_ && lane < 16) return row_ptr(a, w, w.begin + it * BN + warp * 16 + lane);
+      return j >= 0 && j < 8 ? row_ptr(a, w, w.begin + it * BN + 32 * rank + 8 * warp + j) : nullptr;
     };
     const char* next = look(0);
     const char* ahead = nullptr;
@@ -378,6 +383,10 @@ struct MLAKVProducerPipeline {
         ahead = look(it + PREFETCH + 1);
       }
       if (it >= num_kv_stages) mbar_wait(empty(s), ((it / num_kv_stages) - 1) & 1);
+      if constexpr (SPARSE_) {  // kv_valid_producer: every row of the tile, published before this thread's arrival
+        const u32 bits = __ballot_sync(0xffffffffu, lane < 16 && cur != nullptr);
+        if (lane == 0) valid_words(s)[warp] = bits;
+      }
       PairHalf h;
       load_half(h, cur, lane);
       store_half(h, s, warp, lane, rank);

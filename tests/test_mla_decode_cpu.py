@@ -316,8 +316,9 @@ def test_multicast_field_and_default():
         assert (off.multicast, off.fp8_rows, off.prefetch_tiles) == (False, 16, 1), kw
     sparse = mla_decode_policy.sparse_mla_config(kv_dtype="fp8_e4m3", num_heads=128)
     assert not sparse.multicast and (sparse.fp8_rows, sparse.prefetch_tiles) == (16, 1)
-    with pytest.raises(ValueError, match=r"multicast=True is not valid: .*fp8_rows=8"):
-        MLADecodeConfig(kv_dtype="fp8_e4m3", schedule="split", fp8_rows=16, multicast=True)
+    with pytest.raises(ValueError, match=r"multicast=True is not valid: .*schedule='split', block_n=64"):
+        MLADecodeConfig(kv_dtype="fp8_e4m3", schedule="narrow", block_rows=16, multicast=True)
+    assert MLADecodeConfig(kv_dtype="fp8_e4m3", schedule="split", fp8_rows=16, multicast=True).name.endswith("_r16_mc")
     with pytest.raises(ValueError, match=r"multicast=True shares the per-slice ring"):
         BatchMLADecode(128, slice_release=False, multicast=True)
     with pytest.raises(ValueError, match=r"cluster pairs .* 3 row blocks of 64; it needs an even count"):
@@ -388,3 +389,22 @@ def test_narrow_rules():
     assert SparseMLA(32, schedule="split").config.block_rows == 64
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 heads"):
         SparseMLA(33, schedule="narrow")
+
+
+def test_sparse_multicast_field():
+    """Sparse MLA's FP8 pair: opt-in (SPARSE_MULTICAST off), named in the kernel's name and rendered as a cluster pair
+    with the pair's producer; 16-bit rows and an odd count of row blocks are refused, naming the field or the heads."""
+    from cukv.ops.sparse_mla import SparseMLA
+    from cukv.policy.mla_decode import SPARSE_MULTICAST, sparse_mla_config
+
+    assert sparse_mla_config(kv_dtype="fp8_e4m3", num_heads=128).multicast == SPARSE_MULTICAST
+    cfg = SparseMLA(128, kv_dtype="fp8_e4m3", multicast=True).config
+    assert cfg.name.endswith("_mc_lr_rf") and (cfg.fp8_rows, cfg.prefetch_tiles) == (8, 0)
+    src = cfg.render()
+    assert "__cluster_dims__(2, 1, 1)" in src and "produce_fp8_pair" in src
+    with pytest.raises(ValueError, match=r"multicast=True is not valid"):
+        SparseMLA(128, multicast=True)
+    with pytest.raises(ValueError, match=r"num_heads=64 makes 1 row blocks of 64; it needs an even count"):
+        SparseMLA(64, kv_dtype="fp8_e4m3", multicast=True)
+    with pytest.raises(TypeError, match="multicast"):
+        SparseMLA(128, kv_dtype="fp8_e4m3", multicast="yes")

@@ -74,7 +74,7 @@ def make_indices(rng, t_n, topk, s_kv, num_rows, cut):
 
 
 def check(rng, heads, s_kv, topk, t_n=3, dtype="bfloat16", kind="cache", cut=False, sink=None, uint=False,
-          schedule=None):
+          schedule=None, multicast=None):
     import cupy as cp
 
     from cukv.ops.sparse_mla import SparseMLA, _kv_dtype
@@ -90,7 +90,8 @@ def check(rng, heads, s_kv, topk, t_n=3, dtype="bfloat16", kind="cache", cut=Fal
     elif sink is not None:
         sk = np.full(heads, float(sink), np.float32)
     ind = cp.asarray(idx.view(np.uint32) if uint else idx)
-    att = SparseMLA(heads, qdt, kv_dtype=_kv_dtype(kv), schedule=schedule).plan(t_n, topk)
+    att = SparseMLA(heads, qdt, kv_dtype=_kv_dtype(kv), schedule=schedule, multicast=multicast).plan(t_n, topk)
+    assert multicast is None or att.config.multicast == multicast
     out, lse, mx = att.run(qd, kv, ind, topk_lengths=None if lens is None else cp.asarray(lens),
                            sink=None if sk is None else cp.asarray(sk))
     ro, rl, rm = reference.sparse_mla(_to_host(qd, qdt), vals, idx, lens, sk)
@@ -125,6 +126,21 @@ def test_sparse_cut_lists_and_sinks(rng, sink, kind):
 @pytest.mark.parametrize("heads", [16, 128])
 def test_sparse_dtypes(rng, dtype, heads):
     check(rng, heads, 1840, 512, t_n=3, dtype=dtype, cut=True, sink="finite")
+
+
+@pytest.mark.parametrize("s_kv,topk,t_n,cut", [(1840, 512, 4, True), (5000, 4096, 1, False), (95, 128, 3, True)])
+def test_sparse_fp8_pair(rng, s_kv, topk, t_n, cut):
+    """FP8 rows at 128 heads as a cluster pair (multicast: each block dequantizes half of every tile into both,
+    the validity words of every row its own): invalid indices of every kind, cut lists with NaN rows behind the cut,
+    a list split over the SMs and merged by the combine kernel; against the reference and bit-identical to the
+    kernel without the pair."""
+    import cupy as cp
+
+    seed = int(rng.integers(1 << 30))
+    got = [check(np.random.default_rng(seed), 128, s_kv, topk, t_n=t_n, dtype="fp8_e4m3", cut=cut, sink="finite",
+                 schedule="split", multicast=mc) for mc in (True, False)]
+    for a, b in zip(*got):
+        assert cp.array_equal(a, b)
 
 
 @pytest.mark.parametrize("schedule", ["narrow", "split"])

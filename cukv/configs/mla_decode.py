@@ -144,10 +144,9 @@ class MLADecodeConfig(KernelConfig):
         check_bool(c, "lazy_rescale", self.lazy_rescale)
         check_bool(c, "multicast", self.multicast)
         check_rule(c, "multicast", self.multicast, not self.multicast or self.slice_release or (
-            self.kv_dtype is not None and self.schedule == "split" and self.block_n == 64 and self.fp8_rows == 8),
+            self.kv_dtype is not None and self.schedule == "split" and self.block_n == 64),
             "the cluster pair shares the per-slice ring's copies (slice_release=True) or an FP8 cache's dequantized "
-            "rows (kv_dtype='fp8_e4m3', schedule='split', block_n=64, fp8_rows=8): use one of those, or "
-            "multicast=False")
+            "rows (kv_dtype='fp8_e4m3', schedule='split', block_n=64): use one of those, or multicast=False")
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
             self.schedule == "alternate" and self.tma and self.kv_dtype is None),
             "per-slice barriers are built for the alternating consumers fed by tensor copies: use "

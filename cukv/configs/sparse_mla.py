@@ -49,4 +49,6 @@ class SparseMLAConfig(MLADecodeConfig):
         lr = "_lr" if self.lazy_rescale else ""
         lr += "_rf" if self.kv_dtype and self.fp8_rope_first else ""
         nr = f"_nr{self.block_rows}" if self.schedule == "narrow" else ""
-        return f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{nr}{pf}{rows}{lr}"
+        mc = "_mc" if self.multicast else ""
+        return (f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{nr}{pf}{rows}{mc}"
+                f"{lr}")

@@ -23,7 +23,7 @@ from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
 from ..policy.mla_decode import plan_items, sparse_mla_config
-from ..validate import (check_choice, check_device_array, check_float, check_int, check_per_head, check_planned,
+from ..validate import (check_bool, check_choice, check_device_array, check_float, check_int, check_per_head, check_planned,
                         check_sparse_indices, mla_dtypes)
 
 MAX_HEADS = 128
@@ -96,6 +96,10 @@ class SparseMLA:
     schedule : {None, 'split', 'narrow'}
         The consumers: 'split' (64-row blocks) or 'narrow' (up to 32 heads in one 16- or 32-row block, the tile's
         tokens as the wgmma M); None takes the policy's: 'narrow' up to 32 heads (docs/mla.md, "Schedules").
+    multicast : bool, optional
+        FP8 rows with 'split': a token's two row blocks (128 heads) run as a cluster pair, each dequantizing half of
+        every tile into both (docs/mla.md, "Cluster pairs"); None takes the policy's
+        (:data:`cukv.policy.mla_decode.SPARSE_MULTICAST`).
 
     Examples
     --------
@@ -116,7 +120,7 @@ class SparseMLA:
     """
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
-                 num_kv_stages: int | None = None, schedule: str | None = None):
+                 num_kv_stages: int | None = None, schedule: str | None = None, multicast: bool | None = None):
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
@@ -125,7 +129,12 @@ class SparseMLA:
         if schedule == "narrow" and (self.num_heads > NARROW_ROWS[-1] or block_n not in (None, 64)):
             raise ValueError(f"schedule='narrow' serves at most {NARROW_ROWS[-1]} heads with block_n 64; got "
                              f"num_heads={self.num_heads}, block_n={block_n!r} (use schedule='split' or None)")
-        self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages, self.num_heads, schedule)
+        multicast = check_bool("multicast", multicast) if multicast is not None else None
+        self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages, self.num_heads, schedule, multicast)
+        if self.config.multicast and -(-self.num_heads // BLOCK_M) % 2:
+            raise ValueError(f"{self.config.name} runs a token's row blocks in cluster pairs (multicast): "
+                             f"num_heads={self.num_heads} makes {-(-self.num_heads // BLOCK_M)} row blocks of "
+                             f"{BLOCK_M}; it needs an even count")
         self.dtype = dt
         self._planned = False
         self._device = None

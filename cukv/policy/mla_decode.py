@@ -53,6 +53,10 @@ MULTICAST_MIN_TILES = 64
 #: it into the other's stage, 8 rows a producer lane, without L2 prefetch: 7-11% faster at b128 h128 (prefetch 1:
 #: 4-9%; the next half's loads issued before the wait for its stage: 1-5%), 7% slower at b1 (H100, docs/tuning.md)
 FP8_PAIR_ROWS, FP8_PAIR_PREFETCH = 8, 0
+#: sparse MLA with FP8 rows and 128 heads: a token's two row blocks as a cluster pair sharing the dequantization
+#: (``SparseMLA(multicast=True)``): level with the kernel without it on its 32-tile lists, 1.006x the time at b128 and
+#: b8 s_q 2 (H100, docs/tuning.md), so off
+SPARSE_MULTICAST = False
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
 #: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
 #: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
@@ -176,17 +180,20 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
                       num_kv_stages: int | None = None, num_heads: int | None = None,
-                      schedule: str | None = None) -> SparseMLAConfig:
+                      schedule: str | None = None, multicast: bool | None = None) -> SparseMLAConfig:
     """The config ``SparseMLA`` compiles: the decode's tile and schedule ("split", or "narrow" up to
     :data:`NARROW_MAX_ROWS` heads), and for FP8 rows its producer defaults (L2 prefetch, rows in flight); sparse rows
     always come by cp.async (each row its own gather)."""
     if schedule is None:
         schedule = "narrow" if _narrow(num_heads, block_n) else "split"
+    if multicast is None and not SPARSE_MULTICAST:
+        multicast = False  # else the decode's rule: FP8 rows, "split", an even count of row blocks
     d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads,
-                          multicast=False)
+                          multicast=multicast)
     return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, d.schedule, tma=False,
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
-                           block_rows=d.block_rows, fp8_rope_first=_rope_first(d.kv_dtype, d.block_n, "sparse"))
+                           block_rows=d.block_rows, fp8_rope_first=_rope_first(d.kv_dtype, d.block_n, "sparse"),
+                           multicast=d.multicast)
 
 
 def shipped() -> list[MLADecodeConfig]:
