@@ -329,8 +329,9 @@ SHIPPED_SAMPLE = [decode_config("bfloat16", d, g, 16) for d in (64, 96, 128, 256
     [decode_config("float16", 128, 4, 16), AppendConfig("bfloat16", 128, 16)]
 
 
+@pytest.mark.compile_ahead(build=lambda cfg: cfg, arch=ARCH)
 @pytest.mark.parametrize("cfg", SHIPPED_SAMPLE, ids=lambda c: c.name)
-def test_parse_cubin_matches_ptxas_on_shipped_kernels(cache, cfg):
+def test_parse_cubin_matches_ptxas_on_shipped_kernels(fresh_kernel_cache, cfg):
     m = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH)
     elf = compiler.parse_cubin(m.cubin_path.read_bytes())
     assert cfg.name in elf and elf[cfg.name].registers > 0

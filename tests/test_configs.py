@@ -34,13 +34,7 @@ def append_configs():
                      page_size=st.integers(1, 1 << 16), threads=st.sampled_from((128, 256, 512)))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_kernel_cache(tmp_path_factory):
-    """Compile into an empty cache: the resource reports below come from this run's NVRTC."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CUKV_CACHE_DIR", str(tmp_path_factory.mktemp("cukv_cache")))
-        mp.delenv("CUKV_NO_COMPILE", raising=False)
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_kernel_cache")  # the resource reports below come from this run's NVRTC
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,6 +117,7 @@ def test_decode_ring_configs_compile_without_spills(d, group, ps, nw, stages, dt
     _check_resources(cfg)
 
 
+@pytest.mark.compile_ahead(build=lambda d, stages: decode_config("bfloat16", d, 1, 16, 4, stages=stages))
 @pytest.mark.parametrize("stages", [0, None], ids=["registers", "default"])
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_decode_every_head_dim_compiles_for_both_stagings(d, stages):
@@ -130,6 +125,7 @@ def test_decode_every_head_dim_compiles_for_both_stagings(d, stages):
     _check_resources(decode_config("bfloat16", d, 1, 16, 4, stages=stages))
 
 
+@pytest.mark.compile_ahead(build=lambda kw: decode_config(**kw))
 @pytest.mark.parametrize("kw", [
     {"cluster": 4, "stages": 0}, {"cluster": 8, "stages": 3}, {"cluster": 2, "head_dim": 256, "group": 16, "stages": 0},
     {"cluster": 3, "kv_dtype": "fp8_e4m3", "scale_block": 128},
@@ -184,6 +180,12 @@ def test_decode_spilling_corners_are_outside_the_domain(args):
         decode_config(*args[:6], stages=0, **kw)
 
 
+def _capped_config(args, stages):
+    kw = {"kv_dtype": "fp8_e4m3", "scale_block": 128} if args[1] == 128 else {}
+    return decode_config(*args, stages=stages, **kw)
+
+
+@pytest.mark.compile_ahead(build=_capped_config)
 @pytest.mark.parametrize("args,stages", [
     (("bfloat16", 64, 16, 16, 4, 3), 0), (("float16", 64, 7, 16, 8, 2), None), (("bfloat16", 64, 5, 1, 4, 4), 0),
     (("bfloat16", 128, 12, 16, 4, 3), None), (("bfloat16", 32, 16, 16, 8, 2), 0),
@@ -191,12 +193,13 @@ def test_decode_spilling_corners_are_outside_the_domain(args):
 def test_decode_capped_launch_bounds_that_the_domain_keeps_compile_without_spills(args, stages):
     """The other side of min_registers: points it lets through under a cap of 168 or 128, beside the swept ones
     (other groups, page size 1, d32, float16)."""
-    kw = {"kv_dtype": "fp8_e4m3", "scale_block": 128} if args[1] == 128 else {}
-    cfg = decode_config(*args, stages=stages, **kw)
+    cfg = _capped_config(args, stages)
     assert cfg.register_cap < 255
     _check_resources(cfg)
 
 
+@pytest.mark.compile_ahead(build=lambda group: decode_config("bfloat16", 256, group, 16, kv_dtype="fp8_e4m3",
+                                                             scale_block=64))
 @pytest.mark.parametrize("group", [9, 16])
 def test_decode_fp8_64_dim_blocks_past_d128_take_the_ring(group):
     """The register kernel spills there (64-128 bytes, ptxas, every warp count); BatchDecode then plans with the

@@ -15,6 +15,8 @@ ARCH_GRID = [("bfloat16", 128, g, 16, st) for g in (1, 2, 4, 8, 16) for st in (2
 ARCH_GRID += [("float16", 128, g, 16, 3) for g in (1, 4, 16)] + [("bfloat16", 128, 4, 64, st) for st in (2, 3, 4)]
 ARCH_GRID += [("bfloat16", d, g, 16, st) for d in (64, 256) for g in (1, 16) for st in (2, 4)]
 
+pytestmark = pytest.mark.usefixtures("fresh_kernel_cache")
+
 
 def _resources(cfg):
     mod = cfg.compiled
@@ -25,10 +27,15 @@ def _resources(cfg):
     return r
 
 
+def _tma_config(dt, d, group, ps, stages):
+    return decode_config(dt, d, group, ps, 4, stages=stages, tma=True)
+
+
+@pytest.mark.compile_ahead(build=_tma_config)
 @pytest.mark.parametrize("dt,d,group,ps,stages", ARCH_GRID, ids=lambda v: str(v))
 def test_tma_configs_compile_without_spills(dt, d, group, ps, stages):
     try:
-        cfg = decode_config(dt, d, group, ps, 4, stages=stages, tma=True)
+        cfg = _tma_config(dt, d, group, ps, stages)
     except ValueError as e:  # too much shared memory for this (head_dim, stages): the same rule as without tma
         assert "exceed" in str(e)
         pytest.skip(str(e))
@@ -45,10 +52,15 @@ FP8_GRID += [(128, g, 16, sb, 2, 3) for g in (4, 8) for sb in (128, 0)] + [(128,
 FP8_GRID += [(256, 4, 16, 256, 2, 1), (256, 8, 64, 0, 2, 1)]
 
 
+def _fp8_tma_config(d, group, ps, sb, stages, min_blocks):
+    return decode_config("bfloat16", d, group, ps, 4, min_blocks, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages,
+                         tma=True)
+
+
+@pytest.mark.compile_ahead(build=_fp8_tma_config)
 @pytest.mark.parametrize("d,group,ps,sb,stages,min_blocks", FP8_GRID, ids=lambda v: str(v))
 def test_fp8_tma_configs_compile_without_spills(d, group, ps, sb, stages, min_blocks):
-    cfg = decode_config("bfloat16", d, group, ps, 4, min_blocks, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages,
-                        tma=True)
+    cfg = _fp8_tma_config(d, group, ps, sb, stages, min_blocks)
     assert cfg.tma and cfg.name.endswith(f"_r{stages}_tma")
     _resources(cfg)
 
@@ -77,9 +89,14 @@ def test_fp8_tma_default_off():
     assert [c.tma for c in dec._configs] == [True, False]  # plan()'s register kernel for small steps: no copies
 
 
+def _cluster_config(cluster):
+    return decode_config("bfloat16", 128, 4, 16, stages=3, cluster=cluster, tma=True)
+
+
+@pytest.mark.compile_ahead(build=_cluster_config)
 @pytest.mark.parametrize("cluster", [2, 8])
 def test_tma_cluster_merge_compiles_without_spills(cluster):
-    cfg = decode_config("bfloat16", 128, 4, 16, stages=3, cluster=cluster, tma=True)
+    cfg = _cluster_config(cluster)
     assert cfg.name.endswith(f"_r3_tma_c{cluster}")
     _resources(cfg)
 

@@ -16,11 +16,18 @@ DECODE = [("bfloat16", 128, 4, sb) for sb in (0, 32, 64, 128)] + [
 PREFILL = [("bfloat16", d, sb) for d in HEAD_DIMS for sb in sorted({0, d, 32, 64, 128}) if sb == 0 or d % sb == 0] + [
     ("float16", d, d) for d in (64, 128, 256)]
 
+pytestmark = pytest.mark.usefixtures("fresh_kernel_cache")
 
+
+def _decode_config(dtype, d, group, sb, stages):
+    return decode_config(dtype, d, group, 16, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages)
+
+
+@pytest.mark.compile_ahead(build=_decode_config)
 @pytest.mark.parametrize("stages", [None, 0], ids=["lane_ring", "registers"])
 @pytest.mark.parametrize("dtype,d,group,sb", DECODE)
 def test_decode_fp8_compiles_without_spills(dtype, d, group, sb, stages):
-    cfg = decode_config(dtype, d, group, 16, kv_dtype="fp8_e4m3", scale_block=sb, stages=stages)
+    cfg = _decode_config(dtype, d, group, sb, stages)
     assert (cfg.stages > 0) == (stages is None) and cfg.sub == (1 if cfg.stages else cfg.sub)
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0, rep
@@ -37,6 +44,7 @@ def _nvrtc_version():
         return (0, 0)
 
 
+@pytest.mark.compile_ahead(build=lambda dtype, d, sb, page_size: default_config(dtype, d, page_size, "fp8_e4m3", sb))
 @pytest.mark.parametrize("page_size", [16, 1], ids=["tma", "cp_async"])  # page 1 cannot take TMA boxes
 @pytest.mark.parametrize("dtype,d,sb", PREFILL)
 def test_prefill_fp8_default_compiles_without_spills(dtype, d, sb, page_size, request):
@@ -176,28 +184,38 @@ def test_dequantizing_fp8_defaults_keep_their_measured_tile():
         assert not c.fp8_scores and (c.BM, c.BN, c.BK, c.stages) == (bm, want_bn, bk, st), (dtype, sb)
 
 
+def _dequant_config(dtype, d, sb, ps):
+    from cukv.configs.dequant import DequantConfig
+
+    return DequantConfig(dtype, d, ps, sb)
+
+
+def _once_config(dtype, d, sb, ps):
+    from cukv.policy.prefill import once_config
+
+    return once_config(dtype, d, ps, "fp8_e4m3", sb)
+
+
 # fp8_prefill='dequantize_first' (cukv/ops/dequant.py): the gather-and-dequantize pass, every granularity
+@pytest.mark.compile_ahead(build=_dequant_config)
 @pytest.mark.parametrize("dtype,d,sb,ps", [("bfloat16", d, sb, 16) for d in (64, 128, 256) for sb in (0, d, 32)]
                          + [("float16", 128, 64, 16), ("bfloat16", 80, 80, 1), ("bfloat16", 512, 128, 48)])
 def test_dequantize_kv_compiles_without_spills_or_stack(dtype, d, sb, ps):
-    from cukv.configs.dequant import DequantConfig
-
-    cfg = DequantConfig(dtype, d, ps, sb)
+    cfg = _dequant_config(dtype, d, sb, ps)
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
 
 
 # fp8_prefill='convert_once' (PrefillConfig.convert_once): what 'auto' takes (token scales at ONCE_HEAD_DIMS, both query
 # dtypes) and what the GPU tests run explicitly (other granularities, head dims and pages)
+@pytest.mark.compile_ahead(build=_once_config)
 @pytest.mark.parametrize("dtype,d,sb,ps", [(dt, d, d, 16) for dt in ("bfloat16", "float16") for d in ONCE_HEAD_DIMS]
                          + [("bfloat16", 128, sb, 16) for sb in (0, 32, 64)]
                          + [("bfloat16", 64, 64, 16), ("bfloat16", 80, 80, 1), ("bfloat16", 256, 128, 16),
                             ("bfloat16", 256, 64, 16), ("bfloat16", 256, 32, 16), ("bfloat16", 256, 0, 16),
                             ("bfloat16", 128, 64, 48)])
 def test_convert_once_compiles_without_spills_or_stack(dtype, d, sb, ps):
-    from cukv.policy.prefill import once_config
-
-    cfg = once_config(dtype, d, ps, "fp8_e4m3", sb)
+    cfg = _once_config(dtype, d, sb, ps)
     rep = cfg.compiled.functions[cfg.name]
     assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.stack_frame == 0, rep
     assert cfg.producer_registers == (80 if cfg.BM == 192 else 72) and cfg.smem_bytes <= 227 * 1024

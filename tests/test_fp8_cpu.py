@@ -384,17 +384,9 @@ def test_fp8_grid_is_a_warp_per_row():
     assert cfg.grid(0, 8) == 1
 
 
-@pytest.fixture(scope="module")
-def fresh_compile_cache(tmp_path_factory):
-    """An empty cubin cache, so the resource reports come from this run's ptxas."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CUKV_CACHE_DIR", str(tmp_path_factory.mktemp("fp8_cache")))
-        mp.delenv("CUKV_NO_COMPILE", raising=False)
-        yield
-
-
+@pytest.mark.compile_ahead(build=lambda cfg: cfg)
 @pytest.mark.parametrize("cfg", FP8_CONFIGS, ids=lambda c: c.name)
-def test_fp8_append_compiles_without_spills(cfg, fresh_compile_cache):
+def test_fp8_append_compiles_without_spills(cfg, fresh_kernel_cache):
     cfg = AppendConfig(**{f: getattr(cfg, f) for f in ("dtype", "head_dim", "page_size", "threads", "kv_dtype",
                                                          "scale_block")})  # a fresh object: no cached module
     mod = cfg.compiled

@@ -2,6 +2,7 @@
 (ops -> configs/policy -> compiler/operand -> leaves; ``autotune``, ``bench`` and ``cli`` on top, imported by nothing
 below them; ``reference`` imports nothing of cukv). Read with ``ast``: no module is imported."""
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,9 @@ def _imports(name: str, path: Path, modules: dict) -> set:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _graph() -> dict:
+    """module -> the cukv modules it imports (parsed once per session; the tests only read it)."""
     modules = _modules()
     return {n: _imports(n, p, modules) for n, p in modules.items()}
 

@@ -17,13 +17,7 @@ ARCH = "sm_90a"
 DTYPES = tuple(MERGE_DTYPES)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_kernel_cache(tmp_path_factory):
-    """Compile into an empty cache: the resource reports below come from this run's NVRTC."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CUKV_CACHE_DIR", str(tmp_path_factory.mktemp("cukv_merge_cache")))
-        mp.delenv("CUKV_NO_COMPILE", raising=False)
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_kernel_cache")  # the resource reports below come from this run's NVRTC
 
 
 def _valid(dtype, head_dim, threads) -> bool:
@@ -99,6 +93,7 @@ def test_args_layout():
     assert MERGE_ARGS.itemsize == 64  # 4 pointers, 3 int64, int32 count + pad: matches MergeArgs
 
 
+@pytest.mark.compile_ahead(build=lambda dtype, head_dim, threads: MergeConfig(dtype, head_dim, threads), arch=ARCH)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,threads", [(64, 128), (80, 128), (128, 128), (192, 256), (256, 64), (512, 512)])
 def test_compiles_for_sm90a_without_spills(dtype, head_dim, threads):

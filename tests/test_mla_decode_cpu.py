@@ -19,7 +19,10 @@ from cukv.policy.mla_decode import (DEFAULT_BLOCK_N, DEFAULT_FP8_ROWS, DEFAULT_L
 ARCH = "sm_90a"
 SHIPPED = mla_decode_policy.shipped() + mla_append.shipped()
 
+pytestmark = pytest.mark.usefixtures("fresh_kernel_cache")
 
+
+@pytest.mark.compile_ahead(build=lambda cfg: cfg, arch=ARCH)
 @pytest.mark.parametrize("cfg", SHIPPED, ids=lambda c: c.name)
 def test_shipped_mla_compiles_without_spills(cfg):
     mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH)
@@ -58,6 +61,7 @@ def test_fp8_config_rules():
     assert cfg.row_bytes == 656 and "static_assert(Pipe::row_bytes == 656" in cfg.render()
 
 
+@pytest.mark.compile_ahead(build=lambda: MLADecodeConfig("bfloat16", 32, 4), arch=ARCH)
 def test_config_static_asserts_compile_for_other_shapes():
     cfg = MLADecodeConfig("bfloat16", 32, 4)
     r = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH).functions[cfg.name]
@@ -193,6 +197,7 @@ ALTERNATE = [MLADecodeConfig(dt, bn, st, schedule="alternate")
              for dt, bn, st in (("bfloat16", 64, 2), ("float16", 64, 2), ("bfloat16", 32, 4))]
 
 
+@pytest.mark.compile_ahead(build=lambda cfg: cfg, arch=ARCH)
 @pytest.mark.parametrize("cfg", ALTERNATE, ids=lambda c: c.name)
 def test_alternate_schedule_compiles_without_spills(cfg):
     """The opt-in alternating consumers: same shared memory as the split ones, no spills, their own name, and no
@@ -224,6 +229,7 @@ SLICED = [MLADecodeConfig("bfloat16", 64, 2, schedule="alternate", tma=True, sli
           MLADecodeConfig("float16", 32, 4, schedule="alternate", tma=True, slice_release=True)]
 
 
+@pytest.mark.compile_ahead(build=lambda cfg: cfg, arch=ARCH)
 @pytest.mark.parametrize("cfg", SLICED, ids=lambda c: c.name)
 def test_slice_release_compiles_without_spills(cfg):
     """Per-slice ring barriers (opt-in): 0 spills, no wgmma wait injected by ptxas (the overlapped P V and Q K^T
@@ -238,6 +244,8 @@ def test_slice_release_compiles_without_spills(cfg):
     assert "MLADecodeSliceConsumer" in cfg.render() and "MLADecodeSliceConsumer" not in alt.render()
 
 
+@pytest.mark.compile_ahead(build=lambda define: (mla_decode_config(num_heads=128, rows=128), {"defines": [define]}),
+                           arch=ARCH)
 @pytest.mark.parametrize("define", ["CUKV_MLA_NO_LOAD", "CUKV_MLA_NO_TMA_PREFETCH", "CUKV_TMA_EVICT_FIRST",
                                     "CUKV_MLA_WAIT_STATS"])
 def test_slice_probe_hooks_compile(define):
@@ -348,6 +356,7 @@ NARROW = [MLADecodeConfig("bfloat16", 64, 2, schedule="narrow", tma=True, lazy_r
           MLADecodeConfig("bfloat16", 64, 2, kv_dtype="fp8_e4m3", schedule="narrow", lazy_rescale=True, block_rows=32)]
 
 
+@pytest.mark.compile_ahead(build=lambda cfg: cfg, arch=ARCH)
 @pytest.mark.parametrize("cfg", NARROW, ids=lambda c: c.name)
 def test_narrow_compiles_without_spills(cfg):
     """The narrow consumers: 0 spills, no wgmma wait injected by ptxas, a query block of the block's rows."""

@@ -18,6 +18,8 @@ FIELD_RE = re.compile(r"MLAPrefillConfig\.(\w+)=")
 FIELDS = ("dtype", "BM", "BN", "stages", "page_size", "pingpong", "pv_wait", "persistent", "tma", "tma_store", "lazy_rescale",
           "smem")
 
+pytestmark = pytest.mark.usefixtures("fresh_kernel_cache")
+
 
 def config_args():
     """Drawn field by field from each field's domain and a little past it (so hypothesis can shrink)."""
@@ -82,6 +84,29 @@ def test_shipped_set():
     assert len(names) == len(set(names)) == 2 * 2 * len(SHIPPED_PAGE_SIZES)  # dtypes x (TILE, WIDE_TILE)
 
 
+def _grid_variant(dtype, page_size, persistent, tma, stages):
+    """The default tile on the persistent grid and/or with the tensor-copy producer."""
+    import dataclasses
+
+    from cukv.policy.mla_prefill import default_config
+
+    # off the persistent grid a one-tile ring of 128 keys needs pv_wait (the config's stages rule)
+    return dataclasses.replace(default_config(dtype, page_size), persistent=persistent, tma=tma, stages=stages,
+                               pv_wait=not persistent or default_config(dtype, page_size).pv_wait)
+
+
+def _tma_store_variant(dtype, page_size, persistent, tma, stages):
+    """The default tile with its output through shared memory by TMA."""
+    import dataclasses
+
+    from cukv.policy.mla_prefill import default_config
+
+    base = default_config(dtype, page_size)
+    return dataclasses.replace(base, persistent=persistent, tma=tma, stages=stages, tma_store=True,
+                               pv_wait=base.pv_wait or not persistent)  # the stages rule off the persistent grid
+
+
+@pytest.mark.compile_ahead(build=lambda cfg: cfg, arch="sm_90a")
 @pytest.mark.parametrize("cfg", shipped(), ids=lambda c: c.name)
 def test_shipped_compiles_without_spills(cfg):
     mod = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a")
@@ -89,23 +114,19 @@ def test_shipped_compiles_without_spills(cfg):
     assert f.spills == 0 and f.stack_frame == 0, f
 
 
+@pytest.mark.compile_ahead(build=_grid_variant, arch="sm_90a")
 @pytest.mark.parametrize("persistent,tma,stages", [(True, False, 2), (False, True, 2), (True, True, 2), (True, True, 3)],
                          ids=["pers", "tma", "pers_tma", "pers_tma_s3"])
 @pytest.mark.parametrize("page_size", SHIPPED_PAGE_SIZES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_grid_and_tma_variants_compile_without_spills(dtype, page_size, persistent, tma, stages):
     """The persistent grid and the tensor-copy producer over the default tile, every shipped rope source."""
-    import dataclasses
-
-    from cukv.policy.mla_prefill import default_config
-
-    # off the persistent grid a one-tile ring of 128 keys needs pv_wait (the config's stages rule)
-    cfg = dataclasses.replace(default_config(dtype, page_size), persistent=persistent, tma=tma, stages=stages,
-                              pv_wait=not persistent or default_config(dtype, page_size).pv_wait)
+    cfg = _grid_variant(dtype, page_size, persistent, tma, stages)
     f = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a").functions[cfg.name]
     assert f.spills == 0 and f.stack_frame == 0, f
 
 
+@pytest.mark.compile_ahead(build=_tma_store_variant, arch="sm_90a")
 @pytest.mark.parametrize("persistent,tma,stages", [(True, True, 3), (False, False, 2), (False, True, 2)],
                          ids=["pers_tma_s3", "base", "tma"])
 @pytest.mark.parametrize("page_size", SHIPPED_PAGE_SIZES)
@@ -113,13 +134,7 @@ def test_grid_and_tma_variants_compile_without_spills(dtype, page_size, persiste
 def test_tma_store_variants_compile_without_spills(dtype, page_size, persistent, tma, stages):
     """The output through shared memory by TMA beside the default tile (the persistent grid with tensor copies) and
     beside one block per item, every shipped rope source."""
-    import dataclasses
-
-    from cukv.policy.mla_prefill import default_config
-
-    base = default_config(dtype, page_size)
-    cfg = dataclasses.replace(base, persistent=persistent, tma=tma, stages=stages, tma_store=True,
-                              pv_wait=base.pv_wait or not persistent)  # the stages rule off the persistent grid
+    cfg = _tma_store_variant(dtype, page_size, persistent, tma, stages)
     assert cfg.out_bytes == 128 * 128 * 2 and cfg.smem_bytes <= SMEM_LIMIT
     f = compiler.compile_source(cfg.name, cfg.render(), arch="sm_90a").functions[cfg.name]
     assert f.spills == 0 and f.stack_frame == 0, f

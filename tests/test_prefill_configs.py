@@ -89,13 +89,8 @@ def _valid_shapes():
 VALID = _valid_shapes()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fresh_kernel_cache(tmp_path_factory):
-    """Compile into an empty cache (reports from this run's NVRTC) with no autotune records in the way."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CUKV_CACHE_DIR", str(tmp_path_factory.mktemp("cukv_cache")))
-        mp.delenv("CUKV_NO_COMPILE", raising=False)
-        yield
+# compiled into the session's fresh cache (reports from this run's NVRTC), with no autotune records in the way
+pytestmark = pytest.mark.usefixtures("fresh_kernel_cache")
 
 
 def test_bn_domain():
@@ -233,6 +228,7 @@ def test_gaps_of_the_domain(args, field):
         PrefillConfig(*args)
 
 
+@pytest.mark.compile_ahead(build=lambda args, tma: PrefillConfig(*args, tma=tma))
 @pytest.mark.parametrize("args,tma", [(("bfloat16", 192, 16, 128, 64, 192, 3), True),
                                       (("bfloat16", 256, 16, 128, 64, 256, 5), True),
                                       (("bfloat16", 192, 16, 128, 64, 192, 2), False),
@@ -332,6 +328,7 @@ def test_batch_prefill_refuses_head_counts(args, match):
         cukv.BatchPrefill(*args, page_size=16)
 
 
+@pytest.mark.compile_ahead(build=lambda: tile_config("bfloat16", 256, 16, *DEFAULTS[256]))
 def test_pv_wait_domain():
     """pv_wait: on by default exactly where the ring holds one tile (d256's 128-key default); it lifts the P-register
     term of the register rule and admits a ring of one tile where that compiles without spills."""

@@ -12,7 +12,10 @@ from cukv.ops.sparse_mla import MAX_COMBINE_TOKENS, SparseMLA, plan_work, sparse
 
 ARCH = "sm_90a"
 
+pytestmark = pytest.mark.usefixtures("fresh_kernel_cache")
 
+
+@pytest.mark.compile_ahead(build=lambda cfg: cfg, arch=ARCH)
 @pytest.mark.parametrize("cfg", shipped(), ids=lambda c: c.name)
 def test_shipped_sparse_compiles_without_spills(cfg):
     mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH)
@@ -21,6 +24,7 @@ def test_shipped_sparse_compiles_without_spills(cfg):
     assert {cfg.name, cfg.name + "_combine"} <= set(mod.functions)
 
 
+@pytest.mark.compile_ahead(build=lambda: SparseMLAConfig("bfloat16", 32, 4, "fp8_e4m3"), arch=ARCH)
 def test_block_n_32_compiles_without_spills():
     cfg = SparseMLAConfig("bfloat16", 32, 4, "fp8_e4m3")
     r = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH).functions[cfg.name]
