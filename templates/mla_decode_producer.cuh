@@ -15,6 +15,12 @@
 // into L2 (cp.async.bulk.prefetch, one instruction a row) PREFETCH tiles ahead of its load and the loads wait
 // for L2, not DRAM (docs/tuning.md, "MLA decode").
 //
+// Cluster pairs (CUKV_MLA_MULTICAST, MLADecodeConfig.multicast): the two row blocks of one chunk read the same rows, so
+// they run as a cluster of two blocks that share the copies: with per-slice barriers each full tile is copied once by
+// TMA multicast into both rings (rank r the slices c % 2 == r); with FP8 rows each block loads and dequantizes half of
+// every tile and copies it into the other's stage with the bulk engine. Every consumer warp then releases a stage (or
+// slice) in both blocks, so neither refills what the other still reads.
+//
 // Sparse MLA (SPARSE = true, MLAPrefillSparse): key j of "sequence" b (one query token) is cache row
 // indices[b][j]; an index outside 0 .. num_rows reads as a zero row like a key past the end. Zero rows score 0,
 // not -inf, so the producer also publishes which rows of each stage are real (kv_valid_producer: one ballot word
