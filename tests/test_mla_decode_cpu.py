@@ -68,7 +68,7 @@ def test_config_static_asserts_compile_for_other_shapes():
     assert r.spills == 0
 
 
-@given(lens=st.lists(st.integers(0, 70000), min_size=1, max_size=40), nrb=st.integers(1, 2),
+@given(lens=st.lists(st.integers(0, 70000), min_size=1, max_size=40), nrb=st.integers(1, 4),
        sms=st.sampled_from([8, 132]), block_n=st.sampled_from([32, 64]))
 def test_plan_items_cover_every_token_once(lens, nrb, sms, block_n):
     items, c = plan_items(lens, nrb, block_n, sms)
@@ -85,6 +85,9 @@ def test_plan_items_cover_every_token_once(lens, nrb, sms, block_n):
             assert all(s[0] % block_n == 0 for s in spans)
     sizes = [e - s for _, _, s, e, _ in items]
     assert sizes == sorted(sizes, reverse=True)
+    if nrb % 2 == 0:  # cluster pairs (MLADecodeConfig.multicast): a chunk's row blocks 2k, 2k + 1 at indices 2i, 2i + 1
+        for x, y in zip(items[0::2], items[1::2]):
+            assert (x[0], x[2], x[3]) == (y[0], y[2], y[3]) and x[1] % 2 == 0 and y[1] == x[1] + 1
 
 
 def test_plan_splits_long_single_sequence():
