@@ -77,6 +77,7 @@ struct MLAKVProducerPipeline {
   static constexpr bool fp8_pair = FP8_ && !SLICES_ && CUKV_MLA_MULTICAST;
   static constexpr int kPeers = multicast || fp8_pair ? 2 : 1;
   static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
+  static constexpr int fp8_rope_byte = kMlaNope + 16;  // an FP8 row's bf16 rope values, after its codes and 4 scales
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
   static constexpr int k_nope_elements = BN * kMlaNope, k_rope_elements = BN * kMlaRope;
   static constexpr int k_nope_bytes = k_nope_elements * (int)sizeof(T);
@@ -259,11 +260,13 @@ struct MLAKVProducerPipeline {
     }
   }
 
-  // Lane l < 8: the rope chunk l of FP8 row `src` (bytes 528 ..; zeros for a null row) into row r of the tile at dst.
+  // Lane l < 8: the rope chunk l of FP8 row `src` (from byte fp8_rope_byte; zeros for a null row) into row r of the
+  // tile at dst.
   __device__ __forceinline__ void copy_rope_chunk(const MLADecodeParams& a, const char* src, u32 dst, int r,
                                                   int lane) const {
     if (lane < 8)
-      cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), src ? src + 528 + 16 * lane : a.cache, src ? 16 : 0);
+      cp_async16(dst + chunk_offset(r, 64 + lane, atom_col_bytes), src ? src + fp8_rope_byte + 16 * lane : a.cache,
+                 src ? 16 : 0);
   }
 
   // The rope chunks of this warp's rows of a tile into stage s as they are (lanes 0-7, cp.async). ROPE_FIRST: issued
@@ -320,7 +323,7 @@ struct MLAKVProducerPipeline {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, kHalfLane + (lane >> 3) + 4 * k);
-      h.rope[k] = src ? ldg_stream16(src + 528 + 16 * (lane & 7)) : make_uint4(0u, 0u, 0u, 0u);
+      h.rope[k] = src ? ldg_stream16(src + fp8_rope_byte + 16 * (lane & 7)) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
 

@@ -231,6 +231,14 @@ class MLADecodeConfig(KernelConfig):
         """The setmaxnreg split (producer, consumer registers per thread)."""
         return FP8_ROWS_REGS[self.fp8_rows] if self.kv_dtype else (PRODUCER_REGS, CONSUMER_REGS)
 
+def check_row_block_pairs(config: "MLADecodeConfig", row_blocks: int, what: str) -> None:
+    """A ``multicast`` config runs a chunk's (sparse: a token's) row blocks in cluster pairs: ``row_blocks`` must be
+    even; ``what`` names the arguments that made it (``"num_heads=64 makes"``)."""
+    if config.multicast and row_blocks % 2:
+        raise ValueError(f"{config.name} runs a chunk's row blocks in cluster pairs (multicast): {what} {row_blocks} "
+                         f"row blocks of {BLOCK_M}; it needs an even count")
+
+
 def tma_box_rows(page_size: int, block_n: int) -> int:
     """Rows per tensor copy of a ``tma`` kernel for this page size: a box never crosses a page or a tile, and boxes
     of fewer than 8 rows are not worth their issue cost (0: every tile by cp.async).

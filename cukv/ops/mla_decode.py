@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from ..configs.mla_decode import (BLOCK_M, BLOCK_NS, DIM, FP8_ROWS_REGS, NARROW_ROWS, NOPE, PARAMS, PREFETCH_TILES,
-                                  ROPE, SCHEDULES, tma_box_rows)
+                                  ROPE, SCHEDULES, check_row_block_pairs, tma_box_rows)
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
@@ -160,20 +160,17 @@ class BatchMLADecode:
         # the policy's config for these rows; a config set by hand (a probe's) stays, and so does the current instance
         # (with the module it compiled) while the choice is the same
         by_hand = self.config is not self._derived
-        cfg = self.config if by_hand else mla_decode_config(*self._choices, rows=rows, multicast=self._multicast)
         nrb = -(-rows // BLOCK_M)
         sms = sm_count()
-        items, self.chunk_tiles = plan_items(lens, nrb, cfg.block_n, sms, chunk_tiles)
-        if not by_hand:  # cluster pairs or not, by the chunks' length
-            cfg = mla_decode_config(*self._choices, rows=rows, multicast=self._multicast, chunk_tiles=self.chunk_tiles)
+        # (block_n is the constructor's choice: the same for every s_q and either form of the pairs)
+        items, self.chunk_tiles = plan_items(lens, nrb, self.config.block_n, sms, chunk_tiles)
+        cfg = self.config if by_hand else mla_decode_config(*self._choices, rows=rows, multicast=self._multicast,
+                                                             chunk_tiles=self.chunk_tiles)  # pairs by chunk length
         cfg = self.config if cfg == self.config else cfg
         if cfg.schedule == "narrow" and rows > cfg.block_rows:
             raise ValueError(f"schedule='narrow' serves at most {cfg.block_rows} query rows; s_q={s_q} x "
                              f"num_heads={self.num_heads} = {rows} ({cfg.name}; use schedule None or 'split')")
-        if cfg.multicast and nrb % 2:
-            raise ValueError(f"{cfg.name} runs a chunk's row blocks in cluster pairs (multicast): s_q={s_q} x "
-                             f"num_heads={self.num_heads} = {rows} rows make {nrb} row blocks of {BLOCK_M}; it needs an "
-                             "even count")
+        check_row_block_pairs(cfg, nrb, f"s_q={s_q} x num_heads={self.num_heads} = {rows} rows make")
         self.config = cfg
         if not by_hand:
             self._derived = cfg

@@ -18,13 +18,13 @@ import math
 
 import numpy as np
 
-from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NARROW_ROWS, NOPE, PARAMS
+from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NARROW_ROWS, NOPE, PARAMS, check_row_block_pairs
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
 from ..policy.mla_decode import plan_items, sparse_mla_config
-from ..validate import (check_bool, check_choice, check_device_array, check_float, check_int, check_per_head, check_planned,
-                        check_sparse_indices, mla_dtypes)
+from ..validate import (check_bool, check_choice, check_device_array, check_float, check_int, check_per_head,
+                        check_planned, check_sparse_indices, mla_dtypes)
 
 MAX_HEADS = 128
 MAX_TOPK = 1 << 20
@@ -131,10 +131,7 @@ class SparseMLA:
                              f"num_heads={self.num_heads}, block_n={block_n!r} (use schedule='split' or None)")
         multicast = check_bool("multicast", multicast) if multicast is not None else None
         self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages, self.num_heads, schedule, multicast)
-        if self.config.multicast and -(-self.num_heads // BLOCK_M) % 2:
-            raise ValueError(f"{self.config.name} runs a token's row blocks in cluster pairs (multicast): "
-                             f"num_heads={self.num_heads} makes {-(-self.num_heads // BLOCK_M)} row blocks of "
-                             f"{BLOCK_M}; it needs an even count")
+        check_row_block_pairs(self.config, -(-self.num_heads // BLOCK_M), f"num_heads={self.num_heads} makes")
         self.dtype = dt
         self._planned = False
         self._device = None

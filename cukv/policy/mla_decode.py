@@ -141,8 +141,8 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     :data:`SLICE_RELEASE_MIN_HEADS` ``num_heads``; ``multicast``, for the per-slice kernels and an FP8 cache's
     "split" one, by default :data:`DEFAULT_MULTICAST` where ``rows`` make an even count of 64-row blocks and the
     plan's ``chunk_tiles``, when known, are at least :data:`MULTICAST_MIN_TILES`; an FP8 pair's producer
-    defaults are :data:`FP8_PAIR_ROWS` and :data:`FP8_PAIR_PREFETCH`). ``rows`` (``s_q * num_heads``, when known) picks the "narrow" schedule up to
-    :data:`NARROW_MAX_ROWS` and its block of 16 or 32 rows."""
+    defaults are :data:`FP8_PAIR_ROWS` and :data:`FP8_PAIR_PREFETCH`). ``rows`` (``s_q * num_heads``, when known)
+    picks the "narrow" schedule up to :data:`NARROW_MAX_ROWS` and its block of 16 or 32 rows."""
     asked_pf, asked_rows = prefetch_tiles, fp8_rows
     if schedule is None and not slice_release and _narrow(rows, block_n):
         schedule = "narrow"
@@ -200,7 +200,6 @@ def shipped() -> list[MLADecodeConfig]:
     """The MLA decode specializations compiled ahead of time (cukv/specs.py): the default configs of each 16-bit
     dtype and of an FP8 cache (few heads, and from :data:`SLICE_RELEASE_MIN_HEADS` on, with cluster pairs and
     without)."""
-    heads = (None, SLICE_RELEASE_MIN_HEADS)
     narrow = [mla_decode_config(dt, kvd, rows=r) for dt, kvd in (("bfloat16", None), ("float16", None),
                                                                  ("bfloat16", "fp8_e4m3")) for r in NARROW_ROWS]
     wide = SLICE_RELEASE_MIN_HEADS  # the h128 kernels with and without cluster pairs (by chunk length)
