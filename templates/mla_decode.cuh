@@ -16,6 +16,26 @@
 #define CUKV_MLA_LAZY_RESCALE 0
 #endif
 
+// CUKV_MLA_TIMELINE (probe only): per block, the global timer at entry (0), after the barriers' set-up (1), when each
+// consumer warpgroup has finished its item (2, 3), at exit (4), and (slice consumers) when the query block has
+// landed (5) and warpgroup 0's last tile is done (6); the SM in slot 7.
+#ifdef CUKV_MLA_TIMELINE
+extern "C" __device__ unsigned long long cukv_mla_timeline[16384 * 8];
+#define MLA_TIMELINE_AT(k) (cukv_mla_timeline[blockIdx.x * 8 + (k)] = cukv::globaltimer_ns())
+#define MLA_TIMELINE(k)                                                   \
+  do {                                                                    \
+    if (threadIdx.x == 0) {                                               \
+      MLA_TIMELINE_AT(k);                                                 \
+      unsigned sm;                                                        \
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));                      \
+      cukv_mla_timeline[blockIdx.x * 8 + 7] = sm;                         \
+    }                                                                     \
+  } while (0)
+#else
+#define MLA_TIMELINE_AT(k) ((void)0)
+#define MLA_TIMELINE(k) ((void)0)
+#endif
+
 namespace cukv {
 
 constexpr int kMlaDim = 576, kMlaNope = 512, kMlaRope = 64;
@@ -33,9 +53,11 @@ struct MLADecodeParams {
   const int* block_table;
   const int* seq_lens;   // [B]
   const int* items;      // [capacity, 8]: batch, row block, first token, end token, partial slot (-1: direct)
-  const int* num_items;  // device scalar: blocks past it return at once
+  const int* num_items;  // [2]: the items (blocks past them return at once), the row blocks listed in comb_rbs
   const int* rb_indptr;  // [B * row_blocks + 1]: the items of each (sequence, row block) ...
   const int* rb_slots;   // ... as partial slots, for the combine kernel
+  const int4* comb_rbs;  // the (sequence, row block)s split into chunks, for the combine kernel: sequence *
+                         // row_blocks + row block, its first entry in rb_slots, its chunks, 0
   long long q_nope_stride[3], q_pe_stride[3];
   long long page_stride, row_stride, table_stride;  // bytes, bytes, elements
   int num_pages, page_size, table_width, batch;
@@ -75,5 +97,6 @@ __device__ __forceinline__ int mla_row_limit(const MLADecodeParams& a, const MLA
   const int lim = len - (a.s_q - 1 - i);
   return lim < w.end ? lim : w.end;
 }
+
 
 }  // namespace cukv

@@ -1,9 +1,11 @@
 // Combine kernel of absorbed MLA decode: merges the float32 partials of the chunks of one (sequence, row block)
-// by their LSE (natural log), applies the sink, writes the output row and its LSE. Rows whose row block was
-// one chunk were written by the main kernel and are skipped. A partial with LSE -inf (no visible key) is
-// never read. One block of 128 threads per query row, 4 columns per thread: the chunks' slots and weights
-// are gathered once into shared memory (a thread per chunk), so the accumulation loop has one independent
-// 16-byte load per chunk.
+// by their LSE (natural log), applies the sink, writes the output row and its LSE. Only the row blocks the plan
+// lists (comb_rbs, num_items[1] of them: those split into chunks, with the range of their partial slots) are
+// visited; the others were written by the main kernel. The grid is fixed (a captured launch serves every later
+// plan) and strides over the listed row blocks' rows, so a plan with nothing to merge costs one load per block. A
+// partial with LSE -inf (no visible key) is never read. A block of 128 threads takes one query row at a time, 4
+// columns per thread: the chunks' slots and weights are gathered once into shared memory (a thread per chunk), so
+// the accumulation loop has one independent 16-byte load per chunk.
 #pragma once
 #include "mla_decode.cuh"
 
@@ -24,18 +26,11 @@ __device__ __forceinline__ float mla_block_reduce(float v, float* red, bool is_m
   return v;
 }
 
+// One query row R (row `row` of its row block) of sequence b, its n >= 2 chunks' slots at rb_slots[first ...].
 // Sparse (SPARSE = true) also merges the chunks' max logits into max_logits.
-template <typename T, bool SPARSE = false>
-__device__ void mla_decode_combine(const MLADecodeParams& a) {
-  __shared__ float s_w[kMlaMaxChunks];
-  __shared__ int s_slot[kMlaMaxChunks];
-  __shared__ float s_red[4];
-  const int R = blockIdx.x, b = blockIdx.y;
-  if (R >= a.rows || b >= a.batch) return;
-  const int rb = R / kMlaBlockM, row = R - rb * kMlaBlockM;
-  const int k = b * a.row_blocks + rb;
-  const int first = a.rb_indptr[k], n = a.rb_indptr[k + 1] - first;
-  if (n <= 1) return;
+template <typename T, bool SPARSE>
+__device__ __forceinline__ void mla_combine_row(const MLADecodeParams& a, int b, int R, int row, int first, int n,
+                                                float* s_w, int* s_slot, float* s_red) {
   float mx = -CUKV_INF;
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     const int slot = a.rb_slots[first + j];
@@ -72,7 +67,8 @@ __device__ void mla_decode_combine(const MLADecodeParams& a) {
   for (int j = 0; j < n; ++j) {
     const float wgt = s_w[j];
     if (wgt == 0.f) continue;  // an empty partial: never read
-    const float4 v = *reinterpret_cast<const float4*>(a.part_o + ((long long)s_slot[j] * kMlaBlockM + row) * kMlaNope + 4 * threadIdx.x);
+    const float4 v = *reinterpret_cast<const float4*>(a.part_o + ((long long)s_slot[j] * kMlaBlockM + row) * kMlaNope +
+                                                      4 * threadIdx.x);
     acc.x += wgt * v.x;
     acc.y += wgt * v.y;
     acc.z += wgt * v.z;
@@ -83,6 +79,27 @@ __device__ void mla_decode_combine(const MLADecodeParams& a) {
   if (a.sink != nullptr) f /= 1.f + __expf(a.sink[h] - lse);
   *reinterpret_cast<uint2*>(out) = make_uint2(ElemTraits<T>::pack(acc.x * f, acc.y * f), ElemTraits<T>::pack(acc.z * f, acc.w * f));
   if (a.lse != nullptr && threadIdx.x == 0) a.lse[orow] = lse;
+}
+
+template <typename T, bool SPARSE = false>
+__device__ void mla_decode_combine(const MLADecodeParams& a) {
+  __shared__ float s_w[kMlaMaxChunks];
+  __shared__ int s_slot[kMlaMaxChunks];
+  __shared__ float s_red[4];
+  const int per_rb = a.rows < kMlaBlockM ? a.rows : kMlaBlockM;  // rows of a row block, the last one's may be fewer
+  const int work = a.num_items[1] * per_rb;
+  // The first entry is loaded beside the count: the grid never exceeds the listed capacity's rows
+  // (cukv.ops.mla_decode.launch_combine), so the index is in the list's buffer either way.
+  int4 e = a.comb_rbs[blockIdx.x / per_rb];
+#pragma unroll 1
+  for (int i = blockIdx.x; i < work; i += gridDim.x) {
+    if (i != (int)blockIdx.x) e = a.comb_rbs[i / per_rb];
+    const int b = e.x / a.row_blocks, rb = e.x - b * a.row_blocks;
+    const int row = i - (i / per_rb) * per_rb, R = rb * kMlaBlockM + row;
+    if (R >= a.rows || e.z <= 1) continue;  // (uniform over the block)
+    mla_combine_row<T, SPARSE>(a, b, R, row, e.y, e.z, s_w, s_slot, s_red);
+    __syncthreads();  // the next row's gather reuses s_w and s_slot
+  }
 }
 
 }  // namespace cukv

@@ -340,8 +340,10 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
     mbar_wait(pipe.q_full(), 0);
+    if (g == 0 && t == 0) MLA_TIMELINE_AT(5);
     fence_proxy_async();
     CUKV_MLA_WS(6, if (g == 0) consume0(a, w, n_tiles, lim0, lim1); else consume1(a, w, n_tiles, lim0, lim1));
+    if (g == 0 && t == 0) MLA_TIMELINE_AT(6);
 #ifdef CUKV_MLA_WAIT_STATS
     ws_[7] = 1;
     if (t == 0)

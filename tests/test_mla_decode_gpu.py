@@ -316,6 +316,39 @@ def test_mla_decode_cuda_graph_replay(rng, schedule):
     np.testing.assert_allclose(lse.get(), rl, atol=2e-3)
 
 
+@pytest.mark.parametrize("heads", [16, 128])
+def test_mla_decode_graph_captured_without_splits_replays_splits(rng, heads):
+    """A plan with nothing to merge launches no combine kernel outside a capture; a captured run launches it all the
+    same, so a later plan that splits sequences replays correctly (and the other way round)."""
+    import cupy as cp
+
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    short, long = [64, 30, 0], [5000, 4000, 100]
+    cache, table, q, qv, vals, table_h = make_problem(rng, [5000, 5000, 100], 1, heads, 64, garbage=False)
+    dec = BatchMLADecode(heads).plan(short, 1)
+    assert dec.combine_row_blocks == 0
+    out = cp.zeros((3, 1, heads, 512), cp.uint16)
+    lse = cp.zeros((3, 1, heads), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        dec.run(q, cache, table, out=out, lse=lse)
+        stream.begin_capture()
+        dec.run(q, cache, table, out=out, lse=lse, stream=stream)
+        graph = stream.end_capture()
+    for lens in (long, short, long):
+        dec.plan(lens, 1)
+        assert (dec.combine_row_blocks > 0) == (lens is long)
+        out.fill(0x7FC0)  # NaN: every row must be written again
+        replay(graph, stream)
+        stream.synchronize()
+        ro, rl = reference.mla_decode(qv, np.nan_to_num(vals), table_h, lens)
+        np.testing.assert_allclose(_to_host(out, "bfloat16"), ro, atol=2e-2, rtol=2e-2)
+        np.testing.assert_allclose(lse.get(), rl, atol=2e-3)
+        direct = dec.run(q, cache, table)  # outside the capture: the combine only where the plan split
+        np.testing.assert_array_equal(direct.get(), out.get())
+
+
 def test_mla_decode_bad_input_writes_nothing(rng):
     import cupy as cp
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from cukv import compiler, reference
 from cukv.configs.sparse_mla import SparseMLAConfig
 from cukv.policy.mla_decode import sparse_shipped as shipped
-from cukv.ops.sparse_mla import MAX_COMBINE_TOKENS, SparseMLA, plan_work, sparse_indices
+from cukv.ops.sparse_mla import SparseMLA, plan_work, sparse_indices
 
 ARCH = "sm_90a"
 
@@ -123,6 +123,13 @@ def test_plan_work_covers_every_list_once(tokens, topk, nrb, sms, block_n):
     assert indptr[-1] == len(slots) and (np.diff(indptr) >= 0).all()
 
 
-def test_plan_work_never_splits_past_the_combine_grid():
-    items, indptr, slots, c = plan_work(MAX_COMBINE_TOKENS + 1, 128, 1, 64, 132)
-    assert slots.size == 0 and (items[:, 4] == -1).all() and len(items) == MAX_COMBINE_TOKENS + 1
+def test_combine_list_names_the_split_row_blocks():
+    from cukv.ops.mla_decode import combine_list
+    items, indptr, slots, c = plan_work(num_tokens=3, topk=4096, row_blocks=2, block_n=64, num_sms=132)
+    listed = combine_list(indptr)
+    split = sorted({int(b) * 2 + int(rb) for b, rb, _, _, part in items[:, :5] if part >= 0})
+    assert listed.dtype == np.int32 and listed[:, 0].tolist() == split and len(split) == 6
+    for k, first, n, _ in listed:  # each row block's partial slots, as rb_slots holds them
+        assert (first, n) == (indptr[k], indptr[k + 1] - indptr[k])
+    # one chunk: written directly, not listed
+    assert combine_list(np.array([0, 0, 1, 3, 3, 5])).tolist() == [[2, 1, 2, 0], [4, 3, 2, 0]]

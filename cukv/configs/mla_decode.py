@@ -45,7 +45,7 @@ PREFETCH_TILES = (0, 1, 2, 3, 4)
 PARAMS = np.dtype([
     ("q_nope", "<u8"), ("q_pe", "<u8"), ("out", "<u8"), ("lse", "<u8"), ("part_o", "<u8"), ("part_lse", "<u8"),
     ("sink", "<u8"), ("cache", "<u8"), ("block_table", "<u8"), ("seq_lens", "<u8"), ("items", "<u8"),
-    ("num_items", "<u8"), ("rb_indptr", "<u8"), ("rb_slots", "<u8"),
+    ("num_items", "<u8"), ("rb_indptr", "<u8"), ("rb_slots", "<u8"), ("comb_rbs", "<u8"),
     ("q_nope_stride", "<i8", (3,)), ("q_pe_stride", "<i8", (3,)),
     ("page_stride", "<i8"), ("row_stride", "<i8"), ("table_stride", "<i8"),
     ("num_pages", "<i4"), ("page_size", "<i4"), ("table_width", "<i4"), ("batch", "<i4"),

@@ -21,7 +21,7 @@ from ..configs.mla_decode import (BLOCK_M, BLOCK_NS, DIM, FP8_ROWS_REGS, NARROW_
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
-from ..policy.mla_decode import mla_decode_config, plan_items
+from ..policy.mla_decode import COMBINE_BLOCKS_PER_SM, mla_decode_config, plan_items
 from ..validate import (check_bool, check_choice, check_device_array, check_float, check_int, check_per_head, check_planned,
                         check_table, checked, host_ints, mla_dtypes)
 
@@ -182,8 +182,9 @@ class BatchMLADecode:
         if cap > self._cap or (b, s_q) != (getattr(self, "batch_size", None), getattr(self, "s_q", None)):
             self._cap = cap
             self._items = cp.zeros((cap, 8), cp.int32)
-            self._num_items = cp.zeros((1,), cp.int32)
+            self._num_items = cp.zeros((2,), cp.int32)
             self._rb_indptr = cp.zeros((b * nrb + 1,), cp.int32)
+            self._comb_rbs = cp.zeros((b * nrb, 4), cp.int32)
             self._rb_slots = cp.zeros((cap,), cp.int32)
             self._lens = cp.zeros((b,), cp.int32)
             self._part_o = cp.empty((cap, BLOCK_M, NOPE), cp.float32)
@@ -197,13 +198,16 @@ class BatchMLADecode:
         indptr[1:] = np.cumsum([len(x) for x in per_rb])
         slots = np.zeros(self._cap, np.int32)
         slots[:indptr[-1]] = [i for x in per_rb for i in x]
+        comb = combine_list(indptr)
         self._items.set(host)
-        self._num_items.set(np.array([len(items)], np.int32))
+        self._num_items.set(np.array([len(items), len(comb)], np.int32))
         self._rb_indptr.set(indptr)
+        self._comb_rbs[:len(comb)].set(comb)
         self._rb_slots.set(slots)
         self._lens.set(lens.astype(np.int32))
         self._host_lens = lens
         self.batch_size, self.s_q, self.row_blocks, self.num_items = b, s_q, nrb, len(items)
+        self.combine_row_blocks = len(comb)
         self.max_seq_len = int(lens.max())
         mod = self.config.compiled
         self._fn = mod.function(self.config.name, self.config.smem_bytes)
@@ -303,13 +307,17 @@ class BatchMLADecode:
         rec["block_table"], rec["table_stride"], rec["table_width"] = ptr(bt), bt.strides[0] // 4, bt.shape[1]
         rec["seq_lens"], rec["items"], rec["num_items"] = ptr(self._lens), ptr(self._items), ptr(self._num_items)
         rec["rb_indptr"], rec["rb_slots"] = ptr(self._rb_indptr), ptr(self._rb_slots)
+        rec["comb_rbs"] = ptr(self._comb_rbs)
         rec["batch"], rec["s_q"], rec["heads"], rec["rows"] = b, s_q, h, s_q * h
         rec["row_blocks"], rec["scale_log2"] = self.row_blocks, scale * math.log2(math.e)
         arg = as_kernel_arg(rec)
         args = (arg, _cache_map(cache, self.config.block_n)) if self.config.tma else (arg,)
-        with (stream or cp.cuda.get_current_stream()):
+        stream = stream or cp.cuda.get_current_stream()
+        with stream:
             self._fn((self._cap,), (self.config.num_threads,), args, shared_mem=self.config.smem_bytes)
-            self._combine((s_q * h, b), (128,), (arg,))
+            # a captured launch serves later plans of this batch: it covers every row block
+            launch_combine(self._combine, arg, b * self.row_blocks if capturing(stream) else self.combine_row_blocks,
+                           s_q * h)
         return (out, lse) if return_lse else out
 
 
@@ -338,6 +346,31 @@ def mla_decode(q, cache: MLAKVCache, block_table, seq_lens, *, kv_dtype=None, **
     kvd = kv_dtype if kv_dtype is not None else ("fp8_e4m3" if cache.quantized else None)
     dec = BatchMLADecode(qa.shape[2], dt, kv_dtype=kvd).plan(seq_lens, qa.shape[1])
     return dec.run(q, cache, block_table, **kwargs)
+
+
+def combine_list(rb_indptr) -> np.ndarray:
+    """The row blocks the combine kernel merges: ``[n, 4]`` int32 rows (``sequence * row_blocks + row block``, its
+    first entry in ``rb_slots``, its chunks, 0) of the entries of ``rb_indptr`` split into more than one chunk."""
+    indptr = np.asarray(rb_indptr, np.int64)
+    k = np.flatnonzero(np.diff(indptr) > 1)
+    return np.stack([k, indptr[k], indptr[k + 1] - indptr[k], np.zeros_like(k)], axis=1).astype(np.int32)
+
+
+def capturing(stream) -> bool:
+    """Whether ``stream`` is capturing a CUDA graph (a query CUDA refuses, such as the legacy stream's beside a
+    global capture, counts as capturing)."""
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # noqa: BLE001 (cupy raises its CUDARuntimeError, or a driver error)
+        return True
+
+
+def launch_combine(fn, arg, row_blocks: int, rows: int) -> None:
+    """The combine kernel over ``row_blocks`` listed row blocks of ``rows`` query rows (at most 64 per block) on the
+    current stream; none: no launch. The grid strides over the listed rows (templates/mla_decode_combine.cuh)."""
+    if row_blocks:
+        work = row_blocks * min(rows, BLOCK_M)
+        fn((min(work, COMBINE_BLOCKS_PER_SM * sm_count()),), (128,), (arg,))
 
 
 def _cache_map(cache: MLAKVCache, block_n: int):

@@ -21,6 +21,7 @@ import numpy as np
 from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NARROW_ROWS, NOPE, PARAMS, check_row_block_pairs
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
+from .mla_decode import combine_list, launch_combine
 from ..operand import as_kernel_arg, ptr
 from ..policy.mla_decode import plan_items, sparse_mla_config
 from ..validate import (check_bool, check_choice, check_device_array, check_float, check_int, check_per_head,
@@ -28,7 +29,6 @@ from ..validate import (check_bool, check_choice, check_device_array, check_floa
 
 MAX_HEADS = 128
 MAX_TOPK = 1 << 20
-MAX_COMBINE_TOKENS = 65535  # the combine kernel's grid.y; more tokens than this are never split
 FLOAT16 = ("bfloat16", "float16")
 
 
@@ -44,10 +44,9 @@ def _as_cache(kv) -> MLAKVCache:
 def plan_work(num_tokens: int, topk: int, row_blocks: int, block_n: int, num_sms: int,
               chunk_tiles: int | None = None):
     """The host side of :meth:`SparseMLA.plan`: every token's list of ``topk`` keys cut into chunks as the MLA decode
-    cuts a sequence (:func:`~cukv.policy.mla_decode.plan_items`; whole lists, no combine, past
-    ``MAX_COMBINE_TOKENS`` tokens). Returns ``items[n, 8]`` int32 (token, row block, first key, end key, partial
-    slot or -1), ``rb_indptr[num_tokens * row_blocks + 1]`` and ``rb_slots`` int32 (the partial slots of each split
-    (token, row block), numbered 0.. in a compact range), and the chunk length in tiles.
+    cuts a sequence (:func:`~cukv.policy.mla_decode.plan_items`). Returns ``items[n, 8]`` int32 (token, row block,
+    first key, end key, partial slot or -1), ``rb_indptr[num_tokens * row_blocks + 1]`` and ``rb_slots`` int32 (the
+    partial slots of each split (token, row block), numbered 0.. in a compact range), and the chunk length in tiles.
 
     Examples
     --------
@@ -58,8 +57,6 @@ def plan_work(num_tokens: int, topk: int, row_blocks: int, block_n: int, num_sms
     >>> plan_work(num_tokens=4096, topk=2048, row_blocks=2, block_n=64, num_sms=132)[2].size   # prefill: none
     0
     """
-    if num_tokens > MAX_COMBINE_TOKENS:
-        chunk_tiles = -(-topk // block_n)  # whole lists: the combine's grid.y holds the tokens
     items, chunk = plan_items(np.full(num_tokens, topk), row_blocks, block_n, num_sms, chunk_tiles)
     host = np.zeros((len(items), 8), np.int32)
     per_rb = {}
@@ -149,14 +146,16 @@ class SparseMLA:
         host, indptr, slots, self.chunk_tiles = plan_work(t_n, topk, nrb, bn, sm_count(), chunk_tiles)
         n_parts = len(slots)
         self._items = cp.asarray(host)
-        self._num_items = cp.asarray(np.array([len(host)], np.int32))
+        comb = combine_list(indptr)
+        self._num_items = cp.asarray(np.array([len(host), len(comb)], np.int32))
         self._rb_indptr = cp.asarray(indptr) if n_parts else None
         self._rb_slots = cp.asarray(slots) if n_parts else None
+        self._comb_rbs = cp.asarray(comb) if n_parts else None
         self._part_o = cp.empty((n_parts, BLOCK_M, NOPE), cp.float32) if n_parts else None
         self._part_lse = cp.empty((n_parts, BLOCK_M), cp.float32) if n_parts else None
         self._part_max = cp.empty((n_parts, BLOCK_M), cp.float32) if n_parts else None
         self.num_tokens, self.topk, self.row_blocks = t_n, topk, nrb
-        self.num_items, self.num_parts = len(host), n_parts
+        self.num_items, self.num_parts, self.combine_row_blocks = len(host), n_parts, len(comb)
         mod = self.config.compiled
         self._fn = mod.function(self.config.name, self.config.smem_bytes)
         self._combine = mod.function(self.config.name + "_combine")
@@ -222,6 +221,7 @@ class SparseMLA:
         rec["num_rows"] = min(cache.num_pages * cache.page_size, 2 ** 31 - 1)
         rec["items"], rec["num_items"] = ptr(self._items), ptr(self._num_items)
         rec["rb_indptr"], rec["rb_slots"] = ptr(self._rb_indptr), ptr(self._rb_slots)
+        rec["comb_rbs"] = ptr(self._comb_rbs)
         rec["batch"], rec["s_q"], rec["heads"], rec["rows"] = t_n, 1, h, h
         rec["row_blocks"], rec["scale_log2"] = self.row_blocks, scale * math.log2(math.e)
         rec["indices"], rec["indices_stride"], rec["topk"] = ptr(idx), stride, self.topk
@@ -229,8 +229,7 @@ class SparseMLA:
         arg = as_kernel_arg(rec)
         with (stream or cp.cuda.get_current_stream()):
             self._fn((self.num_items,), (self.config.num_threads,), (arg,), shared_mem=self.config.smem_bytes)
-            if self.num_parts:
-                self._combine((h, t_n), (128,), (arg,))
+            launch_combine(self._combine, arg, self.combine_row_blocks, h)  # (the plan is the shapes': fixed)
         return out, lse, max_logits
 
 

@@ -70,6 +70,9 @@ ITEM_OVERHEAD_TILES = 8.0
 #: chunks per (sequence, row block): the combine kernel's shared arrays (kMlaMaxChunks in mla_decode_combine.cuh)
 MAX_CHUNKS = 512
 
+#: combine kernel blocks per SM (its grid strides over the rows to merge): 16 blocks of 128 threads fill an SM's 2048 threads
+COMBINE_BLOCKS_PER_SM = 16
+
 
 def _makespan(costs: list[float], slots: int) -> float:
     """Finish time of blocks of these costs launched in order onto ``slots`` SMs (each takes the next block)."""
