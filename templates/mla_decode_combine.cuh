@@ -3,9 +3,9 @@
 // lists (comb_rbs, num_items[1] of them: those split into chunks, with the range of their partial slots) are
 // visited; the others were written by the main kernel. The grid is fixed (a captured launch serves every later
 // plan) and strides over the listed row blocks' rows, so a plan with nothing to merge costs one load per block. A
-// partial with LSE -inf (no visible key) is never read. A block of 128 threads takes one query row at a time, 4
-// columns per thread: the chunks' slots and weights are gathered once into shared memory (a thread per chunk), so
-// the accumulation loop has one independent 16-byte load per chunk.
+// partial with LSE -inf (no visible key) is never read. A block of 128 threads takes one query row at a time: the
+// chunks' slots and weights are gathered once into shared memory (a thread per chunk), each warp adds a quarter of
+// the chunks over the whole row, and the four sums meet in shared memory (4 columns per thread written).
 #pragma once
 #include "mla_decode.cuh"
 
@@ -30,7 +30,7 @@ __device__ __forceinline__ float mla_block_reduce(float v, float* red, bool is_m
 // Sparse (SPARSE = true) also merges the chunks' max logits into max_logits.
 template <typename T, bool SPARSE>
 __device__ __forceinline__ void mla_combine_row(const MLADecodeParams& a, int b, int R, int row, int first, int n,
-                                                float* s_w, int* s_slot, float* s_red) {
+                                                float* s_w, int* s_slot, float* s_red, float* s_acc) {
   float mx = -CUKV_INF;
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     const int slot = a.rb_slots[first + j];
@@ -62,17 +62,38 @@ __device__ __forceinline__ void mla_combine_row(const MLADecodeParams& a, int b,
     sum += wgt;
   }
   sum = mla_block_reduce(sum, s_red, false);  // its __syncthreads also publishes s_w
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int j = 0; j < n; ++j) {
+  // Warp w adds chunks w, w + 4, ... over all 512 columns (lane l: columns 4 (l + 32 c), c = 0..3), so a thread has
+  // four independent loads per chunk and a row of many chunks a quarter of the chain; the warps' sums meet in s_acc.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float4 part[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) part[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float* base = a.part_o + (long long)row * kMlaNope + 4 * lane;
+#pragma unroll 2
+  for (int j = warp; j < n; j += 4) {
     const float wgt = s_w[j];
     if (wgt == 0.f) continue;  // an empty partial: never read
-    const float4 v = *reinterpret_cast<const float4*>(a.part_o + ((long long)s_slot[j] * kMlaBlockM + row) * kMlaNope +
-                                                      4 * threadIdx.x);
-    acc.x += wgt * v.x;
-    acc.y += wgt * v.y;
-    acc.z += wgt * v.z;
-    acc.w += wgt * v.w;
+    const float* p = base + (long long)s_slot[j] * (kMlaBlockM * kMlaNope);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float4 v = *reinterpret_cast<const float4*>(p + 128 * c);
+      part[c].x += wgt * v.x;
+      part[c].y += wgt * v.y;
+      part[c].z += wgt * v.z;
+      part[c].w += wgt * v.w;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) reinterpret_cast<float4*>(s_acc + warp * kMlaNope)[lane + 32 * c] = part[c];
+  __syncthreads();
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float4 v = reinterpret_cast<const float4*>(s_acc + w * kMlaNope)[threadIdx.x];
+    acc.x += v.x;
+    acc.y += v.y;
+    acc.z += v.z;
+    acc.w += v.w;
   }
   const float lse = mx + __logf(sum);
   float f = 1.f / sum;
@@ -86,6 +107,7 @@ __device__ void mla_decode_combine(const MLADecodeParams& a) {
   __shared__ float s_w[kMlaMaxChunks];
   __shared__ int s_slot[kMlaMaxChunks];
   __shared__ float s_red[4];
+  __shared__ __align__(16) float s_acc[4 * kMlaNope];  // the four warps' sums of a row
   const int per_rb = a.rows < kMlaBlockM ? a.rows : kMlaBlockM;  // rows of a row block, the last one's may be fewer
   const int work = a.num_items[1] * per_rb;
   // The first entry is loaded beside the count: the grid never exceeds the listed capacity's rows
@@ -97,8 +119,8 @@ __device__ void mla_decode_combine(const MLADecodeParams& a) {
     const int b = e.x / a.row_blocks, rb = e.x - b * a.row_blocks;
     const int row = i - (i / per_rb) * per_rb, R = rb * kMlaBlockM + row;
     if (R >= a.rows || e.z <= 1) continue;  // (uniform over the block)
-    mla_combine_row<T, SPARSE>(a, b, R, row, e.y, e.z, s_w, s_slot, s_red);
-    __syncthreads();  // the next row's gather reuses s_w and s_slot
+    mla_combine_row<T, SPARSE>(a, b, R, row, e.y, e.z, s_w, s_slot, s_red, s_acc);
+    __syncthreads();  // the next row's gather reuses s_w, s_slot and s_acc
   }
 }
 
