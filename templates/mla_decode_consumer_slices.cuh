@@ -79,6 +79,10 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
 
   int cp_from = 0;  // the first tile that came by cp.async (Pipe::tma_tiles); the ones before by tensor copies
   int peer = 0;     // multicast: the other block of the cluster pair
+  int ring0 = 0;    // persistent: the ring position of the item's tile 0 (tiles of earlier items of this block)
+
+  // The ring position of the item's tile `it`.
+  __device__ __forceinline__ int rp(int it) const { return Pipe::persistent ? ring0 + it : it; }
 #ifdef CUKV_MLA_WAIT_STATS
   mutable unsigned ws_[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #endif
@@ -87,14 +91,14 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
 
   // Slice c of tile `it` has landed (its wgmma reads may start).
   __device__ __forceinline__ void wait_slice(int it, int c) const {
-    mbar_wait(pipe.full(it % STAGES, c), (it / STAGES) & 1);
+    mbar_wait(pipe.full(rp(it) % STAGES, c), (rp(it) / STAGES) & 1);
     if (it >= cp_from) fence_proxy_async();  // a cp.async tile's copies (generic proxy) -> wgmma reads
   }
   // This warp is done with slice c of tile `it` (multicast: in both blocks of the pair, whose copies it shares).
   __device__ __forceinline__ void release(int it, int c) const {
     if (lane == 0) {
-      mbar_arrive(pipe.empty(it % STAGES, c));
-      if constexpr (Pipe::multicast) mbar_arrive_remote(cluster_map(pipe.empty(it % STAGES, c), peer));
+      mbar_arrive(pipe.empty(rp(it) % STAGES, c));
+      if constexpr (Pipe::multicast) mbar_arrive_remote(cluster_map(pipe.empty(rp(it) % STAGES, c), peer));
     }
   }
   __device__ __forceinline__ void release_v(int it) const {  // this warpgroup's V slices (its output columns)
@@ -104,6 +108,12 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   __device__ __forceinline__ void release_scored(int it) const {  // all 9, after this warpgroup's Q K^T of `it`
 #pragma unroll
     for (int c = 0; c < kSlices; ++c) release(it, c);
+  }
+  // persistent: after this warpgroup's Q K^T of tile `it` has completed, its last of the item (the next would be
+  // it + 2), this warp is done with the query block (q_empty: the producer may load the next item's).
+  __device__ __forceinline__ void release_q(int it, int n_tiles) const {
+    if constexpr (Pipe::persistent)
+      if (it + 2 >= n_tiles && lane == 0) mbar_arrive(pipe.q_empty());
   }
   __device__ __forceinline__ void wait_v(int it) const {  // this warpgroup's V slices of a tile it did not score
 #pragma unroll
@@ -115,7 +125,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   template <int G, int J0, int J1>
   __device__ __forceinline__ void qk_slices(float (&s)[kSRegs], int it) const {
     const u64 qd = sw128_desc(pipe.q(), 1, 1024);
-    const u64 kd = sw128_desc(pipe.stage(it % STAGES), 1, 1024);
+    const u64 kd = sw128_desc(pipe.stage(rp(it) % STAGES), 1, 1024);
 #pragma unroll
     for (int j = J0; j < J1; ++j) {
       const int c = Pipe::slice_order(G, j);
@@ -131,7 +141,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
 
   // kSmemP: the shared address of the P of tile `it` (its stage's rope slice)
   __device__ __forceinline__ u32 p_tile(int it) const {
-    return pipe.stage(it % STAGES) + (u32)((kSlices - 1) * Pipe::atom_col_bytes);
+    return pipe.stage(rp(it) % STAGES) + (u32)((kSlices - 1) * Pipe::atom_col_bytes);
   }
 
   // kSmemP: this warpgroup's P of tile `it` into the tile's rope slice (K-major, 128-byte swizzle: a wgmma A operand)
@@ -158,7 +168,8 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
 
   // kSmemP: issue O[:, this warpgroup's 256 columns] += P V over tile `it`, P from the tile's rope slice.
   __device__ __forceinline__ void pv_issue_smem(int it) {
-    const u64 vd = sw128_desc(pipe.stage(it % STAGES) + (u32)(g * 4 * Pipe::atom_col_bytes), Pipe::atom_col_bytes, 1024);
+    const u64 vd = sw128_desc(pipe.stage(rp(it) % STAGES) + (u32)(g * 4 * Pipe::atom_col_bytes),
+                              Pipe::atom_col_bytes, 1024);
     const u64 pd = sw128_desc(p_tile(it), 1, 1024);
     wgmma_fence();
 #pragma unroll
@@ -180,7 +191,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   // Issue O += P V over tile `it` for the P the other warpgroup published (received into `p` without kSmemP).
   __device__ __forceinline__ void pv_issue_other(const u32 (&p)[kPWords], int it) {
     if constexpr (kSmemP) pv_issue_smem(it);
-    else Alt::pv_issue(p, it % STAGES);
+    else Alt::pv_issue(p, rp(it) % STAGES);
   }
 
   // This warp is done with the P V of tile `it`: its V slices, and (kSmemP) the rope slice holding the tile's P.
@@ -208,6 +219,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       wgmma_wait<0>();
       fence_regs(s);
       release_scored(0);
+      release_q(0, n_tiles);
     }
 #pragma unroll 1
     for (int t0 = 0; t0 < n_tiles; t0 += 2) {
@@ -219,7 +231,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       Alt::probabilities(s, p);
       publish_tile(p, t0, kBarH0);  // warpgroup 1 goes on with its softmax while this one runs P0 V
       Alt::scale_o(a0);
-      Alt::pv_issue(p, t0 % STAGES);
+      Alt::pv_issue(p, rp(t0) % STAGES);
       wgmma_wait<0>();
       fence_regs(o);
       release_pv(t0);
@@ -239,6 +251,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         fence_regs(o);
         fence_regs(s);
         release_scored(t2);
+        release_q(t2, n_tiles);
       } else {
         wgmma_wait<0>();
         fence_regs(o);
@@ -256,6 +269,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       wgmma_wait<0>();
       fence_regs(s);
       release_scored(1);
+      release_q(1, n_tiles);
     }
 #pragma unroll 1
     for (int t0 = 0; t0 < n_tiles; t0 += 2) {
@@ -276,7 +290,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         publish_tile(p1, t1, kBarH1);  // warpgroup 0 goes on with P1 V
         if constexpr (!kSmemP) {
           Alt::scale_o(a1);
-          Alt::pv_issue(p1, t1 % STAGES);  // its own tile first: those slices free first
+          Alt::pv_issue(p1, rp(t1) % STAGES);  // its own tile first: those slices free first
         }
         // P0 was scaled to m0; to m1 now (a factor in (0, 1]). A row whose m0 is still -inf has P0 = 0: factor 0,
         // never exp2 of a large difference (inf, and 0 * inf)
@@ -288,7 +302,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         if (!kSmemP || named_barrier_all<128>(kBarVote, State::unit(f0))) {
           if constexpr (kSmemP) {
             Alt::scale_o(a1);
-            Alt::pv_issue(p1, t1 % STAGES);
+            Alt::pv_issue(p1, rp(t1) % STAGES);
           } else if (!State::unit(f0)) {
             rescale_p(p0, f0);
           }
@@ -326,12 +340,16 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
         wgmma_wait<0>();
         fence_regs(s);
         release_scored(t3);
+        release_q(t3, n_tiles);
       }
     }
   }
 
   // tma_box_rows: the cache map's box rows (0: every tile by cp.async), as the producer was given them.
-  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int tma_box_rows) {
+  // persistent: `ring0_` is the ring position of the item's tile 0, `item` the block's count of items before it.
+  __device__ void consume(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int tma_box_rows,
+                          int ring0_ = 0, int item = 0) {
+    ring0 = ring0_;
     cp_from = Pipe::tma_tiles(w, tma_box_rows);
     if constexpr (Pipe::multicast) peer = cluster_rank() ^ 1;
     const int warp = t >> 5;
@@ -339,7 +357,8 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     const int len = a.seq_lens[w.batch];
     const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
-    mbar_wait(pipe.q_full(), 0);
+    mbar_wait(pipe.q_full(), Pipe::persistent ? item & 1 : 0);
+    if (n_tiles <= g) release_q(g - 2, n_tiles);  // (a warpgroup with no tile of this item reads no query block)
     if (g == 0 && t == 0) MLA_TIMELINE_AT(5);
     fence_proxy_async();
     CUKV_MLA_WS(6, if (g == 0) consume0(a, w, n_tiles, lim0, lim1); else consume1(a, w, n_tiles, lim0, lim1));
@@ -350,6 +369,8 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       for (int i = 0; i < 8; ++i) atomicAdd(&cukv_mla_wait_stats[i], (unsigned long long)ws_[i]);
 #endif
     State::template finish<true>(a, w, r0);
+    // persistent: the next item's softmax exchange (stats) waits until both warpgroups have read this one's
+    if constexpr (Pipe::persistent) named_barrier_sync<256>(1);
   }
 };
 

@@ -32,6 +32,9 @@
 #ifndef CUKV_MLA_MULTICAST  // set by the rendered source (MLADecodeConfig.multicast)
 #define CUKV_MLA_MULTICAST 0
 #endif
+#ifndef CUKV_MLA_PERSISTENT  // set by the rendered source (MLADecodeConfig.persistent)
+#define CUKV_MLA_PERSISTENT 0
+#endif
 
 namespace cukv {
 
@@ -76,6 +79,10 @@ struct MLAKVProducerPipeline {
   // (load_tile_fp8_pair), and both blocks' consumers release each stage in both.
   static constexpr bool fp8_pair = FP8_ && !SLICES_ && CUKV_MLA_MULTICAST;
   static constexpr int kPeers = multicast || fp8_pair ? 2 : 1;
+  // SLICES_ with MLADecodeConfig.persistent: a block takes work items blockIdx.x, blockIdx.x + gridDim.x, ...; the
+  // ring's tile count runs on across them (`ring0`: the item's first tile), and q_empty (each consumer warp's arrival
+  // after its warpgroup's last Q K^T of an item) lets the producer load the next item's query block.
+  static constexpr bool persistent = SLICES_ && CUKV_MLA_PERSISTENT;
   static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
   static constexpr int fp8_rope_byte = kMlaNope + 16;  // an FP8 row's bf16 rope values, after its codes and 4 scales
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
@@ -91,7 +98,7 @@ struct MLAKVProducerPipeline {
   static constexpr int half = BN / 2;                                          // tokens per consumer warpgroup
   static constexpr int p_bytes = 2 * 128 * (half / 4) * 4;                     // each thread's P words, both WGs
   static constexpr int stats_bytes = 2 * 128 * 8;                              // (m or l) x 2 rows per thread
-  static constexpr int barrier_bytes = (8 * (1 + 2 * num_kv_stages * kSlices) + 63) / 64 * 64;
+  static constexpr int barrier_bytes = (8 * (2 + 2 * num_kv_stages * kSlices) + 63) / 64 * 64;  // q_full, q_empty, ring
   // offsets: the query block, the ring, then the exchange buffers and barriers (swizzled parts 1 KB aligned)
   static constexpr int q_offset = 0;
   static constexpr int ring_offset = q_offset + q_bytes;
@@ -106,7 +113,7 @@ struct MLAKVProducerPipeline {
   static_assert(!FP8_ || sizeof(T) == 2, "FP8 rows dequantize into 16-bit tiles");
   static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
   static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
-  static_assert(8 * (1 + 2 * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
+  static_assert(8 * (2 + 2 * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
   static_assert(!SLICES_ || (!FP8_ && !SPARSE_), "per-slice barriers: 16-bit dense tiles (tensor copies) only");
   static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
@@ -115,6 +122,7 @@ struct MLAKVProducerPipeline {
   __device__ __forceinline__ u32 q() const { return base + q_offset; }
   __device__ __forceinline__ u32 stage(int s) const { return base + ring_offset + s * k_bytes; }
   __device__ __forceinline__ u32 q_full() const { return base + barrier_offset; }
+  __device__ __forceinline__ u32 q_empty() const { return base + barrier_offset + 8 + 8 * (2 * num_kv_stages * kSlices); }
   __device__ __forceinline__ u32 full(int s) const { return base + barrier_offset + 8 + 8 * s; }
   __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 8 + 8 * (num_kv_stages + s); }
 
@@ -128,6 +136,7 @@ struct MLAKVProducerPipeline {
 
   __device__ __forceinline__ void init_barriers() const {
     mbar_init(q_full(), 128);  // every producer thread arrives when its copies land
+    if constexpr (persistent) mbar_init(q_empty(), 8);  // lane 0 of each consumer warp, its last Q K^T of the item done
     if constexpr (SLICES_) {
       for (int s = 0; s < num_kv_stages; ++s)
         for (int c = 0; c < kSlices; ++c) {
@@ -473,14 +482,14 @@ struct MLAKVProducerPipeline {
   // outside the cache still count) and arrives; lane g < BN / box_rows copies box g (its page and offset from
   // lookup_box) of the slice (multicast: of the slices of this block's `rank`, into both blocks).
   __device__ __forceinline__ void load_tile_tma_slices(const MLACacheMap& m, int2 box, int it, int lane,
-                                                      int rank = 0) const {
-    const int s = it % num_kv_stages, owner = it & 1;
+                                                      int rank = 0, int ring0 = 0) const {
+    const int r = persistent ? ring0 + it : it, s = r % num_kv_stages, owner = it & 1;  // (the scorer: the item's tile)
 #pragma unroll 1
     for (int j = 0; j < kSlices; ++j) {
       const int c = slice_order(owner, j);
-      if (it >= num_kv_stages) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
+      if (r >= num_kv_stages) mbar_wait(empty(s, c), ((r / num_kv_stages) - 1) & 1);
 #ifdef CUKV_MLA_NO_LOAD  // probe only: after the first stages, the ring runs on the tiles already in it
-      if (it >= num_kv_stages) {
+      if (r >= num_kv_stages) {
         if (lane == 0) mbar_arrive(full(s, c));
         continue;
       }
@@ -507,10 +516,10 @@ struct MLAKVProducerPipeline {
   // now and counts it down once the lane's copies land); once all lanes have, lane 0 of warp 0 gives the one
   // arrival each barrier expects.
   __device__ __forceinline__ void load_tile_cp_async_slices(const MLADecodeParams& a, const char* mine, int it,
-                                                            int warp, int lane) const {
-    const int s = it % num_kv_stages;
-    if (it >= num_kv_stages)
-      for (int c = 0; c < kSlices; ++c) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
+                                                            int warp, int lane, int ring0 = 0) const {
+    const int r = persistent ? ring0 + it : it, s = r % num_kv_stages;
+    if (r >= num_kv_stages)
+      for (int c = 0; c < kSlices; ++c) mbar_wait(empty(s, c), ((r / num_kv_stages) - 1) & 1);
     copy_rows(a, mine, s, warp, lane);
     for (int c = 0; c < kSlices; ++c)
       asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(full(s, c)) : "memory");
@@ -524,12 +533,21 @@ struct MLAKVProducerPipeline {
   // behind the other's slices; each stream looks up its next tile's pages one tile ahead and prefetches that tile
   // into L2 once the current one is issued. Then the tiles left (the partial last one, or all where m.box_rows is 0)
   // by all four warps with cp.async.
+  // persistent: `ring0` is the ring position of the item's first tile, `item` the block's count of items before it.
   __device__ void produce_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane,
-                                 const MLACacheMap& m) const {
+                                 const MLACacheMap& m, int ring0 = 0, int item = 0) const {
     static_assert(SLICES_, "per-slice barriers");
     const int box_rows = m.box_rows;
     const int full_tiles = tma_tiles(w, box_rows);
     const int rank = multicast ? cluster_rank() : 0;
+    if constexpr (persistent) {
+      if (item > 0) {
+        mbar_wait(q_empty(), (item - 1) & 1);  // the last item's query block is read
+        // and both streams have issued its tiles, so each stage's phase before the one a parity wait below waits for
+        // has completed (as for the cp.async tiles further down)
+        named_barrier_sync<128>(kProducerBarrier);
+      }
+    }
     load_q(a, w, warp, lane);
     if (warp < 2) {
       int2 next_box = warp < full_tiles ? lookup_box(a, w, warp, box_rows, lane) : make_int2(-1, 0);
@@ -537,7 +555,7 @@ struct MLAKVProducerPipeline {
       for (int it = warp; it < full_tiles; it += 2) {
         const int2 box = next_box;
         if (it + 2 < full_tiles) next_box = lookup_box(a, w, it + 2, box_rows, lane);
-        load_tile_tma_slices(m, box, it, lane, rank);
+        load_tile_tma_slices(m, box, it, lane, rank, ring0);
 #ifndef CUKV_MLA_NO_TMA_PREFETCH  // (the define: probes time the ring without it)
         // The stream's next tile into L2 as soon as this one is issued: its copies, issued once the slices free
         // (late in a pair), then wait on L2 rather than DRAM.
@@ -560,7 +578,7 @@ struct MLAKVProducerPipeline {
     for (int it = full_tiles; it < n_tiles; ++it) {
       const char* cur = next;
       if (it + 1 < n_tiles) next = lookup(a, w, it + 1, warp, lane);
-      load_tile_cp_async_slices(a, cur, it, warp, lane);
+      load_tile_cp_async_slices(a, cur, it, warp, lane, ring0);
     }
     cp_async_wait<0>();
   }

@@ -168,18 +168,17 @@ def test_multicast_chunks_and_growing_scores(rng, chunk_tiles):
     assert dec.config.multicast and dec.num_items > 8
 
 
-def test_multicast_graph_replay_and_odd_row_blocks(rng):
-    """A captured multicast run replayed after plan() with new lengths matches the reference; an odd count of row
-    blocks is refused before launch, naming them."""
+def _captured_replay(rng, cfg, lens1, lens2, cache_lens):
+    """A run planned for lens1 captured in a graph, planned again for lens2 (same buffers) and replayed: the output
+    against the reference. Returns the op."""
     import cupy as cp
 
     from cukv import reference
     from cukv.ops.mla_decode import BatchMLADecode
 
-    lens1, lens2 = [4000, 30, 0], [100, 5000, 64]
-    cache, table, q, qv, vals, table_h = make_problem(rng, [5000, 5000, 100], 1, 128, 64, garbage=False)
-    dec = BatchMLADecode(128, **MC).plan(lens1, 1)
-    out = cp.zeros((3, 1, 128, 512), cp.uint16)
+    cache, table, q, qv, vals, table_h = make_problem(rng, cache_lens, 1, 128, 64, garbage=False)
+    dec = BatchMLADecode(128, **cfg).plan(lens1, 1)
+    out = cp.zeros((len(lens1), 1, 128, 512), cp.uint16)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         dec.run(q, cache, table, out=out)
@@ -191,5 +190,62 @@ def test_multicast_graph_replay_and_odd_row_blocks(rng):
     stream.synchronize()
     want, _ = reference.mla_decode(qv, np.nan_to_num(vals), table_h, lens2)
     np.testing.assert_allclose(_to_host(out, "bfloat16"), want, atol=2e-2, rtol=2e-2)
+    return dec
+
+
+def test_multicast_graph_replay_and_odd_row_blocks(rng):
+    """A captured multicast run replayed after plan() with new lengths matches the reference; an odd count of row
+    blocks is refused before launch, naming them."""
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    _captured_replay(rng, MC, [4000, 30, 0], [100, 5000, 64], [5000, 5000, 100])
     with pytest.raises(ValueError, match=r"cluster pairs .* 3 row blocks"):
         BatchMLADecode(96, **MC).plan([100, 7], 2)
+
+
+PS = {"schedule": "alternate", "slice_release": True, "persistent": True}
+
+
+def _persistent_check(rng, lens, s_q, page_size, multicast, **kw):
+    """run_check with persistent blocks (more items than blocks: each takes several), then bit-identical to the
+    per-slice kernel of one block per item."""
+    import cupy as cp
+
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    dec, out, lse = run_check(rng, lens, s_q, 128, page_size, multicast=multicast, **PS, **kw)
+    assert dec.config.persistent and dec.config.multicast == multicast and dec.num_items > dec._grid
+    cache, table, q, *_ = make_problem(rng, lens, s_q, 128, page_size)
+    plan_kw = kw.get("plan_kw") or {}
+    outs = [BatchMLADecode(128, multicast=multicast, **k).plan(lens, s_q, **plan_kw).run(q, cache, table)
+            for k in (PS, _kw("slices"))]
+    assert cp.array_equal(outs[0], outs[1])
+    return dec
+
+
+@pytest.mark.parametrize("multicast", [False, True])
+@pytest.mark.parametrize("page_size", [64, 48])
+def test_persistent_many_short_items(rng, multicast, page_size):
+    """persistent: 300 sequences of 0-200 tokens (items of 0-4 tiles, odd and even, so the ring's position moves
+    between items; zero-length ones with no tile), pages by tensor copies (64) and cp.async (48)."""
+    lens = [int(x) for x in rng.integers(0, 200, 300)]
+    lens[:3] = [0, 1, 64]
+    _persistent_check(rng, lens, 1, page_size, multicast, sink=True)
+
+
+@pytest.mark.parametrize("multicast", [False, True])
+@pytest.mark.parametrize("chunk_tiles", [1, 3])
+def test_persistent_chunks_and_growing_scores(rng, multicast, chunk_tiles):
+    """persistent: chunks of 1 and 3 tiles through the combine kernel, keys growing 30x (every lazy-rescale path)."""
+    dec = _persistent_check(rng, [4096, 3000, 0, 65], 2, 64, multicast, ramp=30.0, atol=2e-2 * 31,
+                            plan_kw={"chunk_tiles": chunk_tiles})
+    assert dec.chunk_tiles == chunk_tiles
+
+
+def test_persistent_graph_replay(rng):
+    """A captured persistent run replayed after plan() with new lengths (another count of items, several a block)
+    matches the reference."""
+    lens1 = [int(x) for x in rng.integers(1, 300, 200)]
+    lens2 = [int(x) for x in rng.integers(0, 600, 200)]
+    dec = _captured_replay(rng, PS, lens1, lens2, [600] * 200)
+    assert dec.num_items > 2 * dec._grid

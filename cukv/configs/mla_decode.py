@@ -34,6 +34,8 @@ SLICES = DIM // 64
 # 8 rows of codes and scales (96); the consumers then get 200 (they use 168 in the 16-bit kernel).
 PRODUCER_REGS, CONSUMER_REGS = 56, 224
 FP8_PRODUCER_REGS, FP8_CONSUMER_REGS = 96, 200
+#: persistent blocks (``MLADecodeConfig.persistent``): the producer's item loop spills 16 bytes in 56 or 64 registers
+PERSISTENT_REGS = (72, 216)
 #: FP8 rows each producer lane holds in flight (``fp8_rows``) -> (producer, consumer) registers: 16 rows of codes
 #: need 152 producer registers (0 spills; 128 spilled), leaving 176 per consumer (the split consumers use 168;
 #: docs/tuning.md "MLA decode")
@@ -112,6 +114,11 @@ class MLADecodeConfig(KernelConfig):
     #: copied once from L2 and multicast into both blocks' rings (the pair releases a slice together); ``plan`` keeps
     #: a chunk's row blocks side by side in pairs, so it needs an even count of row blocks (``s_q * num_heads / 64``)
     multicast: bool = False
+    #: with ``slice_release``: a grid of one block per SM (pairs: a cluster per two SMs), each block taking the work
+    #: items ``blockIdx.x``, ``blockIdx.x + gridDim.x``, ...: the ring's phases run on across items, the next item's
+    #: query block loads once both warpgroups have issued their last Q K^T of the current one, and its first tiles as
+    #: the current one's stages free, so neither waits behind a block's start or exit
+    persistent: bool = False
 
     def __post_init__(self):
         c = "MLADecodeConfig"
@@ -147,6 +154,10 @@ class MLADecodeConfig(KernelConfig):
             self.kv_dtype is not None and self.schedule == "split" and self.block_n == 64),
             "the cluster pair shares the per-slice ring's copies (slice_release=True) or an FP8 cache's dequantized "
             "rows (kv_dtype='fp8_e4m3', schedule='split', block_n=64): use one of those, or multicast=False")
+        check_bool(c, "persistent", self.persistent)
+        check_rule(c, "persistent", self.persistent, not self.persistent or self.slice_release,
+                   "persistent blocks carry the per-slice ring across work items: use slice_release=True, or "
+                   "persistent=False")
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
             self.schedule == "alternate" and self.tma and self.kv_dtype is None),
             "per-slice barriers are built for the alternating consumers fed by tensor copies: use "
@@ -189,7 +200,7 @@ class MLADecodeConfig(KernelConfig):
     @property
     def smem_bytes(self) -> int:
         slices = SLICES if self.slice_release else 1
-        barriers = (8 * (1 + 2 * self.num_kv_stages * slices) + 63) // 64 * 64
+        barriers = (8 * (2 + 2 * self.num_kv_stages * slices) + 63) // 64 * 64  # (q_full, q_empty, the ring's)
         return self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
 
     @property
@@ -209,6 +220,7 @@ class MLADecodeConfig(KernelConfig):
         pf = f"_pf{self.prefetch_tiles}" if self.prefetch_tiles else ""
         rows = f"_r{self.fp8_rows}" if self.fp8_rows != 8 else ""
         sl = ("_slices" if self.slice_release else "") + ("_mc" if self.multicast else "")
+        sl += "_ps" if self.persistent else ""
         lr = "_lr" if self.lazy_rescale else ""
         lr += "_rf" if self.kv_dtype and self.fp8_rope_first else ""
         return (f"cukv_mla_decode_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{alt}{pf}{rows}{tma}"
@@ -224,11 +236,13 @@ class MLADecodeConfig(KernelConfig):
             tma=self.tma, slice_release=self.slice_release, lazy_rescale=self.lazy_rescale,
             prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
             producer_regs=self.regs[0], consumer_regs=self.regs[1], block_rows=self.block_rows,
-            fp8_rope_first=self.fp8_rope_first, multicast=self.multicast)
+            fp8_rope_first=self.fp8_rope_first, multicast=self.multicast, persistent=self.persistent)
 
     @property
     def regs(self) -> tuple:
         """The setmaxnreg split (producer, consumer registers per thread)."""
+        if self.persistent:
+            return PERSISTENT_REGS
         return FP8_ROWS_REGS[self.fp8_rows] if self.kv_dtype else (PRODUCER_REGS, CONSUMER_REGS)
 
 def check_row_block_pairs(config: "MLADecodeConfig", row_blocks: int, what: str) -> None:

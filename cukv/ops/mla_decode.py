@@ -61,6 +61,9 @@ class BatchMLADecode:
         cache (schedule 'split', ``fp8_rows`` 8) each block dequantizes half of every tile and copies it into the
         other's. None takes the policy's default (:data:`cukv.policy.mla_decode.DEFAULT_MULTICAST`, for chunks of
         at least :data:`~cukv.policy.mla_decode.MULTICAST_MIN_TILES` tiles).
+    persistent : bool, optional
+        With ``slice_release``: one block per SM, each taking every grid-th work item, the ring and the next item's
+        query block loading across items. None takes :data:`cukv.policy.mla_decode.DEFAULT_PERSISTENT`.
     prefetch_tiles, fp8_rows : int, optional
         The producer's L2 prefetch distance in tiles (0..4) and, for an FP8 cache, the rows each producer lane
         loads before dequantizing them (8 or 16, 16 with block_n 64 only); None takes the policy's defaults for
@@ -96,7 +99,7 @@ class BatchMLADecode:
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
                  num_kv_stages: int | None = None, schedule: str | None = None, tma: bool | None = None,
                  prefetch_tiles: int | None = None, fp8_rows: int | None = None, slice_release: bool | None = None,
-                 multicast: bool | None = None):
+                 multicast: bool | None = None, persistent: bool | None = None):
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
@@ -104,6 +107,7 @@ class BatchMLADecode:
         tma = check_bool("tma", tma) if tma is not None else None
         slice_release = check_bool("slice_release", slice_release) if slice_release is not None else None
         multicast = check_bool("multicast", multicast) if multicast is not None else None
+        persistent = check_bool("persistent", persistent) if persistent is not None else None
         prefetch_tiles = check_choice("prefetch_tiles", prefetch_tiles, (None,) + PREFETCH_TILES)
         fp8_rows = check_choice("fp8_rows", fp8_rows, (None,) + tuple(FP8_ROWS_REGS))
         dt, kvd = mla_dtypes(dtype, kv_dtype)
@@ -131,9 +135,9 @@ class BatchMLADecode:
                              "slice_release None or True, or multicast None or False")
         self._choices = (dt, kvd, block_n, num_kv_stages, schedule, tma, prefetch_tiles, fp8_rows, slice_release,
                          self.num_heads)
-        self._multicast = multicast
+        self._multicast, self._persistent = multicast, persistent
         self.config = mla_decode_config(*self._choices, rows=self.num_heads,  # plan() decides again from s_q
-                                        multicast=multicast)
+                                        multicast=multicast, persistent=persistent)
         self._derived = self.config
         self.dtype = self.config.dtype
         self._planned = False
@@ -165,7 +169,8 @@ class BatchMLADecode:
         # (block_n is the constructor's choice: the same for every s_q and either form of the pairs)
         items, self.chunk_tiles = plan_items(lens, nrb, self.config.block_n, sms, chunk_tiles)
         cfg = self.config if by_hand else mla_decode_config(*self._choices, rows=rows, multicast=self._multicast,
-                                                             chunk_tiles=self.chunk_tiles)  # pairs by chunk length
+                                                             chunk_tiles=self.chunk_tiles,  # pairs by chunk length
+                                                             persistent=self._persistent)
         cfg = self.config if cfg == self.config else cfg
         if cfg.schedule == "narrow" and rows > cfg.block_rows:
             raise ValueError(f"schedule='narrow' serves at most {cfg.block_rows} query rows; s_q={s_q} x "
@@ -207,6 +212,8 @@ class BatchMLADecode:
         self._lens.set(lens.astype(np.int32))
         self._host_lens = lens
         self.batch_size, self.s_q, self.row_blocks, self.num_items = b, s_q, nrb, len(items)
+        # persistent blocks: one per SM (an even count: cluster pairs), each taking every grid-th item
+        self._grid = min(self._cap, sms - sms % 2) if self.config.persistent else self._cap
         self.combine_row_blocks = len(comb)
         self.max_seq_len = int(lens.max())
         mod = self.config.compiled
@@ -314,7 +321,7 @@ class BatchMLADecode:
         args = (arg, _cache_map(cache, self.config.block_n)) if self.config.tma else (arg,)
         stream = stream or cp.cuda.get_current_stream()
         with stream:
-            self._fn((self._cap,), (self.config.num_threads,), args, shared_mem=self.config.smem_bytes)
+            self._fn((self._grid,), (self.config.num_threads,), args, shared_mem=self.config.smem_bytes)
             # a captured launch serves later plans of this batch: it covers every row block
             launch_combine(self._combine, arg, b * self.row_blocks if capturing(stream) else self.combine_row_blocks,
                            s_q * h)

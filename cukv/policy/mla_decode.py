@@ -67,6 +67,8 @@ NARROW_MAX_ROWS = 32
 #: a block's fixed cost (query load, ring fill, epilogue, combine share) in K tiles, fitted to H200 timings
 #: (docs/tuning.md "MLA decode")
 ITEM_OVERHEAD_TILES = 8.0
+#: persistent blocks for the per-slice kernels (``MLADecodeConfig.persistent``): off until measured faster
+DEFAULT_PERSISTENT = False
 #: chunks per (sequence, row block): the combine kernel's shared arrays (kMlaMaxChunks in mla_decode_combine.cuh)
 MAX_CHUNKS = 512
 
@@ -137,7 +139,8 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                       tma: bool | None = None, prefetch_tiles: int | None = None,
                       fp8_rows: int | None = None, slice_release: bool | None = None,
                       num_heads: int | None = None, rows: int | None = None,
-                      multicast: bool | None = None, chunk_tiles: int | None = None) -> MLADecodeConfig:
+                      multicast: bool | None = None, chunk_tiles: int | None = None,
+                      persistent: bool | None = None) -> MLADecodeConfig:
     """The config ``BatchMLADecode`` compiles: the caller's fields, None resolved to the defaults above (the lazy
     rescale always on; an FP8 cache keeps the "split" or "narrow" schedule, the ones it compiles without spills,
     and cp.async; ``slice_release`` asks for the alternating schedule, and is on by default from
@@ -145,7 +148,8 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     "split" one, by default :data:`DEFAULT_MULTICAST` where ``rows`` make an even count of 64-row blocks and the
     plan's ``chunk_tiles``, when known, are at least :data:`MULTICAST_MIN_TILES`; an FP8 pair's producer
     defaults are :data:`FP8_PAIR_ROWS` and :data:`FP8_PAIR_PREFETCH`). ``rows`` (``s_q * num_heads``, when known)
-    picks the "narrow" schedule up to :data:`NARROW_MAX_ROWS` and its block of 16 or 32 rows."""
+    picks the "narrow" schedule up to :data:`NARROW_MAX_ROWS` and its block of 16 or 32 rows. ``persistent`` (per-slice
+    kernels only) defaults to :data:`DEFAULT_PERSISTENT`."""
     asked_pf, asked_rows = prefetch_tiles, fp8_rows
     if schedule is None and not slice_release and _narrow(rows, block_n):
         schedule = "narrow"
@@ -175,10 +179,12 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     if multicast and pair_fp8:
         fp8_rows = FP8_PAIR_ROWS if asked_rows is None else asked_rows
         prefetch_tiles = FP8_PAIR_PREFETCH if asked_pf is None else asked_pf
+    persistent = DEFAULT_PERSISTENT and slice_release if persistent is None else persistent
     return MLADecodeConfig(dtype, block_n, DEFAULT_STAGES if num_kv_stages is None else num_kv_stages, kv_dtype,
                            schedule, tma=tma, prefetch_tiles=prefetch_tiles, fp8_rows=fp8_rows,
                            slice_release=slice_release, lazy_rescale=DEFAULT_LAZY_RESCALE, block_rows=block_rows,
-                           fp8_rope_first=_rope_first(kv_dtype, block_n, schedule), multicast=bool(multicast))
+                           fp8_rope_first=_rope_first(kv_dtype, block_n, schedule), multicast=bool(multicast),
+                           persistent=bool(persistent))
 
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
