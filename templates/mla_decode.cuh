@@ -16,9 +16,9 @@
 #define CUKV_MLA_LAZY_RESCALE 0
 #endif
 
-// CUKV_MLA_TIMELINE (probe only): per block, the global timer at entry (0), after the barriers' set-up (1), when each
-// consumer warpgroup has finished its item (2, 3), at exit (4), and (slice consumers) when the query block has
-// landed (5) and warpgroup 0's last tile is done (6); the SM in slot 7.
+// CUKV_MLA_TIMELINE (probe only: benchmarks/probe_mla_timeline.py): per block, the global timer at entry (0), after
+// the barriers' set-up (1), when each consumer warpgroup has finished its item (2, 3), at exit (4), and (slice
+// consumers) when the query block has landed (5) and warpgroup 0's last tile is done (6); the SM in slot 7.
 #ifdef CUKV_MLA_TIMELINE
 extern "C" __device__ unsigned long long cukv_mla_timeline[16384 * 8];
 #define MLA_TIMELINE_AT(k) (cukv_mla_timeline[blockIdx.x * 8 + (k)] = cukv::globaltimer_ns())

@@ -270,18 +270,20 @@ def test_slice_release_compiles_without_spills(cfg):
 @pytest.mark.compile_ahead(build=lambda define: (mla_decode_config(num_heads=128, rows=128), {"defines": [define]}),
                            arch=ARCH)
 @pytest.mark.parametrize("define", ["CUKV_MLA_NO_LOAD", "CUKV_MLA_NO_TMA_PREFETCH", "CUKV_TMA_EVICT_FIRST",
-                                    "CUKV_MLA_WAIT_STATS"])
+                                    "CUKV_MLA_WAIT_STATS", "CUKV_MLA_TIMELINE"])
 def test_slice_probe_hooks_compile(define):
     """The probe defines of the default h128 kernel (benchmarks/probe_mla_rescale.py --define, probe_mla_tma.py,
-    probe_mla_waits.py) still build it: no wgmma serialized, no spills in the timing builds (the wait counters may
-    spill a few bytes), and the counters where asked for."""
+    probe_mla_waits.py, probe_mla_timeline.py) still build it: no wgmma serialized, no spills in the timing builds (the
+    wait counters may spill a few bytes), and the counters or the timeline where asked for."""
     cfg = mla_decode_config(num_heads=128, rows=128)
     assert cfg.slice_release
     mod = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH, defines=[define])
     for name, r in mod.functions.items():
         assert define == "CUKV_MLA_WAIT_STATS" or r.spill_stores == r.spill_loads == r.stack_frame == 0, (define, r)
     assert "C7514" not in mod.log and "C7515" not in mod.log and "C7517" not in mod.log, mod.log
-    assert ("cukv_mla_wait_stats" in mod.cubin_path.read_bytes().decode("latin-1")) == (define == "CUKV_MLA_WAIT_STATS")
+    cubin = mod.cubin_path.read_bytes().decode("latin-1")
+    for asked, symbol in (("CUKV_MLA_WAIT_STATS", "cukv_mla_wait_stats"), ("CUKV_MLA_TIMELINE", "cukv_mla_timeline")):
+        assert (symbol in cubin) == (define == asked), symbol
 
 
 def test_slice_release_rules():
