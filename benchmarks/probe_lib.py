@@ -1,5 +1,6 @@
 """Helpers the probes in this folder share (not part of the wheel): the FP8 probes' cases, a one-line interleaved
-timing report, the tile probes' ``--unchecked`` switch and convert-once grid variants.
+timing report, the tile probes' ``--unchecked`` switch and convert-once grid variants, and an MLA decode op built
+with probe defines.
 
 Probes run as scripts from the repository root (``python benchmarks/probe_x.py``), so this folder is on their path.
 """
@@ -55,3 +56,23 @@ def once_variant(strategy: str):
     N blocks (benchmarks/probe_prefill_once.py, benchmarks/ncu_launches.py prefill)."""
     return (strategy.split(":")[0], not strategy.endswith(":np"),
             int(strategy.split(":g")[1]) if ":g" in strategy else None)
+
+
+def mla_op_with_defines(heads: int, lens, s_q: int, defines: str):
+    """A ``BatchMLADecode`` planned for ``lens`` and ``s_q`` on the policy's config compiled with ``defines`` (the
+    ``CUKV_DEFINES`` form), and that build's module (its probe globals: ``module.get_global(name)``)."""
+    import dataclasses
+    import os
+
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    dec = BatchMLADecode(heads).plan(lens, s_q)
+    cfg = dataclasses.replace(dec.config)  # a fresh copy: a config object keeps the module it compiled
+    os.environ["CUKV_DEFINES"] = defines
+    try:
+        mod = cfg.compiled.module()
+    finally:
+        os.environ["CUKV_DEFINES"] = ""
+    dec.config = cfg  # set by hand: plan keeps it
+    dec.plan(lens, s_q)
+    return dec, mod

@@ -8,25 +8,21 @@ each SM. The stamps cost little but are not free: time with the bench, not with 
 The argument picks ``bench mla-decode`` shapes by words in their names (and "b128 h128 ctx512"). Stamps 5 and 6 come
 from the per-slice consumers (h128) only.
 """
-import dataclasses, os, sys
-import numpy as np, cupy as cp
+import sys
+
+import cupy as cp
+import numpy as np
+from probe_lib import mla_op_with_defines
+
 from cukv.bench import mla_decode as bd
-from cukv.ops.mla_decode import BatchMLADecode
+
 words = sys.argv[1].split(",")
 for name, batch, heads, s_q, ctx in bd.SHAPES + [("b128 h128 ctx512", 128, 128, 1, 512)]:
     if not any(w in name for w in words):
         continue
     lens = bd._lengths(batch, ctx)
     cache, table, q = bd._problem(batch, heads, s_q, lens)
-    dec = BatchMLADecode(heads).plan(lens, s_q)
-    cfg = dataclasses.replace(dec.config)
-    os.environ["CUKV_DEFINES"] = "CUKV_MLA_TIMELINE"
-    try:
-        mod = cfg.compiled.module()
-    finally:
-        os.environ["CUKV_DEFINES"] = ""
-    dec.config = cfg
-    dec.plan(lens, s_q)
+    dec, mod = mla_op_with_defines(heads, lens, s_q, "CUKV_MLA_TIMELINE")
     out = cp.empty((batch, s_q, heads, 512), cp.uint16)
     for _ in range(3):
         dec.run(q, cache, table, out=out)

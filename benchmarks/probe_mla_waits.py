@@ -8,8 +8,6 @@ slices' full barriers, on the other warpgroup's P, and in consume() in all; prin
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 
 import numpy as np
 
@@ -25,8 +23,9 @@ def main():
     args = ap.parse_args()
     import cupy as cp
 
+    from probe_lib import mla_op_with_defines
+
     from cukv.bench import mla_decode as bd
-    from cukv.ops.mla_decode import BatchMLADecode
 
     for name, batch, heads, s_q, ctx in bd.SHAPES:
         if not any(w in name for w in args.dense.split(",")):
@@ -35,15 +34,7 @@ def main():
         cache, table, q = bd._problem(batch, heads, s_q, lens)
         base = f"CUKV_MLA_WAIT_STATS {args.define}".strip()
         for define in [base] + ([f"{base} CUKV_MLA_NO_LOAD"] if args.no_load else []):
-            dec = BatchMLADecode(heads).plan(lens, s_q)
-            cfg = dataclasses.replace(dec.config)
-            os.environ["CUKV_DEFINES"] = define
-            try:
-                mod = cfg.compiled.module()
-            finally:
-                os.environ["CUKV_DEFINES"] = ""
-            dec.config = cfg
-            dec.plan(lens, s_q)
+            dec, mod = mla_op_with_defines(heads, lens, s_q, define)
             out = cp.empty((batch, s_q, heads, 512), cp.uint16)
             dec.run(q, cache, table, out=out)
             ptr = mod.get_global("cukv_mla_wait_stats")
