@@ -11,7 +11,8 @@
 
 namespace cukv {
 
-constexpr int kMlaMaxChunks = 512;  // chunks per (sequence, row block); plan() never makes more
+constexpr int kMlaMaxChunks = 512;     // chunks per (sequence, row block); plan() never makes more
+constexpr int kMlaCombineThreads = 128;  // four warps a row (cukv/configs/mla_decode.py COMBINE_THREADS)
 
 __device__ __forceinline__ float mla_block_reduce(float v, float* red, bool is_max) {
 #pragma unroll

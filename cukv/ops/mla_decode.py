@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from ..configs.mla_decode import (BLOCK_M, BLOCK_NS, DIM, FP8_ROWS_REGS, NARROW_ROWS, NOPE, PARAMS, PREFETCH_TILES,
-                                  ROPE, SCHEDULES, check_row_block_pairs, tma_box_rows)
+from ..configs.mla_decode import (BLOCK_M, BLOCK_NS, COMBINE_THREADS, DIM, FP8_ROWS_REGS, NARROW_ROWS, NOPE, PARAMS,
+                                  PREFETCH_TILES, ROPE, SCHEDULES, check_row_block_pairs, tma_box_rows)
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
 from ..operand import as_kernel_arg, ptr
@@ -377,7 +377,7 @@ def launch_combine(fn, arg, row_blocks: int, rows: int) -> None:
     current stream; none: no launch. The grid strides over the listed rows (templates/mla_decode_combine.cuh)."""
     if row_blocks:
         work = row_blocks * min(rows, BLOCK_M)
-        fn((min(work, COMBINE_BLOCKS_PER_SM * sm_count()),), (128,), (arg,))
+        fn((min(work, COMBINE_BLOCKS_PER_SM * sm_count()),), (COMBINE_THREADS,), (arg,))
 
 
 def _cache_map(cache: MLAKVCache, block_n: int):
