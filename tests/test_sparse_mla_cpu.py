@@ -123,6 +123,17 @@ def test_plan_work_covers_every_list_once(tokens, topk, nrb, sms, block_n):
     assert indptr[-1] == len(slots) and (np.diff(indptr) >= 0).all()
 
 
+@pytest.mark.parametrize("tokens,row_blocks,sms", [(66, 2, 66), (132, 2, 132), (500, 1, 132), (4096, 2, 132)])
+def test_plan_work_whole_lists_shortcut_matches_the_search(tokens, row_blocks, sms):
+    """With at least two (token, row block)s per SM the plan keeps whole lists; the shortcut gives the search's items."""
+    from cukv.policy.mla_decode import plan_items
+
+    items, indptr, slots, c = plan_work(tokens, 1000, row_blocks, 64, sms)
+    searched, _ = plan_items(np.full(tokens, 1000), row_blocks, 64, sms, None)
+    assert slots.size == 0 and c == 16
+    assert items[:, :4].tolist() == [list(x[:4]) for x in searched]
+
+
 def test_combine_list_names_the_split_row_blocks():
     from cukv.ops.mla_decode import combine_list
     items, indptr, slots, c = plan_work(num_tokens=3, topk=4096, row_blocks=2, block_n=64, num_sms=132)

@@ -57,6 +57,10 @@ def plan_work(num_tokens: int, topk: int, row_blocks: int, block_n: int, num_sms
     >>> plan_work(num_tokens=4096, topk=2048, row_blocks=2, block_n=64, num_sms=132)[2].size   # prefill: none
     0
     """
+    if chunk_tiles is None and num_tokens * row_blocks >= 2 * num_sms:
+        # whole lists, as plan_items would choose (its chunks hold at least total / (2 SMs) tiles, here a whole
+        # list's), without its search over chunk lengths (half the host time of a long prefill's plan)
+        chunk_tiles = -(-topk // block_n)
     items, chunk = plan_items(np.full(num_tokens, topk), row_blocks, block_n, num_sms, chunk_tiles)
     host = np.zeros((len(items), 8), np.int32)
     per_rb = {}
