@@ -4,9 +4,9 @@ the time of each, their ratio (above 1: the second is faster) and the largest ou
 ``lazy_rescale`` off ("eager") and on ("lazy"); with ``--define NAME`` the policy's config compiled with the
 preprocessor define NAME ("define") and without ("default"); with ``--schedule NAME`` the op built with that
 ``schedule`` ("forced") and with the policy's ("default"); with ``--field NAME=VALUE`` the policy's config with that
-field (or comma-separated fields) replaced ("field", e.g. ``prefetch_tiles=1``) and as it is ("default"); with ``--plan NAME=VALUE`` the op
-planned with that ``BatchMLADecode.plan`` argument ("plan", e.g. ``chunk_tiles=32``: chunks of that many tiles
-instead of the plan's choice) and by default ("default"; dense shapes only).
+field (or comma-separated fields) replaced ("field", e.g. ``prefetch_tiles=1``) and as it is ("default"); with
+``--plan NAME=VALUE`` the op planned with that ``BatchMLADecode.plan`` argument ("plan", e.g. ``chunk_tiles=32``:
+chunks of that many tiles instead of the plan's choice) and by default ("default"; dense shapes only).
 
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py [--dense b128,h16] [--sparse prefill,decode] [--rounds 5]
     PYTHONPATH=. python3 benchmarks/probe_mla_rescale.py --define CUKV_MLA_EXACT_EXP2

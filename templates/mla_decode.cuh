@@ -98,5 +98,17 @@ __device__ __forceinline__ int mla_row_limit(const MLADecodeParams& a, const MLA
   return lim < w.end ? lim : w.end;
 }
 
+// MLADecodeConfig.persistent: this block's work items blockIdx.x, blockIdx.x + gridDim.x, ... below n_items, each
+// given to f(item, its tiles, ring0: the tiles of the block's earlier items, its index among the block's items).
+template <int BN, typename F>
+__device__ __forceinline__ void mla_for_block_items(const MLADecodeParams& a, int n_items, F&& f) {
+#pragma unroll 1
+  for (int idx = blockIdx.x, ring0 = 0, j = 0; idx < n_items; idx += gridDim.x, ++j) {
+    const MLAWorkItem w = mla_load_item(a, idx);
+    const int n_tiles = (w.end - w.begin + BN - 1) / BN;
+    f(w, n_tiles, ring0, j);
+    ring0 += n_tiles;
+  }
+}
 
 }  // namespace cukv

@@ -81,8 +81,8 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
   int peer = 0;     // multicast: the other block of the cluster pair
   int ring0 = 0;    // persistent: the ring position of the item's tile 0 (tiles of earlier items of this block)
 
-  // The ring position of the item's tile `it`.
-  __device__ __forceinline__ int rp(int it) const { return Pipe::persistent ? ring0 + it : it; }
+  // The ring position of the item's tile `it` (Pipe::ring_pos).
+  __device__ __forceinline__ int rp(int it) const { return Pipe::ring_pos(ring0, it); }
 #ifdef CUKV_MLA_WAIT_STATS
   mutable unsigned ws_[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #endif

@@ -83,6 +83,9 @@ struct MLAKVProducerPipeline {
   // ring's tile count runs on across them (`ring0`: the item's first tile), and q_empty (each consumer warp's arrival
   // after its warpgroup's last Q K^T of an item) lets the producer load the next item's query block.
   static constexpr bool persistent = SLICES_ && CUKV_MLA_PERSISTENT;
+  // The ring position of an item's tile `it` (its stage and phase): after the block's earlier items' tiles when
+  // persistent, else the tile itself.
+  static __device__ __forceinline__ int ring_pos(int ring0, int it) { return persistent ? ring0 + it : it; }
   static constexpr int row_bytes = FP8_ ? 656 : kMlaDim * (int)sizeof(T);  // one cache row in global memory
   static constexpr int fp8_rope_byte = kMlaNope + 16;  // an FP8 row's bf16 rope values, after its codes and 4 scales
   static constexpr int BN = BN_, num_kv_stages = STAGES_;
@@ -98,7 +101,8 @@ struct MLAKVProducerPipeline {
   static constexpr int half = BN / 2;                                          // tokens per consumer warpgroup
   static constexpr int p_bytes = 2 * 128 * (half / 4) * 4;                     // each thread's P words, both WGs
   static constexpr int stats_bytes = 2 * 128 * 8;                              // (m or l) x 2 rows per thread
-  static constexpr int barrier_bytes = (8 * (2 + 2 * num_kv_stages * kSlices) + 63) / 64 * 64;  // q_full, q_empty, ring
+  // q_full, q_empty, then the ring's full and empty barriers
+  static constexpr int barrier_bytes = (8 * (2 + 2 * num_kv_stages * kSlices) + 63) / 64 * 64;
   // offsets: the query block, the ring, then the exchange buffers and barriers (swizzled parts 1 KB aligned)
   static constexpr int q_offset = 0;
   static constexpr int ring_offset = q_offset + q_bytes;
@@ -122,7 +126,9 @@ struct MLAKVProducerPipeline {
   __device__ __forceinline__ u32 q() const { return base + q_offset; }
   __device__ __forceinline__ u32 stage(int s) const { return base + ring_offset + s * k_bytes; }
   __device__ __forceinline__ u32 q_full() const { return base + barrier_offset; }
-  __device__ __forceinline__ u32 q_empty() const { return base + barrier_offset + 8 + 8 * (2 * num_kv_stages * kSlices); }
+  __device__ __forceinline__ u32 q_empty() const {
+    return base + barrier_offset + 8 + 8 * (2 * num_kv_stages * kSlices);
+  }
   __device__ __forceinline__ u32 full(int s) const { return base + barrier_offset + 8 + 8 * s; }
   __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 8 + 8 * (num_kv_stages + s); }
 
@@ -483,7 +489,7 @@ struct MLAKVProducerPipeline {
   // lookup_box) of the slice (multicast: of the slices of this block's `rank`, into both blocks).
   __device__ __forceinline__ void load_tile_tma_slices(const MLACacheMap& m, int2 box, int it, int lane,
                                                       int rank = 0, int ring0 = 0) const {
-    const int r = persistent ? ring0 + it : it, s = r % num_kv_stages, owner = it & 1;  // (the scorer: the item's tile)
+    const int r = ring_pos(ring0, it), s = r % num_kv_stages, owner = it & 1;  // (the scorer: the item's tile)
 #pragma unroll 1
     for (int j = 0; j < kSlices; ++j) {
       const int c = slice_order(owner, j);
@@ -517,7 +523,7 @@ struct MLAKVProducerPipeline {
   // arrival each barrier expects.
   __device__ __forceinline__ void load_tile_cp_async_slices(const MLADecodeParams& a, const char* mine, int it,
                                                             int warp, int lane, int ring0 = 0) const {
-    const int r = persistent ? ring0 + it : it, s = r % num_kv_stages;
+    const int r = ring_pos(ring0, it), s = r % num_kv_stages;
     if (r >= num_kv_stages)
       for (int c = 0; c < kSlices; ++c) mbar_wait(empty(s, c), ((r / num_kv_stages) - 1) & 1);
     copy_rows(a, mine, s, warp, lane);

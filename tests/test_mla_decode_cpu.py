@@ -75,6 +75,10 @@ PERSISTENT = [MLADecodeConfig("bfloat16", 64, 2, schedule="alternate", tma=True,
 def test_persistent_config_rules():
     with pytest.raises(ValueError, match=r"MLADecodeConfig\.persistent=True is not valid: .*slice_release=True"):
         MLADecodeConfig(persistent=True)
+    for heads in (16, 64):  # the narrow and split kernels of few heads: no per-slice ring to carry
+        with pytest.raises(ValueError, match=r"MLADecodeConfig\.persistent=True is not valid: .*slice_release=True"):
+            BatchMLADecode(heads, persistent=True)
+    assert BatchMLADecode(128, persistent=True).config.persistent
     assert [c.name for c in PERSISTENT] == ["cukv_mla_decode_bf16_n64_s2_alt_tma_slices_ps_lr",
                                             "cukv_mla_decode_bf16_n64_s2_alt_tma_slices_mc_ps_lr"]
     assert all(c.regs == PERSISTENT_REGS for c in PERSISTENT)

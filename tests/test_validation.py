@@ -197,7 +197,7 @@ SCALARS = {
                                    "schedule": [("alt", ValueError), (1, ValueError), (True, ValueError)],
                                    "tma": OPTIONAL_BOOL, "prefetch_tiles": [(5, ValueError), (True, ValueError)],
                                    "fp8_rows": [(12, ValueError), (True, ValueError)], "slice_release": OPTIONAL_BOOL,
-                                   "multicast": OPTIONAL_BOOL}),
+                                   "multicast": OPTIONAL_BOOL, "persistent": OPTIONAL_BOOL}),
     "BatchMLADecode.plan": (_mla_plan, {"s_q": POSITIVE_INT + [(9, ValueError)], "chunk_tiles": OPTIONAL_POSITIVE_INT,
                                         "seq_lens": HOST_INTS}),
     "BatchMLADecode.run": (_mla_run, {"softmax_scale": OPTIONAL_POSITIVE_FLOAT, "return_lse": BOOL,

@@ -43,10 +43,10 @@ FP8_ROWS_REGS = {8: (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS), 16: (152, 176)}
 #: the L2 prefetch distances (``prefetch_tiles``) offered, in tiles; 0: none
 PREFETCH_TILES = (0, 1, 2, 3, 4)
 
-# the kernel's by-value argument: templates/mla_decode.cuh MLADecodeParams
 #: threads of a combine block (kMlaCombineThreads in templates/mla_decode_combine.cuh): four warps share a row
 COMBINE_THREADS = 128
 
+# the kernel's by-value argument: templates/mla_decode.cuh MLADecodeParams
 PARAMS = np.dtype([
     ("q_nope", "<u8"), ("q_pe", "<u8"), ("out", "<u8"), ("lse", "<u8"), ("part_o", "<u8"), ("part_lse", "<u8"),
     ("sink", "<u8"), ("cache", "<u8"), ("block_table", "<u8"), ("seq_lens", "<u8"), ("items", "<u8"),
@@ -234,7 +234,8 @@ class MLADecodeConfig(KernelConfig):
             name=self.name, ctype=CTYPES[self.dtype], block_n=self.block_n,
             num_kv_stages=self.num_kv_stages, k_nope_bytes=self.k_nope_bytes, k_rope_bytes=self.k_rope_bytes,
             k_bytes=self.k_bytes, v_bytes=self.v_bytes, q_bytes=self.q_bytes, smem_bytes=self.smem_bytes,
-            args_bytes=PARAMS.itemsize, combine_threads=COMBINE_THREADS, fp8=self.kv_dtype is not None, row_bytes=self.row_bytes,
+            args_bytes=PARAMS.itemsize, combine_threads=COMBINE_THREADS, fp8=self.kv_dtype is not None,
+            row_bytes=self.row_bytes,
             schedule=self.schedule, consumer=SLICE_CONSUMER if self.slice_release else CONSUMERS[self.schedule],
             tma=self.tma, slice_release=self.slice_release, lazy_rescale=self.lazy_rescale,
             prefetch_tiles=self.prefetch_tiles, fp8_rows=self.fp8_rows,
@@ -247,6 +248,7 @@ class MLADecodeConfig(KernelConfig):
         if self.persistent:
             return PERSISTENT_REGS
         return FP8_ROWS_REGS[self.fp8_rows] if self.kv_dtype else (PRODUCER_REGS, CONSUMER_REGS)
+
 
 def check_row_block_pairs(config: "MLADecodeConfig", row_blocks: int, what: str) -> None:
     """A ``multicast`` config runs a chunk's (sparse: a token's) row blocks in cluster pairs: ``row_blocks`` must be

@@ -21,11 +21,11 @@ import numpy as np
 from ..configs.mla_decode import BLOCK_M, BLOCK_NS, DIM, NARROW_ROWS, NOPE, PARAMS, check_row_block_pairs
 from ..device import check_same_device, current_device, sm_count
 from ..mla_cache import MLAKVCache
-from .mla_decode import combine_list, launch_combine
 from ..operand import as_kernel_arg, ptr
 from ..policy.mla_decode import plan_items, sparse_mla_config
 from ..validate import (check_bool, check_choice, check_device_array, check_float, check_int, check_per_head,
                         check_planned, check_sparse_indices, mla_dtypes)
+from .mla_decode import combine_list, launch_combine
 
 MAX_HEADS = 128
 MAX_TOPK = 1 << 20

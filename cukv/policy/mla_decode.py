@@ -72,7 +72,8 @@ DEFAULT_PERSISTENT = False
 #: chunks per (sequence, row block): the combine kernel's shared arrays (kMlaMaxChunks in mla_decode_combine.cuh)
 MAX_CHUNKS = 512
 
-#: combine kernel blocks per SM (its grid strides over the rows to merge): 16 blocks of 128 threads fill an SM's 2048 threads
+#: combine kernel blocks per SM (its grid strides over the rows to merge): 16 blocks of 128 threads fill an SM's
+#: 2048 threads
 COMBINE_BLOCKS_PER_SM = 16
 
 
