@@ -3,9 +3,10 @@ block (entry, after the barrier set-up, the query block landed, warpgroup 0's la
 done, exit) and its SM; printed as medians and percentiles over the blocks of one run, with the gaps between blocks on
 each SM. The stamps cost little but are not free: time with the bench, not with this.
 
-    PYTHONPATH=. python3 benchmarks/probe_mla_timeline.py "ctx4096,s_q2,skewed"
+    PYTHONPATH=. python3 benchmarks/probe_mla_timeline.py "ctx4096,s_q2,skewed" ["CUKV_X CUKV_Y=1"]
 
-The argument picks ``bench mla-decode`` shapes by words in their names (and "b128 h128 ctx512"). Stamps 5 and 6 come
+The argument picks ``bench mla-decode`` shapes by words in their names (and "b128 h128 ctx512"); a second one adds
+defines (the ``CUKV_DEFINES`` form) to the timeline build. Stamps 5 and 6 come
 from the per-slice consumers (h128) only.
 """
 import sys
@@ -17,12 +18,13 @@ from probe_lib import mla_op_with_defines
 from cukv.bench import mla_decode as bd
 
 words = sys.argv[1].split(",")
+extra = sys.argv[2] if len(sys.argv) > 2 else ""
 for name, batch, heads, s_q, ctx in bd.SHAPES + [("b128 h128 ctx512", 128, 128, 1, 512)]:
     if not any(w in name for w in words):
         continue
     lens = bd._lengths(batch, ctx)
     cache, table, q = bd._problem(batch, heads, s_q, lens)
-    dec, mod = mla_op_with_defines(heads, lens, s_q, "CUKV_MLA_TIMELINE")
+    dec, mod = mla_op_with_defines(heads, lens, s_q, f"CUKV_MLA_TIMELINE {extra}".strip())
     out = cp.empty((batch, s_q, heads, 512), cp.uint16)
     for _ in range(3):
         dec.run(q, cache, table, out=out)

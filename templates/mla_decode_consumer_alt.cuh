@@ -27,12 +27,15 @@
 
 namespace cukv {
 
-template <typename T, int BN, int STAGES, bool FP8 = false, bool SLICES = false>
-struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN, STAGES, FP8, false, SLICES>> {
-  typedef MLAKVProducerPipeline<T, BN, STAGES, FP8, false, SLICES> Pipe;  // SLICES: mla_decode_consumer_slices.cuh
-  typedef MLADecodeConsumerState<T, Pipe> State;
+// SPARSE (with SLICES only: sparse_mla.cu.j2): a tile's keys are real where the producer's validity bits say so.
+template <typename T, int BN, int STAGES, bool FP8 = false, bool SLICES = false, bool SPARSE = false>
+struct MLADecodeAltConsumer
+    : MLADecodeConsumerState<T, MLAKVProducerPipeline<T, BN, STAGES, FP8, SPARSE, SLICES>, SPARSE> {
+  // SLICES: mla_decode_consumer_slices.cuh
+  typedef MLAKVProducerPipeline<T, BN, STAGES, FP8, SPARSE, SLICES> Pipe;
+  typedef MLADecodeConsumerState<T, Pipe, SPARSE> State;
   using State::pipe, State::g, State::t, State::lane, State::m, State::l, State::o, State::kORegs, State::stats,
-      State::pwords;
+      State::pwords, State::mt;
   static constexpr int kSRegs = BN / 2, kPWords = BN / 4;
   static constexpr int kBarH0 = 3, kBarH1 = 4;  // named barriers (1 is the epilogue's, 2 the split schedule's)
   static_assert(Pipe::p_bytes == 128 * kPWords * 4, "one P buffer of a whole tile's words per thread");
@@ -48,27 +51,61 @@ struct MLADecodeAltConsumer : MLADecodeConsumerState<T, MLAKVProducerPipeline<T,
     return mask_rowmax(s, tok0, lim0, lim1, sl2);
   }
 
-  // scores()'s scaling and masking of S (tokens tok0 ..) already computed, and its row maxima
-  __device__ __forceinline__ float2 mask_rowmax(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2) {
-#if CUKV_MLA_LAZY_RESCALE  // (the eager kernels spill 4 bytes with the second path)
-    // a tile wholly inside every row's limit (all but a sequence's last one or two) needs no per-score compares
-    if (__all_sync(0xffffffffu, tok0 + BN <= min(lim0, lim1))) return scale_rowmax<false>(s, tok0, lim0, lim1, sl2);
-#endif
-    return scale_rowmax<true>(s, tok0, lim0, lim1, sl2);
+  // SPARSE: whether every key of the tile in stage s is real (Pipe::valid_words: two words, bit k of the pair for
+  // token k)
+  __device__ __forceinline__ bool all_valid(int s) const {
+    const u32* vw = pipe.valid_words(s);
+    return (vw[0] & vw[1]) == ~0u;
   }
 
-  // mask_rowmax's work; kMask: scores at or past a row's limit become -inf
+  // scores()'s scaling and masking of S (tokens tok0 ..) already computed, and its row maxima. SPARSE: the tile's
+  // validity words in stage `valid_stage` say which keys are real (the others become -inf too); the true max
+  // follows (mt).
+  __device__ __forceinline__ float2 mask_rowmax(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2,
+                                                int valid_stage = 0) {
+    float2 mx;
+#if CUKV_MLA_LAZY_RESCALE  // (the eager kernels spill 4 bytes with the second path)
+    // a tile wholly inside every row's limit (all but a sequence's last one or two) needs no per-score compares
+    // (SPARSE: a tile of real keys only; the limits add nothing, the gathered list stopping at the item's end)
+    if (__all_sync(0xffffffffu, SPARSE ? all_valid(valid_stage) : tok0 + BN <= min(lim0, lim1)))
+      mx = scale_rowmax<false>(s, tok0, lim0, lim1, sl2, valid_stage);
+    else
+#endif
+      mx = scale_rowmax<true>(s, tok0, lim0, lim1, sl2, valid_stage);
+    if constexpr (SPARSE) {
+      mt[0] = fmaxf(mt[0], mx.x);
+      mt[1] = fmaxf(mt[1], mx.y);
+    }
+    return mx;
+  }
+
+  // mask_rowmax's work; kMask: scores at or past a row's limit become -inf (SPARSE: those of invalid keys; the
+  // gathered list stops at the item's end, and a padding row's zero query scores nothing but 0)
   template <bool kMask>
-  __device__ __forceinline__ float2 scale_rowmax(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2) {
+  __device__ __forceinline__ float2 scale_rowmax(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2,
+                                                 int valid_stage) {
     const int c0 = tok0 + 2 * (lane & 3);
+    // SPARSE: this thread's columns 2 (lane & 3) + 8 j + e at bits 8 j + e of two words (j < 4 and j >= 4)
+    u32 vlo = 0u, vhi = 0u;
+    if constexpr (SPARSE && kMask) {
+      const u32* vw = pipe.valid_words(valid_stage);
+      vlo = vw[0] >> (2 * (lane & 3));
+      vhi = vw[1] >> (2 * (lane & 3));
+    }
     float mx[2] = {-CUKV_INF, -CUKV_INF};
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = c0 + 8 * j + e;
-        s[4 * j + e] = !kMask || col < lim0 ? s[4 * j + e] * sl2 : -CUKV_INF;
-        s[4 * j + 2 + e] = !kMask || col < lim1 ? s[4 * j + 2 + e] * sl2 : -CUKV_INF;
+        if constexpr (SPARSE) {
+          const bool key = !kMask || (((j < 4 ? vlo : vhi) >> (8 * (j & 3) + e)) & 1u);
+          s[4 * j + e] = key ? s[4 * j + e] * sl2 : -CUKV_INF;
+          s[4 * j + 2 + e] = key ? s[4 * j + 2 + e] * sl2 : -CUKV_INF;
+        } else {
+          s[4 * j + e] = !kMask || col < lim0 ? s[4 * j + e] * sl2 : -CUKV_INF;
+          s[4 * j + 2 + e] = !kMask || col < lim1 ? s[4 * j + 2 + e] * sl2 : -CUKV_INF;
+        }
         mx[0] = fmaxf(mx[0], s[4 * j + e]);
         mx[1] = fmaxf(mx[1], s[4 * j + 2 + e]);
       }

@@ -61,9 +61,11 @@ template <> __device__ __forceinline__ float2 unpack2<__half>(u32 w) {
   return __half22float2(*reinterpret_cast<const __half2*>(&w));
 }
 
-template <typename T, int BN, int STAGES>
-struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true> {
-  typedef MLADecodeAltConsumer<T, BN, STAGES, false, true> Alt;
+// SPARSE (sparse_mla.cu.j2, Pipe::gather_slices): each tile's keys are gathered rows, real where the producer's
+// validity bits for the tile say so.
+template <typename T, int BN, int STAGES, bool SPARSE = false>
+struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true, SPARSE> {
+  typedef MLADecodeAltConsumer<T, BN, STAGES, false, true, SPARSE> Alt;
   typedef typename Alt::Pipe Pipe;
   typedef typename Alt::State State;
   typedef typename Alt::MmaS MmaS;
@@ -225,7 +227,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     for (int t0 = 0; t0 < n_tiles; t0 += 2) {
       const int t1 = t0 + 1, t2 = t0 + 2;
       u32 p[kPWords];
-      const float2 mx = Alt::mask_rowmax(s, w.begin + t0 * BN, lim0, lim1, a.scale_log2);
+      const float2 mx = Alt::mask_rowmax(s, w.begin + t0 * BN, lim0, lim1, a.scale_log2, rp(t0) % STAGES);
       const float2 a0 = Alt::follow(State::next_max(make_float2(m[0], m[1]),
                                                     make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y))));
       Alt::probabilities(s, p);
@@ -276,7 +278,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
       const int t1 = t0 + 1, t3 = t0 + 3;
       const bool pair = t1 < n_tiles;  // the same in both warpgroups
       float2 mx = make_float2(-CUKV_INF, -CUKV_INF);
-      if (pair) mx = Alt::mask_rowmax(s, w.begin + t1 * BN, lim0, lim1, a.scale_log2);
+      if (pair) mx = Alt::mask_rowmax(s, w.begin + t1 * BN, lim0, lim1, a.scale_log2, rp(t1) % STAGES);
       u32 p0[kPWords];  // (kSmemP: P0 V reads P0 where warpgroup 0 stored it)
       float2 m0;
       // (without kSmemP, read before this warpgroup publishes P1 into the same buffer)
@@ -354,7 +356,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     if constexpr (Pipe::multicast) peer = cluster_rank() ^ 1;
     const int warp = t >> 5;
     const int r0 = warp * 16 + (lane >> 2);
-    const int len = a.seq_lens[w.batch];
+    const int len = SPARSE ? w.end : a.seq_lens[w.batch];
     const int lim0 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0);
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
     mbar_wait(pipe.q_full(), Pipe::persistent ? item & 1 : 0);
@@ -368,7 +370,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true>
     if (t == 0)
       for (int i = 0; i < 8; ++i) atomicAdd(&cukv_mla_wait_stats[i], (unsigned long long)ws_[i]);
 #endif
-    State::template finish<true>(a, w, r0);
+    State::template finish<true, SPARSE>(a, w, r0);
     // persistent: the next item's softmax exchange (stats) waits until both warpgroups have read this one's
     if constexpr (Pipe::persistent) named_barrier_sync<256>(1);
   }

@@ -93,7 +93,9 @@ struct MLADecodeConsumerState {
 
   // Both warpgroups' l -> the row's total; then the output (direct) or the float32 partial and its LSE. kGuard: a
   // first barrier keeps the l exchange off the stats slots until both warpgroups have read their last use of them.
-  template <bool kGuard>
+  // kMergeMt (SPARSE, alternating consumers: each warpgroup saw the maxima of its own tiles only): the true maxima
+  // are exchanged too.
+  template <bool kGuard, bool kMergeMt = false>
   __device__ void finish(const MLADecodeParams& a, const MLAWorkItem& w, int r0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // a row's sum is spread over the 4 lanes of its quad
@@ -105,6 +107,14 @@ struct MLADecodeConsumerState {
     named_barrier_sync<256>(1);
     const float2 other = stats()[(1 - g) * 128 + t];
     const float lt[2] = {l[0] + other.x, l[1] + other.y};
+    if constexpr (SPARSE && kMergeMt) {
+      named_barrier_sync<256>(1);  // both warpgroups have read the l slots
+      stats()[g * 128 + t] = make_float2(mt[0], mt[1]);
+      named_barrier_sync<256>(1);
+      const float2 om = stats()[(1 - g) * 128 + t];
+      mt[0] = fmaxf(mt[0], om.x);
+      mt[1] = fmaxf(mt[1], om.y);
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = r0 + 8 * r, R = w.row_block * kMlaBlockM + row;

@@ -64,7 +64,7 @@ struct MLAKVProducerPipeline {
   // and both warpgroups' P V read it (mla_decode_consumer_slices.cuh). The rope slice then frees after the Q K^T and
   // both P V (kRopeReleases arrivals), and is loaded last.
 #ifndef CUKV_MLA_REG_P  // (the define: probes time the register hand-over of P instead)
-  static constexpr bool p_in_rope = SLICES_ && BN_ == 64 && CUKV_MLA_LAZY_RESCALE;
+  static constexpr bool p_in_rope = SLICES_ && !SPARSE_ && BN_ == 64 && CUKV_MLA_LAZY_RESCALE;
 #else
   static constexpr bool p_in_rope = false;
 #endif
@@ -118,7 +118,9 @@ struct MLAKVProducerPipeline {
   static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
   static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
   static_assert(8 * (2 + 2 * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
-  static_assert(!SLICES_ || (!FP8_ && !SPARSE_), "per-slice barriers: 16-bit dense tiles (tensor copies) only");
+  static_assert(!SLICES_ || !FP8_, "per-slice barriers: 16-bit tiles (tensor copies, or sparse gathers) only");
+  static_assert(!(SLICES_ && SPARSE_) || (CUKV_MLA_MULTICAST == 0 && CUKV_MLA_PERSISTENT == 0),
+                "sparse gathers into per-slice stages: single blocks, one work item each");
   static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
   u32 base;  // shared address of the dynamic shared memory (1 KB aligned)
@@ -133,7 +135,7 @@ struct MLAKVProducerPipeline {
   __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 8 + 8 * (num_kv_stages + s); }
 
   // SLICES_: slice c of stage s. Full: one arrival (with the slice's bytes, or after every producer lane's cp.async
-  // copies, each netted out by cp.async.mbarrier.arrive). Empty: the scoring warpgroup's 4 warps after Q K^T, and for
+  // copies, each netted out by cp.async.mbarrier.arrive; SPARSE_: one from each of the stream's two warps). Empty: the scoring warpgroup's 4 warps after Q K^T, and for
   // slices 0-7 also the 4 warps of the warpgroup whose output columns they hold, after its P V.
   __device__ __forceinline__ u32 full(int s, int c) const { return base + barrier_offset + 8 + 8 * (kSlices * s + c); }
   __device__ __forceinline__ u32 empty(int s, int c) const {
@@ -146,7 +148,7 @@ struct MLAKVProducerPipeline {
     if constexpr (SLICES_) {
       for (int s = 0; s < num_kv_stages; ++s)
         for (int c = 0; c < kSlices; ++c) {
-          mbar_init(full(s, c), 1);
+          mbar_init(full(s, c), SPARSE_ ? 2 : 1);  // (SPARSE_: gather_slices' two warps of a stream)
           mbar_init(empty(s, c), kPeers * (c == kSlices - 1 ? kRopeReleases : 8));
         }
     } else {
@@ -215,7 +217,8 @@ struct MLAKVProducerPipeline {
     return row_ptr(a, w, w.begin + it * BN + warp * kRowsPerWarp + lane);
   }
 
-  // Sparse: stage s's rows w * BN/4 + j (j < BN/4) are real keys where bit j of word w is set.
+  // Sparse: stage s's rows w * BN/4 + j (j < BN/4) are real keys where bit j of word w is set (SLICES_: row j of
+  // the tile where bit j % 32 of word j / 32 is, gather_slices).
   __device__ __forceinline__ u32* valid_words(int s) const {
     extern __shared__ __align__(1024) char smem[];
     return reinterpret_cast<u32*>(smem + valid_offset) + 4 * s;
@@ -532,6 +535,53 @@ struct MLAKVProducerPipeline {
     named_barrier_sync<128>(kProducerBarrier);
     if (warp == 0 && lane == 0)
       for (int c = 0; c < kSlices; ++c) mbar_arrive(full(s, c));
+  }
+
+  // SPARSE_ with SLICES_: the query block; then the tiles in two streams, producer warps 0 and 2 the even tiles (scored
+  // by consumer warpgroup 0) and warps 1 and 3 the odd ones, warp w the tile's rows 32 (w / 2) .. + 31. Lane l looks
+  // up row l of its half a tile ahead; a tile's 8 row addresses for each lane (rows 4 i + l / 8) come by shuffles.
+  // Each slice is gathered once its empty barrier has completed, in the scorer's slice_order: 8 cp.async of 16 bytes
+  // a lane, 8 lanes a row (128 contiguous bytes; zero fill for a skipped key), netted out by each lane's
+  // cp.async.mbarrier.arrive, then one arrival per warp from its lane 0 (the slice's full barrier expects two).
+  // Before its first slice lane 0 publishes its half's validity (a ballot word) for the scoring consumers; they read
+  // it after waiting on every slice, and the stage's slices are all released again (the next rewrite) only after the
+  // scores are masked.
+  __device__ void gather_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
+    static_assert(SLICES_ && SPARSE_ && BN == 64, "sparse gathers into per-slice stages of 64-token tiles");
+    load_q(a, w, warp, lane);
+    const int stream = warp & 1, half = warp >> 1, g = lane >> 3, k = lane & 7;
+    const int key0 = w.begin + half * 32 + lane;  // this lane's row of the stream's tiles, tile 0
+    const char* next = stream < n_tiles ? row_ptr(a, w, key0 + stream * BN) : nullptr;
+#pragma unroll 1
+    for (int it = stream; it < n_tiles; it += 2) {
+      const char* mine = next;
+      if (it + 2 < n_tiles) next = row_ptr(a, w, key0 + (it + 2) * BN);
+      const u32 bits = __ballot_sync(0xffffffffu, mine != nullptr);
+      const char* rows[8];  // row 4 i + g of this warp's half
+#pragma unroll
+      for (int i = 0; i < 8; ++i) rows[i] = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, 4 * i + g);
+      const int s = it % num_kv_stages, owner = it & 1;
+      // this lane's chunk k of row 32 half + 4 i + g: the rows' swizzle (row % 8 = (4 i + g) % 8) alternates with i
+      const u32 line = stage(s) + (u32)((half * 32 + g) * kAtomRowBytes);
+      const u32 sw0 = (u32)((k ^ g) << 4), sw1 = (u32)((k ^ (g + 4)) << 4);
+#pragma unroll 1
+      for (int j = 0; j < kSlices; ++j) {
+        const int c = slice_order(owner, j);
+        if (it >= num_kv_stages) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
+        if (j == 0 && lane == 0) valid_words(s)[half] = bits;
+        const u32 dst = line + (u32)(c * atom_col_bytes);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const char* src = rows[i];
+          cp_async16(dst + (u32)(4 * i * kAtomRowBytes) + (i & 1 ? sw1 : sw0), src ? src + 128 * c + 16 * k : a.cache,
+                     src ? 16 : 0);
+        }
+        asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(full(s, c)) : "memory");
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full(s, c));
+      }
+    }
+    cp_async_wait<0>();
   }
 
   // produce() for per-slice barriers (TMA kernels): the query block; then the full tiles in two streams, producer warp

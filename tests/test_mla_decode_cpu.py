@@ -422,7 +422,16 @@ def test_narrow_rules():
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 query rows; s_q=4"):
         BatchMLADecode(16, schedule="narrow").plan([100], s_q=4)
     from cukv.ops.sparse_mla import SparseMLA
-    assert SparseMLA(16).config.schedule == "narrow" and SparseMLA(64).config.schedule == "split"
+    assert SparseMLA(16).config.schedule == "narrow" and SparseMLA(48).config.schedule == "split"
+    # from SPARSE_SLICES_MIN_HEADS on, 16-bit rows: the alternating consumers over per-slice gathers
+    alt = SparseMLA(64).config
+    assert alt.schedule == "alternate" and alt.slice_release and alt.name.endswith("_alt_slices_lr")
+    assert SparseMLA(128, block_n=32).config.schedule == "split"
+    assert SparseMLA(128, kv_dtype="fp8_e4m3").config.schedule == "split"
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.schedule='alternate' is not valid"):
+        SparseMLA(128, kv_dtype="fp8_e4m3", schedule="alternate")
+    with pytest.raises(ValueError, match=r"SparseMLAConfig\.slice_release=True is not valid"):
+        SparseMLA(128, block_n=32, schedule="alternate")
     assert SparseMLA(16, kv_dtype="fp8_e4m3").config.fp8_rope_first
     assert SparseMLA(32, schedule="split").config.block_rows == 64
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 heads"):

@@ -32,19 +32,23 @@ def test_block_n_32_compiles_without_spills():
 
 
 @given(dtype=st.sampled_from(["bfloat16", "float16", "float32"]), block_n=st.sampled_from([16, 32, 64]),
-       stages=st.integers(1, 9), fp8=st.booleans(), schedule=st.sampled_from(["split", "alternate"]))
-def test_config_domain(dtype, block_n, stages, fp8, schedule):
+       stages=st.integers(1, 9), fp8=st.booleans(), schedule=st.sampled_from(["split", "alternate"]),
+       slices=st.booleans())
+def test_config_domain(dtype, block_n, stages, fp8, schedule, slices):
     kvd = "fp8_e4m3" if fp8 else None
-    smem = 64 * 576 * 2 + stages * block_n * 576 * 2 + block_n * 128 + 2048 + (8 * (1 + 2 * stages) + 63) // 64 * 64 \
+    barriers = 8 * (2 + 2 * stages * (9 if slices else 1))
+    smem = 64 * 576 * 2 + stages * block_n * 576 * 2 + block_n * 128 + 2048 + (barriers + 63) // 64 * 64 \
         + (16 * stages + 63) // 64 * 64
-    valid = (dtype != "float32" and block_n in (32, 64) and 2 <= stages <= 8 and schedule == "split"
+    # "split", or the alternating consumers over per-slice barriers (16-bit rows, 64-token tiles)
+    form = (schedule == "split" and not slices) or (schedule == "alternate" and slices and block_n == 64 and not fp8)
+    valid = (dtype != "float32" and block_n in (32, 64) and 2 <= stages <= 8 and form
              and (not fp8 or dtype == "bfloat16") and smem <= 227 * 1024)
     if not valid:
         with pytest.raises(ValueError, match=r"(SparseMLA|MLADecode)Config\.(dtype|block_n|num_kv_stages|kv_dtype|"
-                                             r"schedule)"):
-            SparseMLAConfig(dtype, block_n, stages, kvd, schedule)
+                                             r"schedule|slice_release)"):
+            SparseMLAConfig(dtype, block_n, stages, kvd, schedule, slice_release=slices)
         return
-    cfg = SparseMLAConfig(dtype, block_n, stages, kvd, schedule)
+    cfg = SparseMLAConfig(dtype, block_n, stages, kvd, schedule, slice_release=slices)
     assert cfg.smem_bytes == smem
     assert f"static_assert(Pipe::smem_bytes == {cfg.smem_bytes}" in cfg.render()
 

@@ -151,6 +151,17 @@ def test_sparse_schedules_at_few_heads(rng, schedule, heads, dtype):
     check(rng, heads, 5000, 4096, t_n=1, dtype=dtype, schedule=schedule)  # split over the SMs, merged by the combine
 
 
+@pytest.mark.parametrize("heads,dtype", [(64, "bfloat16"), (128, "bfloat16"), (100, "float16"), (128, "float16")])
+@pytest.mark.parametrize("s_kv,topk,t_n,cut,sink", [(592, 128, 3, False, None), (1840, 256, 4, True, "finite"),
+                                                     (95, 128, 3, True, float("-inf")), (32, 2048, 2, False, "finite"),
+                                                     (5000, 4096, 1, False, None), (1521, 512, 62, True, float("inf"))])
+def test_sparse_alternate_schedule(rng, heads, dtype, s_kv, topk, t_n, cut, sink):
+    """The alternating consumers over per-slice barriers, each slice gathered as it frees: every kind of invalid
+    index, cut lists with NaN rows behind the cut, partial last tiles, lists split over the SMs (the combine)."""
+    check(rng, heads, s_kv, topk, t_n=t_n, dtype=dtype, cut=cut, sink=sink, schedule="alternate",
+          kind="array" if t_n == 4 else "cache")
+
+
 def test_sparse_uint32_indices(rng):
     check(rng, 64, 592, 128, uint=True)
 

@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/memcheck_mla.py
 
 Sparse prefill with every kind of invalid index (-1, -2^31, num_rows, 2^31 - 1, uint32 values past 2^31) and cut
-lists, over 16-bit and FP8 rows, with the narrow (16/32 heads) and the split (64 heads) consumers; dense decode
+lists, over 16-bit and FP8 rows, with the narrow (16/32 heads) and the split (64 heads) consumers, and the
+alternating ones over per-slice gathers (128 heads, 16-bit rows); dense decode
 with garbage block-table entries past each row's used pages. Nothing may read or write out of bounds; the script
 prints what it ran.
 """
@@ -30,12 +31,13 @@ def main():
         cache = cukv.MLAKVCache(num_pages=12, page_size=64, dtype=kv_dtype or "bfloat16", fill="nan")
         cukv.append_mla(cache, cp.asarray(rows[:, :512]), cp.asarray(rows[:, 512:]), cp.arange(700),
                         dtype="bfloat16")
-        for heads in (16, 32, 64):
+        forms = [(16, None), (32, None), (64, None)] + ([(128, "alternate")] if kv_dtype is None else [])
+        for heads, schedule in forms:
             t_n, topk = 5, 384
             q = cp.asarray(to_storage(rng.standard_normal((t_n, heads, 576)), "bfloat16"))
             idx = hostile_indices(rng, t_n, topk, 12 * 64)
             lens = cp.asarray(np.array([topk, 100, 0, 383, 257], np.int32))
-            att = cukv.SparseMLA(heads, kv_dtype=kv_dtype).plan(t_n, topk)
+            att = cukv.SparseMLA(heads, kv_dtype=kv_dtype, schedule=schedule).plan(t_n, topk)
             att.run(q, cache, idx, topk_lengths=lens)
             att.run(q, cache, idx.view(cp.uint32) | cp.uint32(2 ** 31))  # every key invalid
             print(f"sparse {att.config.name}: ok", flush=True)

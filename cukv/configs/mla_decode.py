@@ -6,6 +6,7 @@ The derived sizes follow the seed's ``MLAKVProducerPipeline`` vocabulary (``k_no
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import numpy as np
 
@@ -79,6 +80,8 @@ class MLADecodeConfig(KernelConfig):
     """
 
     template = "mla_decode.cu.j2"
+    #: the cache rows are gathered per key (sparse MLA): cp.async feeds the per-slice ring without tensor copies
+    gathers: typing.ClassVar[bool] = False
 
     #: query, output and 16-bit cache element type
     dtype: str = "bfloat16"
@@ -162,7 +165,7 @@ class MLADecodeConfig(KernelConfig):
                    "persistent blocks carry the per-slice ring across work items: use slice_release=True, or "
                    "persistent=False")
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
-            self.schedule == "alternate" and self.tma and self.kv_dtype is None),
+            self.schedule == "alternate" and (self.tma or self.gathers) and self.kv_dtype is None),
             "per-slice barriers are built for the alternating consumers fed by tensor copies: use "
             "schedule='alternate' and tma=True with a 16-bit cache (kv_dtype=None), or slice_release=False")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,

@@ -22,12 +22,19 @@ class SparseMLAConfig(MLADecodeConfig):
     """
 
     template = "sparse_mla.cu.j2"
+    gathers = True
 
     def __post_init__(self):
         super().__post_init__()
         c = "SparseMLAConfig"
-        check_rule(c, "schedule", self.schedule, self.schedule in ("split", "narrow"),
-                   "sparse MLA runs the 'split' or the 'narrow' consumers")
+        check_rule(c, "schedule", self.schedule, self.schedule in ("split", "narrow") or (
+            self.schedule == "alternate" and self.slice_release),
+                   "sparse MLA runs the 'split' or the 'narrow' consumers, or the alternating ones over per-slice "
+                   "barriers (slice_release=True)")
+        check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
+            self.block_n == 64 and not self.multicast and not self.persistent),
+                   "sparse gathers into per-slice stages take block_n=64, single blocks (multicast=False) and one "
+                   "work item a block (persistent=False)")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
                    f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
                    f"at most {SMEM_LIMIT} (227 KB) fit")
@@ -50,5 +57,6 @@ class SparseMLAConfig(MLADecodeConfig):
         lr += "_rf" if self.kv_dtype and self.fp8_rope_first else ""
         nr = f"_nr{self.block_rows}" if self.schedule == "narrow" else ""
         mc = "_mc" if self.multicast else ""
-        return (f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{nr}{pf}{rows}{mc}"
-                f"{lr}")
+        sl = "_alt_slices" if self.slice_release else ""
+        return (f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{nr}{pf}{rows}{sl}"
+                f"{mc}{lr}")

@@ -94,9 +94,11 @@ class SparseMLA:
         bfloat16).
     block_n, num_kv_stages : int, optional
         Keys per tile (32 or 64) and ring depth; None takes the MLA decode policy's defaults.
-    schedule : {None, 'split', 'narrow'}
-        The consumers: 'split' (64-row blocks) or 'narrow' (up to 32 heads in one 16- or 32-row block, the tile's
-        tokens as the wgmma M); None takes the policy's: 'narrow' up to 32 heads (docs/mla.md, "Schedules").
+    schedule : {None, 'split', 'narrow', 'alternate'}
+        The consumers: 'split' (64-row blocks), 'narrow' (up to 32 heads in one 16- or 32-row block, the tile's
+        tokens as the wgmma M) or 'alternate' (16-bit rows, 64-row blocks: each warpgroup scores every other tile,
+        over per-slice barriers, each slice gathered as it frees); None takes the policy's: 'narrow' up to 32 heads
+        (docs/mla.md, "Schedules").
     multicast : bool, optional
         FP8 rows with 'split': a token's two row blocks (128 heads) run as a cluster pair, each dequantizing half of
         every tile into both (docs/mla.md, "Cluster pairs"); None takes the policy's
@@ -125,7 +127,7 @@ class SparseMLA:
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
-        schedule = check_choice("schedule", schedule, (None, "split", "narrow"))
+        schedule = check_choice("schedule", schedule, (None, "split", "narrow", "alternate"))
         dt, kvd = mla_dtypes(dtype, kv_dtype)
         if schedule == "narrow" and (self.num_heads > NARROW_ROWS[-1] or block_n not in (None, 64)):
             raise ValueError(f"schedule='narrow' serves at most {NARROW_ROWS[-1]} heads with block_n 64; got "

@@ -57,6 +57,9 @@ FP8_PAIR_ROWS, FP8_PAIR_PREFETCH = 8, 0
 #: (``SparseMLA(multicast=True)``): level with the kernel without it on its 32-tile lists, 1.006x the time at b128 and
 #: b8 s_q 2 (H100, docs/tuning.md), so off
 SPARSE_MULTICAST = False
+#: sparse MLA over 16-bit rows from this many heads on: the alternating consumers over per-slice barriers, each slice
+#: gathered as it frees (``SparseMLA(schedule="alternate")``; docs/tuning.md "Sparse MLA")
+SPARSE_SLICES_MIN_HEADS = 64
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
 #: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
 #: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
@@ -195,12 +198,16 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     :data:`NARROW_MAX_ROWS` heads), and for FP8 rows its producer defaults (L2 prefetch, rows in flight); sparse rows
     always come by cp.async (each row its own gather)."""
     if schedule is None:
-        schedule = "narrow" if _narrow(num_heads, block_n) else "split"
-    if multicast is None and not SPARSE_MULTICAST:
+        slices_apply = (kv_dtype is None and block_n in (None, 64) and num_heads is not None
+                        and num_heads >= SPARSE_SLICES_MIN_HEADS)
+        schedule = "narrow" if _narrow(num_heads, block_n) else "alternate" if slices_apply else "split"
+    slices = schedule == "alternate"  # the alternating consumers over per-slice barriers, each slice gathered
+    if multicast is None and (slices or not SPARSE_MULTICAST):
         multicast = False  # else the decode's rule: FP8 rows, "split", an even count of row blocks
     d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads,
-                          multicast=multicast)
+                          multicast=multicast, slice_release=False)
     return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, d.schedule, tma=False,
+                           slice_release=slices,
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
                            block_rows=d.block_rows, fp8_rope_first=_rope_first(d.kv_dtype, d.block_n, "sparse"),
                            multicast=d.multicast)
@@ -219,7 +226,9 @@ def shipped() -> list[MLADecodeConfig]:
 
 
 def sparse_shipped() -> list[SparseMLAConfig]:
-    """The sparse MLA specializations compiled ahead of time: the default config per 16-bit dtype and for FP8 rows."""
-    return [sparse_mla_config(dt, kvd, num_heads=h) for dt, kvd in (("bfloat16", None), ("float16", None),
-                                                                    ("bfloat16", "fp8_e4m3"))
-            for h in (None,) + NARROW_ROWS]
+    """The sparse MLA specializations compiled ahead of time: the default configs per 16-bit dtype and for FP8 rows
+    (heads unknown, few heads, and from :data:`SPARSE_SLICES_MIN_HEADS` on)."""
+    configs = [sparse_mla_config(dt, kvd, num_heads=h) for dt, kvd in (("bfloat16", None), ("float16", None),
+                                                                       ("bfloat16", "fp8_e4m3"))
+               for h in (None,) + NARROW_ROWS + (SPARSE_SLICES_MIN_HEADS,)]
+    return list(dict.fromkeys(configs))  # (one entry per config: FP8 rows take "split" either way)
