@@ -51,27 +51,27 @@ struct MLADecodeAltConsumer
     return mask_rowmax(s, tok0, lim0, lim1, sl2);
   }
 
-  // SPARSE: whether every key of the tile in stage s is real (Pipe::valid_words: two words, bit k of the pair for
+  // SPARSE: whether every key of the tile at ring position r is real (Pipe::tile_valid_words: bit k of the pair for
   // token k)
-  __device__ __forceinline__ bool all_valid(int s) const {
-    const u32* vw = pipe.valid_words(s);
+  __device__ __forceinline__ bool all_valid(int r) const {
+    const u32* vw = pipe.tile_valid_words(r);
     return (vw[0] & vw[1]) == ~0u;
   }
 
-  // scores()'s scaling and masking of S (tokens tok0 ..) already computed, and its row maxima. SPARSE: the tile's
-  // validity words in stage `valid_stage` say which keys are real (the others become -inf too); the true max
+  // scores()'s scaling and masking of S (tokens tok0 ..) already computed, and its row maxima. SPARSE: the validity
+  // words of the tile at ring position `valid_pos` say which keys are real (the others become -inf too); the true max
   // follows (mt).
   __device__ __forceinline__ float2 mask_rowmax(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2,
-                                                int valid_stage = 0) {
+                                                int valid_pos = 0) {
     float2 mx;
 #if CUKV_MLA_LAZY_RESCALE  // (the eager kernels spill 4 bytes with the second path)
     // a tile wholly inside every row's limit (all but a sequence's last one or two) needs no per-score compares
     // (SPARSE: a tile of real keys only; the limits add nothing, the gathered list stopping at the item's end)
-    if (__all_sync(0xffffffffu, SPARSE ? all_valid(valid_stage) : tok0 + BN <= min(lim0, lim1)))
-      mx = scale_rowmax<false>(s, tok0, lim0, lim1, sl2, valid_stage);
+    if (__all_sync(0xffffffffu, SPARSE ? all_valid(valid_pos) : tok0 + BN <= min(lim0, lim1)))
+      mx = scale_rowmax<false>(s, tok0, lim0, lim1, sl2, valid_pos);
     else
 #endif
-      mx = scale_rowmax<true>(s, tok0, lim0, lim1, sl2, valid_stage);
+      mx = scale_rowmax<true>(s, tok0, lim0, lim1, sl2, valid_pos);
     if constexpr (SPARSE) {
       mt[0] = fmaxf(mt[0], mx.x);
       mt[1] = fmaxf(mt[1], mx.y);
@@ -83,12 +83,12 @@ struct MLADecodeAltConsumer
   // gathered list stops at the item's end, and a padding row's zero query scores nothing but 0)
   template <bool kMask>
   __device__ __forceinline__ float2 scale_rowmax(float (&s)[kSRegs], int tok0, int lim0, int lim1, float sl2,
-                                                 int valid_stage) {
+                                                 int valid_pos) {
     const int c0 = tok0 + 2 * (lane & 3);
     // SPARSE: this thread's columns 2 (lane & 3) + 8 j + e at bits 8 j + e of two words (j < 4 and j >= 4)
     u32 vlo = 0u, vhi = 0u;
     if constexpr (SPARSE && kMask) {
-      const u32* vw = pipe.valid_words(valid_stage);
+      const u32* vw = pipe.tile_valid_words(valid_pos);
       vlo = vw[0] >> (2 * (lane & 3));
       vhi = vw[1] >> (2 * (lane & 3));
     }

@@ -227,7 +227,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true,
     for (int t0 = 0; t0 < n_tiles; t0 += 2) {
       const int t1 = t0 + 1, t2 = t0 + 2;
       u32 p[kPWords];
-      const float2 mx = Alt::mask_rowmax(s, w.begin + t0 * BN, lim0, lim1, a.scale_log2, rp(t0) % STAGES);
+      const float2 mx = Alt::mask_rowmax(s, w.begin + t0 * BN, lim0, lim1, a.scale_log2, rp(t0));
       const float2 a0 = Alt::follow(State::next_max(make_float2(m[0], m[1]),
                                                     make_float2(fmaxf(m[0], mx.x), fmaxf(m[1], mx.y))));
       Alt::probabilities(s, p);
@@ -278,7 +278,7 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true,
       const int t1 = t0 + 1, t3 = t0 + 3;
       const bool pair = t1 < n_tiles;  // the same in both warpgroups
       float2 mx = make_float2(-CUKV_INF, -CUKV_INF);
-      if (pair) mx = Alt::mask_rowmax(s, w.begin + t1 * BN, lim0, lim1, a.scale_log2, rp(t1) % STAGES);
+      if (pair) mx = Alt::mask_rowmax(s, w.begin + t1 * BN, lim0, lim1, a.scale_log2, rp(t1));
       u32 p0[kPWords];  // (kSmemP: P0 V reads P0 where warpgroup 0 stored it)
       float2 m0;
       // (without kSmemP, read before this warpgroup publishes P1 into the same buffer)

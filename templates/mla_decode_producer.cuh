@@ -217,11 +217,17 @@ struct MLAKVProducerPipeline {
     return row_ptr(a, w, w.begin + it * BN + warp * kRowsPerWarp + lane);
   }
 
-  // Sparse: stage s's rows w * BN/4 + j (j < BN/4) are real keys where bit j of word w is set (SLICES_: row j of
-  // the tile where bit j % 32 of word j / 32 is, gather_slices).
+  // Sparse: stage s's rows w * BN/4 + j (j < BN/4) are real keys where bit j of word w is set.
   __device__ __forceinline__ u32* valid_words(int s) const {
     extern __shared__ __align__(1024) char smem[];
     return reinterpret_cast<u32*>(smem + valid_offset) + 4 * s;
+  }
+  // Sparse with SLICES_ (gather_slices): the tile at ring position r has real keys at rows j where bit j % 32 of word
+  // j / 32 is set. A slot per ring position modulo 2 STAGES: the next tile of a stage may start loading (its first
+  // slice freed by the last one's Q K^T) before the last one's scores are masked.
+  __device__ __forceinline__ u32* tile_valid_words(int r) const {
+    extern __shared__ __align__(1024) char smem[];
+    return reinterpret_cast<u32*>(smem + valid_offset) + 2 * (r % (2 * num_kv_stages));
   }
 
   // A tile into stage s: warp w copies rows w * BN/4 .. (w + 1) * BN/4 - 1, their addresses broadcast from `mine`.
@@ -543,9 +549,8 @@ struct MLAKVProducerPipeline {
   // Each slice is gathered once its empty barrier has completed, in the scorer's slice_order: 8 cp.async of 16 bytes
   // a lane, 8 lanes a row (128 contiguous bytes; zero fill for a skipped key), netted out by each lane's
   // cp.async.mbarrier.arrive, then one arrival per warp from its lane 0 (the slice's full barrier expects two).
-  // Before its first slice lane 0 publishes its half's validity (a ballot word) for the scoring consumers; they read
-  // it after waiting on every slice, and the stage's slices are all released again (the next rewrite) only after the
-  // scores are masked.
+  // Before its first slice lane 0 publishes its half's validity (a ballot word, tile_valid_words) for the scoring
+  // consumers, who read it after waiting on every slice.
   __device__ void gather_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
     static_assert(SLICES_ && SPARSE_ && BN == 64, "sparse gathers into per-slice stages of 64-token tiles");
     load_q(a, w, warp, lane);
@@ -568,7 +573,7 @@ struct MLAKVProducerPipeline {
       for (int j = 0; j < kSlices; ++j) {
         const int c = slice_order(owner, j);
         if (it >= num_kv_stages) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
-        if (j == 0 && lane == 0) valid_words(s)[half] = bits;
+        if (j == 0 && lane == 0) tile_valid_words(it)[half] = bits;
         const u32 dst = line + (u32)(c * atom_col_bytes);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
