@@ -79,6 +79,11 @@ struct MLAKVProducerPipeline {
   // (load_tile_fp8_pair), and both blocks' consumers release each stage in both.
   static constexpr bool fp8_pair = FP8_ && !SLICES_ && CUKV_MLA_MULTICAST;
   static constexpr int kPeers = multicast || fp8_pair ? 2 : 1;
+  // SPARSE_ with SLICES_ and MLADecodeConfig.multicast: the pair's blocks (a token's two row blocks, the same keys)
+  // gather rows 32 rank .. 32 rank + 31 of every slice each, and forward that half into the other block's stage with
+  // the bulk engine once it has landed (gather_slices; `landed` barriers per slice).
+  static constexpr bool gather_pair = SPARSE_ && multicast;
+  static constexpr int kRings = gather_pair ? 3 : 2;  // full and empty (and landed) barriers per slice and stage
   // SLICES_ with MLADecodeConfig.persistent: a block takes work items blockIdx.x, blockIdx.x + gridDim.x, ...; the
   // ring's tile count runs on across them (`ring0`: the item's first tile), and q_empty (each consumer warp's arrival
   // after its warpgroup's last Q K^T of an item) lets the producer load the next item's query block.
@@ -102,7 +107,7 @@ struct MLAKVProducerPipeline {
   static constexpr int p_bytes = 2 * 128 * (half / 4) * 4;                     // each thread's P words, both WGs
   static constexpr int stats_bytes = 2 * 128 * 8;                              // (m or l) x 2 rows per thread
   // q_full, q_empty, then the ring's full and empty barriers
-  static constexpr int barrier_bytes = (8 * (2 + 2 * num_kv_stages * kSlices) + 63) / 64 * 64;
+  static constexpr int barrier_bytes = (8 * (2 + kRings * num_kv_stages * kSlices) + 63) / 64 * 64;
   // offsets: the query block, the ring, then the exchange buffers and barriers (swizzled parts 1 KB aligned)
   static constexpr int q_offset = 0;
   static constexpr int ring_offset = q_offset + q_bytes;
@@ -117,10 +122,9 @@ struct MLAKVProducerPipeline {
   static_assert(!FP8_ || sizeof(T) == 2, "FP8 rows dequantize into 16-bit tiles");
   static_assert(BN == 32 || BN == 64, "a tile is 32 or 64 tokens");
   static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
-  static_assert(8 * (2 + 2 * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
+  static_assert(8 * (2 + kRings * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
   static_assert(!SLICES_ || !FP8_, "per-slice barriers: 16-bit tiles (tensor copies, or sparse gathers) only");
-  static_assert(!(SLICES_ && SPARSE_) || (CUKV_MLA_MULTICAST == 0 && CUKV_MLA_PERSISTENT == 0),
-                "sparse gathers into per-slice stages: single blocks, one work item each");
+  static_assert(!(SLICES_ && SPARSE_) || CUKV_MLA_PERSISTENT == 0, "sparse gathers: one work item a block");
   static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
   u32 base;  // shared address of the dynamic shared memory (1 KB aligned)
@@ -132,6 +136,11 @@ struct MLAKVProducerPipeline {
     return base + barrier_offset + 8 + 8 * (2 * num_kv_stages * kSlices);
   }
   __device__ __forceinline__ u32 full(int s) const { return base + barrier_offset + 8 + 8 * s; }
+  // gather_pair: this block's half of slice c of stage s has landed (lane 0 of the gathering warp, its lanes' copies
+  // netted out by cp.async.mbarrier.arrive), for the warp that forwards it to the other block
+  __device__ __forceinline__ u32 landed(int s, int c) const {
+    return base + barrier_offset + 16 + 8 * (2 * num_kv_stages * kSlices) + 8 * (kSlices * s + c);
+  }
   __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 8 + 8 * (num_kv_stages + s); }
 
   // SLICES_: slice c of stage s. Full: one arrival (with the slice's bytes, or after every producer lane's cp.async
@@ -148,7 +157,10 @@ struct MLAKVProducerPipeline {
     if constexpr (SLICES_) {
       for (int s = 0; s < num_kv_stages; ++s)
         for (int c = 0; c < kSlices; ++c) {
-          mbar_init(full(s, c), SPARSE_ ? 2 : 1);  // (SPARSE_: gather_slices' two warps of a stream)
+          // (SPARSE_: gather_slices' two warps of a stream; gather_pair: the gathering warp's arrival with the
+          // other block's half in bytes)
+          mbar_init(full(s, c), SPARSE_ && !gather_pair ? 2 : 1);
+          if constexpr (gather_pair) mbar_init(landed(s, c), 1);
           mbar_init(empty(s, c), kPeers * (c == kSlices - 1 ? kRopeReleases : 8));
         }
     } else {
@@ -551,10 +563,19 @@ struct MLAKVProducerPipeline {
   // cp.async.mbarrier.arrive, then one arrival per warp from its lane 0 (the slice's full barrier expects two).
   // Before its first slice lane 0 publishes its half's validity (a ballot word, tile_valid_words) for the scoring
   // consumers, who read it after waiting on every slice.
+  // gather_pair: warp w < 2 gathers this block's half (rows 32 rank ..) of stream w's slices and publishes both
+  // halves' validity, arriving on the slice's full barrier with the other block's half in bytes, and on `landed`;
+  // warp w + 2 forwards each landed half into the other block's stage (a 4 KB bulk copy: 32 whole swizzled rows).
   __device__ void gather_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
     static_assert(SLICES_ && SPARSE_ && BN == 64, "sparse gathers into per-slice stages of 64-token tiles");
     load_q(a, w, warp, lane);
-    const int stream = warp & 1, half = warp >> 1, g = lane >> 3, k = lane & 7;
+    const int stream = warp & 1, g = lane >> 3, k = lane & 7;
+    const int rank = gather_pair ? cluster_rank() : 0;
+    const int half = gather_pair ? rank : warp >> 1;
+    if (gather_pair && warp >= 2) {
+      forward_slices(n_tiles, stream, rank, lane);
+      return;
+    }
     const int key0 = w.begin + half * 32 + lane;  // this lane's row of the stream's tiles, tile 0
     const char* next = stream < n_tiles ? row_ptr(a, w, key0 + stream * BN) : nullptr;
 #pragma unroll 1
@@ -562,6 +583,9 @@ struct MLAKVProducerPipeline {
       const char* mine = next;
       if (it + 2 < n_tiles) next = row_ptr(a, w, key0 + (it + 2) * BN);
       const u32 bits = __ballot_sync(0xffffffffu, mine != nullptr);
+      u32 other_bits = 0u;  // gather_pair: the other block's half
+      if constexpr (gather_pair)
+        other_bits = __ballot_sync(0xffffffffu, row_ptr(a, w, key0 + it * BN + (1 - 2 * half) * 32) != nullptr);
       const char* rows[8];  // row 4 i + g of this warp's half
 #pragma unroll
       for (int i = 0; i < 8; ++i) rows[i] = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, 4 * i + g);
@@ -573,7 +597,10 @@ struct MLAKVProducerPipeline {
       for (int j = 0; j < kSlices; ++j) {
         const int c = slice_order(owner, j);
         if (it >= num_kv_stages) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
-        if (j == 0 && lane == 0) tile_valid_words(it)[half] = bits;
+        if (j == 0 && lane == 0) {
+          tile_valid_words(it)[half] = bits;
+          if constexpr (gather_pair) tile_valid_words(it)[1 - half] = other_bits;
+        }
         const u32 dst = line + (u32)(c * atom_col_bytes);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -582,11 +609,43 @@ struct MLAKVProducerPipeline {
                      src ? 16 : 0);
         }
         asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(full(s, c)) : "memory");
+        if constexpr (gather_pair)
+          asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(landed(s, c)) : "memory");
         __syncwarp();
-        if (lane == 0) mbar_arrive(full(s, c));
+        if (lane == 0) {
+          if constexpr (gather_pair) {
+            mbar_expect_tx(full(s, c), 32 * kAtomRowBytes);  // the other block's half, by its bulk copy
+            mbar_arrive(landed(s, c));
+          }
+          mbar_arrive(full(s, c));
+        }
       }
     }
     cp_async_wait<0>();
+  }
+
+  // gather_pair: warp 2 + stream forwards this block's half of each of the stream's slices, once landed, into the
+  // other block's stage (its full barrier counts the bytes). A stage's half is rewritten only after both blocks'
+  // consumers have released the slice (kPeers), which follows the copy's completion there.
+  __device__ void forward_slices(int n_tiles, int stream, int rank, int lane) const {
+    const int peer = rank ^ 1;
+#pragma unroll 1
+    for (int it = stream; it < n_tiles; it += 2) {
+      const int s = it % num_kv_stages, owner = it & 1;
+      const u32 half_rows = stage(s) + (u32)(rank * 32 * kAtomRowBytes);
+#pragma unroll 1
+      for (int j = 0; j < kSlices; ++j) {
+        const int c = slice_order(owner, j);
+        mbar_wait(landed(s, c), (it / num_kv_stages) & 1);
+        fence_proxy_async();  // the gathered half (generic proxy) -> the bulk copy's read
+        if (lane == 0) {
+          const u32 src = half_rows + (u32)(c * atom_col_bytes);
+          bulk_copy_to_peer(cluster_map(src, peer), src, 32 * kAtomRowBytes, cluster_map(full(s, c), peer));
+          tma_store_commit();
+        }
+      }
+    }
+    if (lane == 0) tma_store_wait_read<0>();  // the last copies have read this block's stages
   }
 
   // produce() for per-slice barriers (TMA kernels): the query block; then the full tiles in two streams, producer warp

@@ -440,7 +440,8 @@ def test_narrow_rules():
 
 def test_sparse_multicast_field():
     """Sparse MLA's FP8 pair: opt-in (SPARSE_MULTICAST off), named in the kernel's name and rendered as a cluster pair
-    with the pair's producer; 16-bit rows and an odd count of row blocks are refused, naming the field or the heads."""
+    with the pair's producer; 16-bit rows under the split consumers and an odd count of row blocks are refused, naming
+    the field or the heads."""
     from cukv.ops.sparse_mla import SparseMLA
     from cukv.policy.mla_decode import SPARSE_MULTICAST, sparse_mla_config
 
@@ -450,7 +451,8 @@ def test_sparse_multicast_field():
     src = cfg.render()
     assert "__cluster_dims__(2, 1, 1)" in src and "produce_fp8_pair" in src
     with pytest.raises(ValueError, match=r"multicast=True is not valid"):
-        SparseMLA(128, multicast=True)
+        SparseMLA(128, schedule="split", multicast=True)  # 16-bit rows pair only under the per-slice consumers
+    assert SparseMLA(128, multicast=True).config.name.endswith("_alt_slices_mc_lr")
     with pytest.raises(ValueError, match=r"num_heads=64 makes 1 row blocks of 64; it needs an even count"):
         SparseMLA(64, kv_dtype="fp8_e4m3", multicast=True)
     with pytest.raises(TypeError, match="multicast"):

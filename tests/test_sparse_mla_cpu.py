@@ -24,6 +24,23 @@ def test_shipped_sparse_compiles_without_spills(cfg):
     assert {cfg.name, cfg.name + "_combine"} <= set(mod.functions)
 
 
+def _pair():
+    return SparseMLA(128, schedule="alternate", multicast=True).config
+
+
+@pytest.mark.compile_ahead(build=_pair, arch=ARCH)
+def test_per_slice_pair_compiles_without_spills():
+    """The opt-in cluster pair of the per-slice consumers (each block gathers half of every slice)."""
+    cfg = _pair()
+    assert cfg.multicast and cfg.slice_release and cfg.name.endswith("_alt_slices_mc_lr")
+    r = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH).functions[cfg.name]
+    assert r.spill_stores == 0 and r.stack_frame == 0
+    assert "__cluster_dims__(2, 1, 1)" in cfg.render()
+    assert not SparseMLA(128).config.multicast  # off by default (SPARSE_SLICES_MULTICAST)
+    with pytest.raises(ValueError, match="row blocks"):
+        SparseMLA(64, schedule="alternate", multicast=True)
+
+
 @pytest.mark.compile_ahead(build=lambda: SparseMLAConfig("bfloat16", 32, 4, "fp8_e4m3"), arch=ARCH)
 def test_block_n_32_compiles_without_spills():
     cfg = SparseMLAConfig("bfloat16", 32, 4, "fp8_e4m3")

@@ -162,6 +162,16 @@ def test_sparse_alternate_schedule(rng, heads, dtype, s_kv, topk, t_n, cut, sink
           kind="array" if t_n == 4 else "cache")
 
 
+@pytest.mark.parametrize("heads,dtype", [(128, "bfloat16"), (100, "float16")])
+@pytest.mark.parametrize("s_kv,topk,t_n,cut,sink", [(592, 128, 3, False, None), (1840, 256, 4, True, "finite"),
+                                                     (95, 128, 3, True, float("-inf")), (32, 2048, 2, False, "finite"),
+                                                     (5000, 4096, 1, False, None), (1521, 512, 62, True, float("inf"))])
+def test_sparse_alternate_pairs(rng, heads, dtype, s_kv, topk, t_n, cut, sink):
+    """The per-slice consumers with a token's two row blocks as a cluster pair, each block gathering half of every
+    slice and forwarding it into the other's stage."""
+    check(rng, heads, s_kv, topk, t_n=t_n, dtype=dtype, cut=cut, sink=sink, schedule="alternate", multicast=True)
+
+
 def test_sparse_uint32_indices(rng):
     check(rng, 64, 592, 128, uint=True)
 

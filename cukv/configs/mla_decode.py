@@ -206,7 +206,8 @@ class MLADecodeConfig(KernelConfig):
     @property
     def smem_bytes(self) -> int:
         slices = SLICES if self.slice_release else 1
-        barriers = (8 * (2 + 2 * self.num_kv_stages * slices) + 63) // 64 * 64  # (q_full, q_empty, the ring's)
+        rings = 3 if self.gathers and self.slice_release and self.multicast else 2  # (a sparse pair: `landed` too)
+        barriers = (8 * (2 + rings * self.num_kv_stages * slices) + 63) // 64 * 64  # (q_full, q_empty, the ring's)
         return self.q_bytes + self.num_kv_stages * self.k_bytes + self.p_bytes + 2 * 128 * 8 + barriers
 
     @property

@@ -32,9 +32,8 @@ class SparseMLAConfig(MLADecodeConfig):
                    "sparse MLA runs the 'split' or the 'narrow' consumers, or the alternating ones over per-slice "
                    "barriers (slice_release=True)")
         check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
-            self.block_n == 64 and not self.multicast and not self.persistent),
-                   "sparse gathers into per-slice stages take block_n=64, single blocks (multicast=False) and one "
-                   "work item a block (persistent=False)")
+            self.block_n == 64 and not self.persistent),
+                   "sparse gathers into per-slice stages take block_n=64 and one work item a block (persistent=False)")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
                    f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
                    f"at most {SMEM_LIMIT} (227 KB) fit")

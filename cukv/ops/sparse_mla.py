@@ -100,9 +100,10 @@ class SparseMLA:
         over per-slice barriers, each slice gathered as it frees); None takes the policy's: 'narrow' up to 32 heads
         (docs/mla.md, "Schedules").
     multicast : bool, optional
-        FP8 rows with 'split': a token's two row blocks (128 heads) run as a cluster pair, each dequantizing half of
-        every tile into both (docs/mla.md, "Cluster pairs"); None takes the policy's
-        (:data:`cukv.policy.mla_decode.SPARSE_MULTICAST`).
+        A token's two row blocks (128 heads) run as a cluster pair: with FP8 rows and 'split', each dequantizing half of
+        every tile into both (docs/mla.md, "Cluster pairs"); with 'alternate', each gathering half of every slice and
+        forwarding it into the other. None takes the policy's (:data:`cukv.policy.mla_decode.SPARSE_MULTICAST`,
+        :data:`~cukv.policy.mla_decode.SPARSE_SLICES_MULTICAST`: both off, measured slower or level).
 
     Examples
     --------

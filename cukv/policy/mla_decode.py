@@ -60,6 +60,9 @@ SPARSE_MULTICAST = False
 #: sparse MLA over 16-bit rows from this many heads on: the alternating consumers over per-slice barriers, each slice
 #: gathered as it frees (``SparseMLA(schedule="alternate")``; docs/tuning.md "Sparse MLA")
 SPARSE_SLICES_MIN_HEADS = 64
+#: with them, a token's two row blocks (128 heads) as a cluster pair, each gathering half of every slice and forwarding
+#: it into the other (``SparseMLA(multicast=)``)
+SPARSE_SLICES_MULTICAST = False
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
 #: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
 #: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
@@ -202,7 +205,12 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                         and num_heads >= SPARSE_SLICES_MIN_HEADS)
         schedule = "narrow" if _narrow(num_heads, block_n) else "alternate" if slices_apply else "split"
     slices = schedule == "alternate"  # the alternating consumers over per-slice barriers, each slice gathered
-    if multicast is None and (slices or not SPARSE_MULTICAST):
+    pair = None
+    if slices:  # a token's two row blocks share each slice's gathers (an even count of row blocks)
+        pair = (SPARSE_SLICES_MULTICAST and num_heads is not None and (-(-num_heads // BLOCK_M)) % 2 == 0
+                if multicast is None else multicast)
+        multicast = False
+    elif multicast is None and not SPARSE_MULTICAST:
         multicast = False  # else the decode's rule: FP8 rows, "split", an even count of row blocks
     d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads,
                           multicast=multicast, slice_release=False)
@@ -210,7 +218,7 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                            slice_release=slices,
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
                            block_rows=d.block_rows, fp8_rope_first=_rope_first(d.kv_dtype, d.block_n, "sparse"),
-                           multicast=d.multicast)
+                           multicast=pair if slices else d.multicast)
 
 
 def shipped() -> list[MLADecodeConfig]:
