@@ -182,13 +182,15 @@ def test_sparse_long_list_split(rng):
     check(rng, 64, 700, 2048, t_n=2, cut=True, sink="finite")
 
 
+@pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_sparse_decode(rng, fp8):
+def test_sparse_decode(rng, fp8, heads):
+    """Sparse decode through a page table; 128 heads with 16-bit rows run the per-slice consumers."""
     import cupy as cp
 
     from cukv.ops.sparse_mla import sparse_indices, sparse_mla_decode
 
-    b, s_q, heads, topk, ps = 3, 2, 16, 256, PAGE
+    b, s_q, topk, ps = 3, 2, 256, PAGE
     dtype = "fp8_e4m3" if fp8 else "bfloat16"
     kv, vals, num_rows = make_kv(rng, 900, dtype, "cache")
     table = rng.permutation(num_rows // ps)[: 2 * (num_rows // ps // 2)].reshape(2, -1).astype(np.int32)
