@@ -118,6 +118,12 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true,
       if (it + 2 >= n_tiles && lane == 0) mbar_arrive(pipe.q_empty());
   }
   __device__ __forceinline__ void wait_v(int it) const {  // this warpgroup's V slices of a tile it did not score
+    if constexpr (SPARSE) {  // (gathered slices: the P V wgmmas start after all four, so one proxy fence covers them)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) mbar_wait(pipe.full(rp(it) % STAGES, 4 * g + q), (rp(it) / STAGES) & 1);
+      fence_proxy_async();
+      return;
+    }
 #pragma unroll
     for (int q = 0; q < 4; ++q) CUKV_MLA_WS(3, wait_slice(it, 4 * g + q));
   }
