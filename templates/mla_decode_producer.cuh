@@ -62,7 +62,8 @@ struct MLAKVProducerPipeline {
   // SLICES_ with 64-token tiles and the lazy rescale: once the scoring warpgroup's Q K^T has read a tile's rope slice,
   // that warpgroup stores the tile's P there (64 rows x 64 tokens, the slice's own swizzled layout: a wgmma A operand),
   // and both warpgroups' P V read it (mla_decode_consumer_slices.cuh). The rope slice then frees after the Q K^T and
-  // both P V (kRopeReleases arrivals), and is loaded last.
+  // both P V (kRopeReleases arrivals), and is loaded last. Not with SPARSE_: a gathered rope slice wants the lead it
+  // gets from freeing right after Q K^T (P then goes through the exchange buffer).
 #ifndef CUKV_MLA_REG_P  // (the define: probes time the register hand-over of P instead)
   static constexpr bool p_in_rope = SLICES_ && !SPARSE_ && BN_ == 64 && CUKV_MLA_LAZY_RESCALE;
 #else
