@@ -24,6 +24,11 @@ __device__ __forceinline__ void mbar_arrive_n(u32 bar, int n) {
 __device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
 }
+// The barrier tracks this thread's cp.async copies issued so far without an arrival of its own: the pending count
+// rises now and falls back once they land, so the phase waits for them and for the arrivals it expects.
+__device__ __forceinline__ void mbar_track_cp_async(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbar_wait(u32 bar, int parity) {
   asm volatile(
       "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}\n"

@@ -91,10 +91,11 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true,
 
   __device__ __forceinline__ MLADecodeSliceConsumer(const Pipe& p, int g_, int t_) : Alt(p, g_, t_) {}
 
-  // Slice c of tile `it` has landed (its wgmma reads may start).
+  // Slice c of tile `it` has landed (its wgmma reads may start; kFence false: once the caller has fenced).
+  template <bool kFence = true>
   __device__ __forceinline__ void wait_slice(int it, int c) const {
     mbar_wait(pipe.full(rp(it) % STAGES, c), (rp(it) / STAGES) & 1);
-    if (it >= cp_from) fence_proxy_async();  // a cp.async tile's copies (generic proxy) -> wgmma reads
+    if (kFence && it >= cp_from) fence_proxy_async();  // a cp.async tile's copies (generic proxy) -> wgmma reads
   }
   // This warp is done with slice c of tile `it` (multicast: in both blocks of the pair, whose copies it shares).
   __device__ __forceinline__ void release(int it, int c) const {
@@ -117,15 +118,12 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true,
     if constexpr (Pipe::persistent)
       if (it + 2 >= n_tiles && lane == 0) mbar_arrive(pipe.q_empty());
   }
-  __device__ __forceinline__ void wait_v(int it) const {  // this warpgroup's V slices of a tile it did not score
-    if constexpr (SPARSE) {  // (gathered slices: the P V wgmmas start after all four, so one proxy fence covers them)
+  // This warpgroup's V slices of a tile it did not score. SPARSE (gathered slices): the P V wgmmas start after all
+  // four, so one proxy fence after the waits covers them.
+  __device__ __forceinline__ void wait_v(int it) const {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) mbar_wait(pipe.full(rp(it) % STAGES, 4 * g + q), (rp(it) / STAGES) & 1);
-      fence_proxy_async();
-      return;
-    }
-#pragma unroll
-    for (int q = 0; q < 4; ++q) CUKV_MLA_WS(3, wait_slice(it, 4 * g + q));
+    for (int q = 0; q < 4; ++q) CUKV_MLA_WS(3, wait_slice<!SPARSE>(it, 4 * g + q));
+    if constexpr (SPARSE) fence_proxy_async();
   }
 
   // Issue slices J0 .. J1 - 1 (in warpgroup G's slice_order) of S = Q K^T for tile `it`, each slice's 4 k-steps

@@ -138,15 +138,16 @@ struct MLAKVProducerPipeline {
   }
   __device__ __forceinline__ u32 full(int s) const { return base + barrier_offset + 8 + 8 * s; }
   // gather_pair: this block's half of slice c of stage s has landed (lane 0 of the gathering warp, its lanes' copies
-  // netted out by cp.async.mbarrier.arrive), for the warp that forwards it to the other block
+  // tracked by mbar_track_cp_async), for the warp that forwards it to the other block
   __device__ __forceinline__ u32 landed(int s, int c) const {
     return base + barrier_offset + 16 + 8 * (2 * num_kv_stages * kSlices) + 8 * (kSlices * s + c);
   }
   __device__ __forceinline__ u32 empty(int s) const { return base + barrier_offset + 8 + 8 * (num_kv_stages + s); }
 
   // SLICES_: slice c of stage s. Full: one arrival (with the slice's bytes, or after every producer lane's cp.async
-  // copies, each netted out by cp.async.mbarrier.arrive; SPARSE_: one from each of the stream's two warps). Empty: the scoring warpgroup's 4 warps after Q K^T, and for
-  // slices 0-7 also the 4 warps of the warpgroup whose output columns they hold, after its P V.
+  // copies, each tracked by mbar_track_cp_async; SPARSE_: one from each of the stream's two warps, gather_pair: the
+  // gathering warp's, with the other block's half in bytes). Empty: the scoring warpgroup's 4 warps after Q K^T, and
+  // for slices 0-7 also the 4 warps of the warpgroup whose output columns they hold, after its P V.
   __device__ __forceinline__ u32 full(int s, int c) const { return base + barrier_offset + 8 + 8 * (kSlices * s + c); }
   __device__ __forceinline__ u32 empty(int s, int c) const {
     return base + barrier_offset + 8 + 8 * (kSlices * (num_kv_stages + s) + c);
@@ -359,7 +360,8 @@ struct MLAKVProducerPipeline {
     load_codes(h.codes, mine, kHalfLane, lane);
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const char* src = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, kHalfLane + (lane >> 3) + 4 * k);
+      const char* src =
+          (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, kHalfLane + (lane >> 3) + 4 * k);
       h.rope[k] = src ? ldg_stream16(src + fp8_rope_byte + 16 * (lane & 7)) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
@@ -550,7 +552,7 @@ struct MLAKVProducerPipeline {
       for (int c = 0; c < kSlices; ++c) mbar_wait(empty(s, c), ((r / num_kv_stages) - 1) & 1);
     copy_rows(a, mine, s, warp, lane);
     for (int c = 0; c < kSlices; ++c)
-      asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(full(s, c)) : "memory");
+      mbar_track_cp_async(full(s, c));
     named_barrier_sync<128>(kProducerBarrier);
     if (warp == 0 && lane == 0)
       for (int c = 0; c < kSlices; ++c) mbar_arrive(full(s, c));
@@ -560,8 +562,8 @@ struct MLAKVProducerPipeline {
   // by consumer warpgroup 0) and warps 1 and 3 the odd ones, warp w the tile's rows 32 (w / 2) .. + 31. Lane l looks
   // up row l of its half a tile ahead; a tile's 8 row addresses for each lane (rows 4 i + l / 8) come by shuffles.
   // Each slice is gathered once its empty barrier has completed, in the scorer's slice_order: 8 cp.async of 16 bytes
-  // a lane, 8 lanes a row (128 contiguous bytes; zero fill for a skipped key), netted out by each lane's
-  // cp.async.mbarrier.arrive, then one arrival per warp from its lane 0 (the slice's full barrier expects two).
+  // a lane, 8 lanes a row (128 contiguous bytes; zero fill for a skipped key), tracked by each lane's
+  // mbar_track_cp_async, then one arrival per warp from its lane 0 (the slice's full barrier expects two).
   // Before its first slice lane 0 publishes its half's validity (a ballot word, tile_valid_words) for the scoring
   // consumers, who read it after waiting on every slice.
   // gather_pair: warp w < 2 gathers this block's half (rows 32 rank ..) of stream w's slices and publishes both
@@ -609,9 +611,9 @@ struct MLAKVProducerPipeline {
           cp_async16(dst + (u32)(4 * i * kAtomRowBytes) + (i & 1 ? sw1 : sw0), src ? src + 128 * c + 16 * k : a.cache,
                      src ? 16 : 0);
         }
-        asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(full(s, c)) : "memory");
+        mbar_track_cp_async(full(s, c));
         if constexpr (gather_pair)
-          asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" :: "r"(landed(s, c)) : "memory");
+          mbar_track_cp_async(landed(s, c));
         __syncwarp();
         if (lane == 0) {
           if constexpr (gather_pair) {

@@ -11,6 +11,7 @@ from cukv import compiler, reference
 from cukv.configs import mla_append
 from cukv.configs.mla_append import MLAAppendConfig
 from cukv.configs.mla_decode import PERSISTENT_REGS, MLADecodeConfig
+from cukv.configs.sparse_mla import SparseMLAConfig
 from cukv.ops.mla_decode import BatchMLADecode
 from cukv.policy import mla_decode as mla_decode_policy
 from cukv.policy.mla_decode import (DEFAULT_BLOCK_N, DEFAULT_FP8_ROWS, DEFAULT_LAZY_RESCALE, DEFAULT_PREFETCH,
@@ -428,10 +429,15 @@ def test_narrow_rules():
     assert alt.schedule == "alternate" and alt.slice_release and alt.name.endswith("_alt_slices_lr")
     assert SparseMLA(128, block_n=32).config.schedule == "split"
     assert SparseMLA(128, kv_dtype="fp8_e4m3").config.schedule == "split"
-    with pytest.raises(ValueError, match=r"MLADecodeConfig\.schedule='alternate' is not valid"):
+    with pytest.raises(ValueError, match=r"schedule='alternate' gathers 16-bit rows .* got kv_dtype='fp8_e4m3'"):
         SparseMLA(128, kv_dtype="fp8_e4m3", schedule="alternate")
-    with pytest.raises(ValueError, match=r"SparseMLAConfig\.slice_release=True is not valid"):
+    with pytest.raises(ValueError, match=r"schedule='alternate' .* block_n=32"):
         SparseMLA(128, block_n=32, schedule="alternate")
+    # the config's own rules, for configs built by hand
+    with pytest.raises(ValueError, match=r"MLADecodeConfig\.schedule='alternate' is not valid"):
+        SparseMLAConfig("bfloat16", 64, 2, "fp8_e4m3", "alternate", slice_release=True)
+    with pytest.raises(ValueError, match=r"SparseMLAConfig\.slice_release=True is not valid"):
+        SparseMLAConfig("bfloat16", 32, 4, None, "alternate", slice_release=True)
     assert SparseMLA(16, kv_dtype="fp8_e4m3").config.fp8_rope_first
     assert SparseMLA(32, schedule="split").config.block_rows == 64
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 heads"):

@@ -151,10 +151,14 @@ def test_sparse_schedules_at_few_heads(rng, schedule, heads, dtype):
     check(rng, heads, 5000, 4096, t_n=1, dtype=dtype, schedule=schedule)  # split over the SMs, merged by the combine
 
 
+# the per-slice consumers' lists: every kind of invalid index, cut lists with NaN rows behind the cut and sinks of
+# every kind, partial last tiles, a mostly invalid list, one split over the SMs (the combine), 62 tokens
+ALT_LISTS = [(592, 128, 3, False, None), (1840, 256, 4, True, "finite"), (95, 128, 3, True, float("-inf")),
+             (32, 2048, 2, False, "finite"), (5000, 4096, 1, False, None), (1521, 512, 62, True, float("inf"))]
+
+
 @pytest.mark.parametrize("heads,dtype", [(64, "bfloat16"), (128, "bfloat16"), (100, "float16"), (128, "float16")])
-@pytest.mark.parametrize("s_kv,topk,t_n,cut,sink", [(592, 128, 3, False, None), (1840, 256, 4, True, "finite"),
-                                                     (95, 128, 3, True, float("-inf")), (32, 2048, 2, False, "finite"),
-                                                     (5000, 4096, 1, False, None), (1521, 512, 62, True, float("inf"))])
+@pytest.mark.parametrize("s_kv,topk,t_n,cut,sink", ALT_LISTS)
 def test_sparse_alternate_schedule(rng, heads, dtype, s_kv, topk, t_n, cut, sink):
     """The alternating consumers over per-slice barriers, each slice gathered as it frees: every kind of invalid
     index, cut lists with NaN rows behind the cut, partial last tiles, lists split over the SMs (the combine)."""
@@ -163,9 +167,7 @@ def test_sparse_alternate_schedule(rng, heads, dtype, s_kv, topk, t_n, cut, sink
 
 
 @pytest.mark.parametrize("heads,dtype", [(128, "bfloat16"), (100, "float16")])
-@pytest.mark.parametrize("s_kv,topk,t_n,cut,sink", [(592, 128, 3, False, None), (1840, 256, 4, True, "finite"),
-                                                     (95, 128, 3, True, float("-inf")), (32, 2048, 2, False, "finite"),
-                                                     (5000, 4096, 1, False, None), (1521, 512, 62, True, float("inf"))])
+@pytest.mark.parametrize("s_kv,topk,t_n,cut,sink", ALT_LISTS)
 def test_sparse_alternate_pairs(rng, heads, dtype, s_kv, topk, t_n, cut, sink):
     """The per-slice consumers with a token's two row blocks as a cluster pair, each block gathering half of every
     slice and forwarding it into the other's stage."""

@@ -205,6 +205,7 @@ SCALARS = {
     "SparseMLA": (_sparse_ctor, {"num_heads": POSITIVE_INT + [(129, ValueError)],
                                  "block_n": [(True, ValueError), (48, ValueError), ("64", ValueError)],
                                  "num_kv_stages": OPTIONAL_POSITIVE_INT + [(1, ValueError), (9, ValueError)],
+                                 "schedule": [("alt", ValueError), (1, ValueError), (True, ValueError)],
                                  "multicast": OPTIONAL_BOOL}),
     "SparseMLA.plan": (_sparse_plan, {"num_tokens": POSITIVE_INT, "topk": POSITIVE_INT,
                                       "chunk_tiles": OPTIONAL_POSITIVE_INT}),

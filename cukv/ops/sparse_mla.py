@@ -133,6 +133,10 @@ class SparseMLA:
         if schedule == "narrow" and (self.num_heads > NARROW_ROWS[-1] or block_n not in (None, 64)):
             raise ValueError(f"schedule='narrow' serves at most {NARROW_ROWS[-1]} heads with block_n 64; got "
                              f"num_heads={self.num_heads}, block_n={block_n!r} (use schedule='split' or None)")
+        if schedule == "alternate" and (kvd is not None or block_n not in (None, 64)):
+            raise ValueError(f"schedule='alternate' gathers 16-bit rows into 64-token tiles; got kv_dtype={kvd!r}, "
+                             f"block_n={block_n!r} (use kv_dtype=None and block_n None or 64, or schedule 'split' or "
+                             "None)")
         multicast = check_bool("multicast", multicast) if multicast is not None else None
         self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages, self.num_heads, schedule, multicast)
         check_row_block_pairs(self.config, -(-self.num_heads // BLOCK_M), f"num_heads={self.num_heads} makes")

@@ -83,6 +83,11 @@ MAX_CHUNKS = 512
 COMBINE_BLOCKS_PER_SM = 16
 
 
+def _even_row_blocks(rows: int | None) -> bool:
+    """Whether ``rows`` (known) make an even count of 64-row blocks, as cluster pairs of row blocks need."""
+    return rows is not None and (-(-rows // BLOCK_M)) % 2 == 0
+
+
 def _makespan(costs: list[float], slots: int) -> float:
     """Finish time of blocks of these costs launched in order onto ``slots`` SMs (each takes the next block)."""
     heap = [0.0] * min(slots, len(costs))
@@ -181,8 +186,7 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     pair_fp8 = kv_dtype is not None and schedule == "split" and block_n == 64  # FP8 rows shared by a pair
     if multicast is None:  # cluster pairs of row blocks: an even count of them
         multicast = (DEFAULT_MULTICAST and (slice_release or (pair_fp8 and asked_rows in (None, FP8_PAIR_ROWS)))
-                     and rows is not None and (-(-rows // BLOCK_M)) % 2 == 0
-                     and (chunk_tiles is None or chunk_tiles >= MULTICAST_MIN_TILES))
+                     and _even_row_blocks(rows) and (chunk_tiles is None or chunk_tiles >= MULTICAST_MIN_TILES))
     if multicast and pair_fp8:
         fp8_rows = FP8_PAIR_ROWS if asked_rows is None else asked_rows
         prefetch_tiles = FP8_PAIR_PREFETCH if asked_pf is None else asked_pf
@@ -197,9 +201,11 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
                       num_kv_stages: int | None = None, num_heads: int | None = None,
                       schedule: str | None = None, multicast: bool | None = None) -> SparseMLAConfig:
-    """The config ``SparseMLA`` compiles: the decode's tile and schedule ("split", or "narrow" up to
-    :data:`NARROW_MAX_ROWS` heads), and for FP8 rows its producer defaults (L2 prefetch, rows in flight); sparse rows
-    always come by cp.async (each row its own gather)."""
+    """The config ``SparseMLA`` compiles: the decode's tile and a schedule ("narrow" up to :data:`NARROW_MAX_ROWS`
+    heads; with 16-bit rows and 64-token tiles, "alternate" over per-slice barriers from
+    :data:`SPARSE_SLICES_MIN_HEADS`, its cluster pair per :data:`SPARSE_SLICES_MULTICAST`; else "split", FP8 rows
+    paired per :data:`SPARSE_MULTICAST`), and for FP8 rows its producer defaults (L2 prefetch, rows in flight); sparse
+    rows always come by cp.async (each row its own gather)."""
     if schedule is None:
         slices_apply = (kv_dtype is None and block_n in (None, 64) and num_heads is not None
                         and num_heads >= SPARSE_SLICES_MIN_HEADS)
@@ -207,8 +213,7 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     slices = schedule == "alternate"  # the alternating consumers over per-slice barriers, each slice gathered
     pair = None
     if slices:  # a token's two row blocks share each slice's gathers (an even count of row blocks)
-        pair = (SPARSE_SLICES_MULTICAST and num_heads is not None and (-(-num_heads // BLOCK_M)) % 2 == 0
-                if multicast is None else multicast)
+        pair = SPARSE_SLICES_MULTICAST and _even_row_blocks(num_heads) if multicast is None else multicast
         multicast = False
     elif multicast is None and not SPARSE_MULTICAST:
         multicast = False  # else the decode's rule: FP8 rows, "split", an even count of row blocks
