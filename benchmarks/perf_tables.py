@@ -47,8 +47,10 @@ def decode_table(name, d):
     s, rows = d["summary"], d["rows"]
     fp8 = "fp8_ms" in rows[0]
     out = _head(name, s)
-    out.append(f"Read ceiling {s['read_ceiling_tbs']:.2f} TB/s (device copy). Ratios are peer time / cukv time "
-               "(above 1: cukv is faster), bf16 cache.")
+    flush = {"discard": "a 256 MB write, then its lines discarded from L2",
+             "write": "a 256 MB write"}.get(s.get("l2_flush", "write"))
+    out.append(f"Read ceiling {s['read_ceiling_tbs']:.2f} TB/s (the fastest streaming kernel). L2 flushed by {flush} "
+               "before each call. Ratios are peer time / cukv time (above 1: cukv is faster), bf16 cache.")
     out.append("")
     cols = ["batch x ctx", "splits", "cukv us", "% of ceiling", "cuDNN us", "cuDNN/cukv", "flash/cukv"]
     if fp8:
@@ -180,7 +182,9 @@ script). Each table is one `python -m cukv bench ...` call on the device and dat
 JSON file plots it.
 
 How the benches time: every call is preceded by an L2 flush and a spin kernel twice the call's host time, so host
-work (argument checks, tensor maps) never counts as GPU time; times are medians. Peers are PyTorch SDPA's cuDNN and
+work (argument checks, tensor maps) never counts as GPU time; times are medians. From 2026-11-28 the flush writes 256
+MB and then discards those lines from L2, so a timed call no longer pays the write-back of the flush's dirty lines
+(9-10 us a call on both GPUs: docs/tuning.md, "L2 flush"); tables of earlier dates were timed after the write alone. Peers are PyTorch SDPA's cuDNN and
 flash back ends on the same K/V (contiguous, since SDPA has no paged form), checked against cukv's output.
 Compare figures only within one table: the GPU machine may be an H100 or an H200, and a prefill at the power
 limit moves a few percent between calls.

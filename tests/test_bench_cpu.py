@@ -298,3 +298,18 @@ def test_mla_configs_parse_both_schedules():
     a = cli.build_parser().parse_args(["bench", "mla-decode", "--mla-configs", "64x2,64x2:alternate"])
     assert a.mla_configs == "64x2,64x2:alternate"
     assert cli.main(["bench", "mla-decode", "--mla-configs", "64x2,64x2:alt"]) == 2
+
+
+def test_l2_discard_kernel_compiles_without_spills():
+    """The Timer's flush kernel (discard.global.L2 over the flush buffer, cukv/bench/timing.py) builds off the GPU."""
+    from cukv import compiler
+
+    rep = compiler.build("l2_discard.cu.j2", "cukv_l2_discard", name="cukv_l2_discard").functions["cukv_l2_discard"]
+    assert rep.spill_stores == 0 and rep.registers <= 32, rep
+
+
+def test_timer_refuses_an_unknown_flush():
+    from cukv.bench.timing import Timer
+
+    with pytest.raises(ValueError, match="flush must be 'discard' or 'write'; got 'read'"):
+        Timer(flush="read")

@@ -6,7 +6,7 @@ import pytest
 
 import cukv
 from cukv import DecodeConfig
-from cukv.policy.decode import DEFAULT_TMA, decode_config
+from cukv.policy.decode import DEFAULT_STAGES, DEFAULT_TMA, DEFAULT_TMA_STAGES, decode_config
 from cukv.tma import MAP_BYTES
 
 # registers and shared memory move with the group, the ring depth and the head dim; dtype and page size are spot
@@ -125,7 +125,9 @@ def test_tma_default_on_where_the_ring_applies():
     assert cukv.BatchDecode(32, 8, 128, 16, "bfloat16").config.tma
     assert not cukv.BatchDecode(32, 8, 128, 16, "bfloat16", tma=False).config.tma
     dec = cukv.BatchDecode(32, 8, 128, 16, "bfloat16", tma=True)
-    assert dec.config.tma and dec.config.stages == 3
+    # the ring depth follows the staging: two slots by tensor copies, three by cp.async
+    assert dec.config.tma and dec.config.stages == DEFAULT_TMA_STAGES[0] == 2
+    assert cukv.BatchDecode(32, 8, 128, 16, "bfloat16", tma=False).config.stages == DEFAULT_STAGES[0] == 3
     # plan()'s register kernel for small steps has no tensor copies; the ring keeps them
     assert [c.tma for c in dec._configs] == [True, False]
 

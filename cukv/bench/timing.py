@@ -5,12 +5,32 @@ import numpy as np
 
 
 class Timer:
-    def __init__(self, flush_bytes: int = 256 << 20):
+    """CUDA-event medians with L2 flushed before every timed call.
+
+    The flush writes a ``flush_bytes`` buffer (evicting L2's contents) and then discards the buffer's lines from L2
+    (``discard.global.L2``, no write-back), so the timed call starts on an L2 that holds neither its inputs nor dirty
+    lines whose write-back its first reads would pay (about 9-10 us a call on an H100 or H200: docs/tuning.md,
+    "L2 flush"). ``flush="write"`` leaves the written lines in place (the flush before 2026-11-28)."""
+
+    def __init__(self, flush_bytes: int = 256 << 20, flush: str = "discard"):
         import cupy as cp
 
         from .. import compiler
 
-        self._flush = cp.empty(flush_bytes // 4, cp.int32)
+        if flush not in ("discard", "write"):
+            raise ValueError(f"flush must be 'discard' or 'write'; got {flush!r}")
+        self.flush = flush
+        buf = cp.ones(flush_bytes // 4, cp.int32)
+        if flush == "write":
+            self._flush = lambda: buf.fill(1)
+        else:
+            f = compiler.build("l2_discard.cu.j2", "cukv_l2_discard", name="cukv_l2_discard").function("cukv_l2_discard")
+            lines = np.int64(flush_bytes // 128)
+
+            def flush():
+                buf.fill(1)
+                f((1024,), (256,), (buf, lines))
+            self._flush = flush
         self._start, self._end = cp.cuda.Event(), cp.cuda.Event()
         self._spin = compiler.build("spin.cu.j2", "cukv_spin", name="cukv_spin").function("cukv_spin")
 
@@ -27,7 +47,7 @@ class Timer:
         t_end = time.perf_counter() + warmup_ms * 1e-3
         n, host = 0, []
         while n < warmup or time.perf_counter() < t_end:
-            self._flush.fill(1)
+            self._flush()
             t0 = time.perf_counter()
             fn()
             host.append(time.perf_counter() - t0)
@@ -38,7 +58,7 @@ class Timer:
         spin_ns = np.int64(2e9 * float(np.median(host)) + 50e3)
         times = []
         for _ in range(reps):
-            self._flush.fill(1)
+            self._flush()
             self._spin((1,), (32,), (spin_ns,))
             self._start.record()
             fn()

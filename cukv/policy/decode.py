@@ -23,8 +23,10 @@ import math
 
 from ..configs.decode import CLUSTERS, SMEM_LIMIT, DecodeConfig, DecodeShape
 
-#: ring slots per warp to try, first that fits shared memory wins: 16-bit caches, then FP8 (docs/tuning.md)
+#: ring slots per warp to try, first that fits shared memory wins: 16-bit caches by cp.async, by tensor copies (one strip
+#: in flight beside the one computed read faster than two: docs/tuning.md), then FP8
 DEFAULT_STAGES = (3, 2)
+DEFAULT_TMA_STAGES = (2,)
 DEFAULT_FP8_STAGES = (2, 3)  # two slots as fast as three at 3 blocks per SM (docs/tuning.md)
 #: the 16-bit ring's whole strips by TMA tensor copies (DecodeConfig.tma) where it applies: 1.04-1.09x the cp.async
 #: ring with bitwise the same output (H200, docs/tuning.md "decode `tma`")
@@ -55,7 +57,8 @@ def staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv
             # the 16-bit ring (decode_ring.cuh) needs whole 16-token strips per page and 64-dim swizzle groups;
             # the FP8 ring (decode.cuh, STAGES > 0) stages whole code rows for the register kernel's fragments
             ring_ok = quantized or (page_size % 16 == 0 and head_dim % 64 == 0)
-            for st in (DEFAULT_FP8_STAGES if quantized else DEFAULT_STAGES) if ring_ok and sub in (None, 1) else ():
+            depths = DEFAULT_FP8_STAGES if quantized else DEFAULT_TMA_STAGES if tma else DEFAULT_STAGES
+            for st in depths if ring_ok and sub in (None, 1) else ():
                 shape.stages = st
                 if shape.total_smem_bytes <= SMEM_LIMIT:
                     stages = st
