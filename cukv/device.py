@@ -29,6 +29,23 @@ def current_device() -> int | None:
         return None
 
 
+def device_name(device: int | None = None) -> str | None:
+    """The name of ``device`` (default: the current one), e.g. ``"NVIDIA H200"``, or None without a usable GPU."""
+    dev = current_device() if device is None else int(device)
+    return None if dev is None else _device_name(dev)
+
+
+@lru_cache(maxsize=None)
+def _device_name(dev: int) -> str | None:
+    try:
+        import cupy as cp
+
+        name = cp.cuda.runtime.getDeviceProperties(dev)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def gpu_capability(device: int | None = None) -> tuple[int, int] | None:
     """(major, minor) compute capability of ``device`` (default: the current one), or None without a usable GPU."""
     dev = current_device() if device is None else int(device)

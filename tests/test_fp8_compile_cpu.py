@@ -354,3 +354,32 @@ def test_persistent_domain():
     quarter = 2 * (128 // 4) * (128 + 4)
     assert ok.smem_bytes == dataclasses.replace(ok, persistent=False).smem_bytes + 48 - quarter
     assert "const __grid_constant__ CUtensorMap q" in ok.render() and ok.name.endswith("_once_pers_d128_p16_m128_n128_k128_s4")
+
+
+def _ring_at_three_blocks(dtype, sb):
+    return decode_config(dtype, 128, 4, 16, kv_dtype="fp8_e4m3", scale_block=sb, min_blocks=3)
+
+
+@pytest.mark.compile_ahead(build=_ring_at_three_blocks)
+@pytest.mark.parametrize("dtype,sb", [("bfloat16", 128), ("bfloat16", 0), ("bfloat16", 64), ("float16", 128)])
+def test_fp8_ring_at_three_blocks_per_sm_compiles_without_spills(dtype, sb):
+    """The FP8 ring some GPUs run at 3 blocks per SM (cukv.policy.decode.FP8_RING_MIN_BLOCKS) fits 168 registers."""
+    cfg = _ring_at_three_blocks(dtype, sb)
+    rep = cfg.compiled.functions[cfg.name]
+    assert rep.spill_stores == 0 and rep.spill_loads == 0 and rep.registers <= 168, rep
+
+
+def test_fp8_ring_min_blocks_follow_the_gpu_model(monkeypatch):
+    import cukv
+    import cukv.ops.decode as op
+
+    for name, want in (("NVIDIA H200", 3), ("NVIDIA H100 80GB HBM3", 1), (None, 1)):
+        monkeypatch.setattr(op, "device_name", lambda name=name: name)
+        dec = cukv.BatchDecode(32, 8, 128, 16, "bfloat16", kv_dtype="fp8_e4m3")
+        assert dec.config.min_blocks == want and dec.config.name.endswith(f"_b{want}_r2")
+        assert [c.min_blocks for c in dec._configs[1:]] == [1]  # the register kernel for small steps keeps its bound
+        # where 3 blocks do not fit the registers (32-dim scale blocks, d256) the ring keeps 1; bf16 caches are untouched
+        assert cukv.BatchDecode(32, 8, 128, 16, "bfloat16", kv_dtype="fp8_e4m3",
+                                scale_granularity=32).config.min_blocks == 1
+        assert cukv.BatchDecode(32, 8, 256, 16, "bfloat16", kv_dtype="fp8_e4m3").config.min_blocks == 1
+        assert cukv.BatchDecode(32, 8, 128, 16, "bfloat16").config.min_blocks == 1

@@ -9,9 +9,11 @@ Examples
 >>> decode_config("float16", head_dim=64, group=8, page_size=1).stages         # page size 1: registers
 0
 >>> choose_splits(batch_size=1, num_kv_heads=8, max_kv_len=32768, slots=132 * 3)   # one long sequence: split
-48
+47
 >>> choose_splits(batch_size=64, num_kv_heads=8, max_kv_len=4096, slots=132 * 3)   # fill the last wave
 3
+>>> choose_splits(batch_size=128, num_kv_heads=8, max_kv_len=512, slots=132 * 3)    # short: no split past a wave
+1
 >>> choose_cluster(batch_size=1, num_kv_heads=8, max_kv_len=1024, num_sms=132)     # a small step: a cluster
 8
 >>> choose_cluster(batch_size=64, num_kv_heads=8, max_kv_len=4096, num_sms=132)    # more blocks than SMs: none
@@ -33,11 +35,17 @@ DEFAULT_FP8_STAGES = (2, 3)  # two slots as fast as three at 3 blocks per SM (do
 DEFAULT_TMA = True
 #: plan() stages strips in registers below this much K/V (latency-bound), the ring above it (docs/tuning.md)
 RING_MIN_BYTES = 192 << 20
+#: a split count that makes the grid more than one wave needs splits of at least this many tokens (docs/tuning.md)
+WAVE_SPLIT_MIN_TOKENS = 1024
 #: a cluster merge's splits stay at most this many tokens: longer ones stream too long (docs/tuning.md)
 CLUSTER_MAX_TOKENS = 256
 #: the FP8 ring's whole strips by TMA tensor copies (DecodeConfig.tma) where it applies: 1.01-1.02x the cp.async FP8
 #: ring on an H100, too little to switch (docs/tuning.md "decode `tma`, FP8"), so off
 DEFAULT_FP8_TMA = False
+#: the FP8 ring's __launch_bounds__ min blocks per SM by GPU model (a substring of the device name), where the kernel
+#: fits the register cap (else 1): 3 blocks (168 registers) read 1.13-1.15x faster on an H200 at 16 x 32768 and
+#: 128 x 8192 and 0.83-0.96x on an H100 (docs/tuning.md "FP8 ring: min_blocks")
+FP8_RING_MIN_BLOCKS = (("H200", 3),)
 
 
 def staging(dtype, head_dim, group, page_size, num_warps, min_blocks, BN, BK, kv_dtype, scale_block, sub, stages,
@@ -109,7 +117,8 @@ def kv_bytes(batch_size: int, max_kv_len: int, num_kv_heads: int, head_dim: int)
 def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: int) -> int:
     """The split count with the fewest block waves per unit of work: ``ceil(blocks * s / slots) / s`` over
     ``slots`` = SMs x blocks per SM; the smallest count within 5% of the best (each split pays its prologue
-    and a merge). A single wave comes out as ``slots // blocks`` splits; past one wave, splits fill the last wave
+    and a merge). A single wave comes out as ``slots // blocks`` splits; past one wave, splits of at least
+    :data:`WAVE_SPLIT_MIN_TOKENS` fill the last wave
     (H100, a kernel at 3 blocks per SM: 64 x 4096 is 512 blocks on 396 slots, and 3 splits turn 2 waves, the
     second a third full, into 4 nearly full ones). No split gets under 64 tokens (one 16-token strip per warp
     of a 4-warp block), and the count is trimmed so that no split is left empty (the kernel gives each split
@@ -117,12 +126,15 @@ def choose_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, slots: in
     blocks = max(1, batch_size * num_kv_heads)
     strips = max(1, math.ceil(max_kv_len / 16))
     most = int(max(1, min(math.ceil(strips / 4), 128)))
+    # past one wave a split only evens out the waves: it must hold WAVE_SPLIT_MIN_TOKENS, or its prologue and merge cost
+    # more than the wave it saves
+    counts = [s for s in range(1, most + 1) if s == 1 or blocks * s <= slots or max_kv_len / s >= WAVE_SPLIT_MIN_TOKENS]
 
     def cost(s):
         return math.ceil(blocks * s / slots) / s
 
-    least = min(cost(s) for s in range(1, most + 1))
-    n = min(s for s in range(1, most + 1) if cost(s) <= least / 0.95)
+    least = min(cost(s) for s in counts)
+    n = min(s for s in counts if cost(s) <= least / 0.95)
     return math.ceil(strips / math.ceil(strips / n))
 
 
@@ -135,3 +147,12 @@ def choose_cluster(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms:
     return c if c >= 2 and math.ceil(max_kv_len / c) <= CLUSTER_MAX_TOKENS else 0
 
 
+def fp8_ring_min_blocks(device_name: str | None) -> int:
+    """The FP8 ring's min blocks per SM on the GPU named ``device_name`` (:data:`FP8_RING_MIN_BLOCKS`; 1 elsewhere and
+    without a GPU).
+
+    >>> from cukv.policy.decode import fp8_ring_min_blocks
+    >>> fp8_ring_min_blocks("NVIDIA H200"), fp8_ring_min_blocks("NVIDIA H100 80GB HBM3"), fp8_ring_min_blocks(None)
+    (3, 1, 1)
+    """
+    return next((mb for key, mb in FP8_RING_MIN_BLOCKS if device_name and key in device_name), 1)
