@@ -10,7 +10,7 @@ class Timer:
     The flush writes a ``flush_bytes`` buffer (evicting L2's contents) and then discards the buffer's lines from L2
     (``discard.global.L2``, no write-back), so the timed call starts on an L2 that holds neither its inputs nor dirty
     lines whose write-back its first reads would pay (about 9-10 us a call on an H100 or H200: docs/tuning.md,
-    "L2 flush"). ``flush="write"`` leaves the written lines in place (the flush before 2026-11-28)."""
+    "L2 flush"). ``flush="write"`` leaves the written lines in place (to compare with figures timed that way)."""
 
     def __init__(self, flush_bytes: int = 256 << 20, flush: str = "discard"):
         import cupy as cp
