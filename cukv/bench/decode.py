@@ -164,7 +164,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, sweep: 
         cp.get_default_memory_pool().free_all_blocks()
         print(_fmt_row(row), flush=True)
     grid = [r for r in rows if (r["batch"], r["ctx"]) not in EXTRA or (r["batch"] in GRID_BATCH and r["ctx"] in GRID_CTX)]
-    summary = {"device": _device_name(), "date": time.strftime("%Y-%m-%d"), "l2_flush": timer.flush, "read_ceiling_tbs": ceiling,
+    summary = {"device": _device_name(), "date": time.strftime("%Y-%m-%d"), "l2_flush": timer.flush,
+               "read_ceiling_tbs": ceiling,
                "read_ceiling_variants": ceiling_variants, "launch_floor_us": floor_ms * 1e3, "kv_dtype": kv_dtype, "scale_granularity": scale_granularity if kv_dtype == "fp8_e4m3" else None}
     ratios = [r["ratio_cudnn"] for r in grid if "ratio_cudnn" in r]
     if ratios:
