@@ -30,9 +30,15 @@ def current_device() -> int | None:
 
 
 def device_name(device: int | None = None) -> str | None:
-    """The name of ``device`` (default: the current one), e.g. ``"NVIDIA H200"``, or None without a usable GPU."""
+    """The name of ``device`` (``cudaDeviceProp.name``; default: the current one), e.g. ``"NVIDIA H200"``, or None
+    without a usable GPU. Never raises."""
     dev = current_device() if device is None else int(device)
-    return None if dev is None else _device_name(dev)
+    return None if dev is None or not has_gpu() else _device_name(dev)
+
+
+def _name(props) -> str:
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 @lru_cache(maxsize=None)
@@ -40,8 +46,7 @@ def _device_name(dev: int) -> str | None:
     try:
         import cupy as cp
 
-        name = cp.cuda.runtime.getDeviceProperties(dev)["name"]
-        return name.decode() if isinstance(name, bytes) else str(name)
+        return _name(cp.cuda.runtime.getDeviceProperties(dev))
     except Exception:  # noqa: BLE001
         return None
 
@@ -104,8 +109,7 @@ def gpus() -> list[GPU]:
             import cupy as cp
 
             p = cp.cuda.runtime.getDeviceProperties(dev)
-            name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
-            out.append(GPU(dev, name, (int(p["major"]), int(p["minor"])), int(p["multiProcessorCount"]),
+            out.append(GPU(dev, _name(p), (int(p["major"]), int(p["minor"])), int(p["multiProcessorCount"]),
                            p["totalGlobalMem"] / 2**30))
         except Exception:  # noqa: BLE001 - a device that cannot be queried is left out
             continue

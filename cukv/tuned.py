@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 
 from . import compiler
+from .device import device_name  # noqa: F401 - the records' device key (re-exported for autotune)
 
 ENV = "CUKV_AUTOTUNE"
 FILE_NAME = "autotune.json"
@@ -39,19 +40,6 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip() != "0"
 
 
-def device_name() -> str | None:
-    """The current GPU's name (``cudaDeviceProp.name``), or None without a usable GPU. Never raises."""
-    from .device import has_gpu
-
-    if not has_gpu():
-        return None
-    try:
-        import cupy as cp
-
-        name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # noqa: BLE001 - no device after all
-        return None
 
 
 def record_key(device: str, dtype: str, head_dim: int, page_size: int) -> str:

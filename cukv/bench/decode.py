@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from ..device import device_name as _device_name
 from . import peer_torch
 from .timing import geomean, interleaved_medians, write_json  # also the probes' import (benchmarks/probe_*.py)
 
@@ -214,10 +215,6 @@ def _peer_fns(torch, cache, table, q, out, batch, ctx, hq, d, row) -> dict:
     return fns
 
 
-def _device_name() -> str:
-    import cupy as cp
-
-    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
 
 
 def warm_load_ms() -> float:

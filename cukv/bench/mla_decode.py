@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from ..device import device_name
 from .timing import Timer, geomean, read_ceiling, write_json
 
 PAGE = 64
@@ -201,7 +202,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 30, check: 
         print(_fmt(r), flush=True)
         fns = cache = table = q = out = lse = dec = decs = fcache = fdec = None  # free this shape's buffers
         cp.get_default_memory_pool().free_all_blocks()
-    result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "date": time.strftime("%Y-%m-%d"),
+    result = {"device": device_name(), "date": time.strftime("%Y-%m-%d"),
               "read_ceiling_tbs": ceiling, "read_ceiling_variants": ceiling_variants, "flashmla": why or "imported",
               "cukv": sorted({r["config"] for r in rows}), "rows": rows}
     h128 = [r["flashmla_over_cukv"] for r in rows if r["heads"] == 128 and "flashmla_over_cukv" in r]

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from ..device import device_name
 from .timing import Timer, geomean, interleaved_medians, write_json
 
 PAGE = 64
@@ -170,7 +171,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20, rounds:
         cp.get_default_memory_pool().free_all_blocks()
     from ..policy.mla_prefill import default_config
 
-    result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "peers": why or "imported",
+    result = {"device": device_name(), "peers": why or "imported",
               "date": time.strftime("%Y-%m-%d"), "rows": rows,
               "cukv": [default_config("bfloat16", PAGE, w).name for w in (False, True)]}
     for peer in PEERS:

@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from ..device import device_name as _device_name
 from ..ops.prefill import causal_flops  # noqa: F401 - the bench's flop count (FLOPS_FORMULA)
 from . import peer_torch
 from .timing import geomean, interleaved_rounds, write_json
@@ -331,10 +332,6 @@ def failed(result) -> list[str]:
     return [f"{shape_label(r)} {e}: {r[f'{e}_error']}" for r in result["rows"] for e in ENGINES if f"{e}_error" in r]
 
 
-def _device_name() -> str:
-    import cupy as cp
-
-    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
 
 
 def _num(x, fmt) -> str:

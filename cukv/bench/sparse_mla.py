@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from ..device import device_name
 from .timing import Timer, write_json
 
 # (name, kind, tokens (prefill s_q; decode batch), s_q, heads, topk, s_kv per request)
@@ -110,7 +111,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
         print(_fmt(r), flush=True)
         fns = kv = q = idx = out = lse = mx = target = att = None
         cp.get_default_memory_pool().free_all_blocks()
-    result = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "date": time.strftime("%Y-%m-%d"),
+    result = {"device": device_name(), "date": time.strftime("%Y-%m-%d"),
               "flashmla": why or "imported", "rows": rows}
     if out_dir:
         write_json(out_dir, "bench_sparse_mla.json", result)

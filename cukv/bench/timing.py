@@ -20,7 +20,7 @@ class Timer:
         if flush not in ("discard", "write"):
             raise ValueError(f"flush must be 'discard' or 'write'; got {flush!r}")
         self.flush = flush
-        buf = cp.ones(flush_bytes // 4, cp.int32)
+        buf = cp.empty(flush_bytes // 4, cp.int32)
         if flush == "write":
             self._flush = lambda: buf.fill(1)
         else:

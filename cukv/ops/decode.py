@@ -16,8 +16,8 @@ from ..configs.decode import CLUSTERS, DecodeConfig  # noqa: F401 - DecodeConfig
 from ..device import check_same_device, current_device, device_name, sm_count
 from ..kvcache import check_cache_and_table, check_paged_kv
 from ..operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
-from ..policy.decode import (RING_MIN_BYTES, blocks_per_sm, choose_cluster, choose_splits, decode_config,
-                             fp8_ring_min_blocks, kv_bytes)
+from ..policy.decode import (RING_MIN_BYTES, at_gpu_occupancy, blocks_per_sm, choose_cluster, choose_splits,
+                             decode_config, kv_bytes)
 from ..validate import attention_outputs, check_bool, check_float, check_int, check_page_table, check_planned, checked
 
 class BatchDecode:
@@ -98,23 +98,18 @@ class BatchDecode:
                                     int(page_size), int(num_warps), kv_dtype=kvd, scale_block=sb, stages=stages,
                                     tma=tma)
         self.head_dim, self.page_size, self.dtype = self.config.head_dim, self.config.page_size, self.config.dtype
-        if kvd is not None and self.config.stages:
-            # the FP8 ring's occupancy per GPU model, where its registers allow (cukv.policy.decode)
-            mb = fp8_ring_min_blocks(device_name())
-            if mb != self.config.min_blocks:
-                try:
-                    self.config = decode_config(**{**dataclasses.asdict(self.config), "min_blocks": mb})
-                except ValueError:
-                    pass
         # stages=None: plan() chooses per problem between the default and the register kernel (where that one is
         # valid: it spills with 64-dim FP8 scale blocks past d128 and group 8, so those always take the ring)
         self._configs = (self.config,)
         if stages is None and self.config.stages:
             try:
                 self._configs += (decode_config(**{**dataclasses.asdict(self.config), "stages": 0, "sub": None,
-                                                   "tma": False, "min_blocks": 1}),)
+                                                   "tma": False}),)
             except ValueError:
                 pass
+        # the ring at this GPU's occupancy (the FP8 ring's min blocks per GPU model: cukv.policy.decode)
+        self.config = at_gpu_occupancy(self.config, device_name())
+        self._configs = (self.config,) + self._configs[1:]
         self._cluster_merge = check_bool("cluster_merge", cluster_merge)
         self._clustered = {}  # (config, splits) -> the same config merging its splits in a cluster
         self._planned = None

@@ -21,6 +21,7 @@ Examples
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..configs.decode import CLUSTERS, SMEM_LIMIT, DecodeConfig, DecodeShape
@@ -147,12 +148,20 @@ def choose_cluster(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms:
     return c if c >= 2 and math.ceil(max_kv_len / c) <= CLUSTER_MAX_TOKENS else 0
 
 
-def fp8_ring_min_blocks(device_name: str | None) -> int:
-    """The FP8 ring's min blocks per SM on the GPU named ``device_name`` (:data:`FP8_RING_MIN_BLOCKS`; 1 elsewhere and
-    without a GPU).
+def at_gpu_occupancy(config: DecodeConfig, device_name: str | None) -> DecodeConfig:
+    """``config`` with the FP8 ring's min blocks per SM for the GPU named ``device_name`` (:data:`FP8_RING_MIN_BLOCKS`),
+    where its registers allow; any other config (16-bit, the register kernel, no GPU, a ring the cap would spill) as
+    it is.
 
-    >>> from cukv.policy.decode import fp8_ring_min_blocks
-    >>> fp8_ring_min_blocks("NVIDIA H200"), fp8_ring_min_blocks("NVIDIA H100 80GB HBM3"), fp8_ring_min_blocks(None)
-    (3, 1, 1)
+    >>> from cukv.policy.decode import at_gpu_occupancy, decode_config
+    >>> ring = decode_config("bfloat16", 128, 4, 16, kv_dtype="fp8_e4m3", scale_block=128)
+    >>> [at_gpu_occupancy(ring, n).min_blocks for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", None)]
+    [3, 1, 1]
     """
-    return next((mb for key, mb in FP8_RING_MIN_BLOCKS if device_name and key in device_name), 1)
+    mb = next((m for key, m in FP8_RING_MIN_BLOCKS if device_name and key in device_name), 1)
+    if not (config.quantized and config.stages) or mb == config.min_blocks:
+        return config
+    try:
+        return dataclasses.replace(config, min_blocks=mb)
+    except ValueError:  # (the register cap: 32-dim scale blocks, d256)
+        return config

@@ -211,19 +211,17 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                         and num_heads >= SPARSE_SLICES_MIN_HEADS)
         schedule = "narrow" if _narrow(num_heads, block_n) else "alternate" if slices_apply else "split"
     slices = schedule == "alternate"  # the alternating consumers over per-slice barriers, each slice gathered
-    pair = None
     if slices:  # a token's two row blocks share each slice's gathers (an even count of row blocks)
         pair = SPARSE_SLICES_MULTICAST and _even_row_blocks(num_heads) if multicast is None else multicast
-        multicast = False
     elif multicast is None and not SPARSE_MULTICAST:
         multicast = False  # else the decode's rule: FP8 rows, "split", an even count of row blocks
     d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads,
-                          multicast=multicast, slice_release=False)
+                          multicast=False if slices else multicast, slice_release=False)
     return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, d.schedule, tma=False,
                            slice_release=slices,
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
                            block_rows=d.block_rows, fp8_rope_first=_rope_first(d.kv_dtype, d.block_n, "sparse"),
-                           multicast=pair if slices else d.multicast)
+                           multicast=bool(pair) if slices else d.multicast)
 
 
 def shipped() -> list[MLADecodeConfig]:
