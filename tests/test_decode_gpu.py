@@ -129,14 +129,18 @@ def test_big_page_ids(rng):
 
 
 def test_plan_picks_staging_by_size():
+    from cukv.device import device_name
+    from cukv.policy.decode import kv_bytes, ring_min_bytes
+
+    regs = kv_bytes(32, 512, 8, 128) < ring_min_bytes(device_name())  # this GPU stages small steps in registers
     dec = cukv.BatchDecode(32, 8, 128, 16, "bfloat16")
-    assert dec.plan(32, 512).config.stages == 0 and dec.config.cluster == 0
+    assert (dec.plan(32, 512).config.stages == 0) == regs and dec.config.cluster == 0
     assert dec.plan(64, 4096).config.stages > 0
     # a small step whose pairs x splits fit one block per SM: clustered splits through the ring
     assert dec.plan(1, 512).config.cluster == 8 == dec.num_splits and dec.config.stages > 0
     assert dec.plan(8, 512).config.cluster == 2
     flat = cukv.BatchDecode(32, 8, 128, 16, "bfloat16", cluster_merge=False).plan(1, 512)
-    assert flat.config.cluster == 0 and flat.config.stages == 0
+    assert flat.config.cluster == 0 and (flat.config.stages == 0) == regs
     assert cukv.BatchDecode(32, 8, 128, 16, "bfloat16", stages=2).plan(1, 512).config.stages == 2
     assert cukv.BatchDecode(32, 8, 96, 16, "bfloat16").plan(64, 4096).config.stages == 0  # no ring for d96
 

@@ -16,8 +16,8 @@ from ..configs.decode import CLUSTERS, DecodeConfig  # noqa: F401 - DecodeConfig
 from ..device import check_same_device, current_device, device_name, sm_count
 from ..kvcache import check_cache_and_table, check_paged_kv
 from ..operand import DECODE_ARGS, as_kernel_arg, kv_params, ptr
-from ..policy.decode import (RING_MIN_BYTES, at_gpu_occupancy, blocks_per_sm, choose_cluster, choose_splits,
-                             decode_config, kv_bytes)
+from ..policy.decode import (at_gpu_occupancy, blocks_per_sm, choose_cluster, choose_splits, decode_config, kv_bytes,
+                             ring_min_bytes)
 from ..validate import attention_outputs, check_bool, check_float, check_int, check_page_table, check_planned, checked
 
 class BatchDecode:
@@ -40,8 +40,8 @@ class BatchDecode:
     stages : int, optional
         Shared-memory ring slots per warp (2..8): for 16-bit caches with a page size that is a multiple of 16
         and head_dim 64, 128 or 256, and for FP8 caches; 0 stages strips in registers instead. None lets
-        :meth:`plan` choose: the ring where it applies and the step reads at least ``RING_MIN_BYTES`` of K/V
-        (or clusters its splits), registers otherwise.
+        :meth:`plan` choose: the ring where it applies and the step reads at least
+        :func:`cukv.policy.decode.ring_min_bytes` of K/V on this GPU (or clusters its splits), registers otherwise.
     tma : bool, optional
         The ring's whole strips by TMA tensor copies instead of ``cp.async`` (``DecodeConfig.tma``): the ring
         (``stages`` 2..8 or None), page_size a multiple of 16, and head_dim 64, 128 or 256 (16-bit caches) or 128 or
@@ -121,7 +121,8 @@ class BatchDecode:
 
         batch_size, max_kv_len = check_int("batch_size", batch_size, 1), check_int("max_kv_len", max_kv_len, 1)
         num_splits = check_int("num_splits", num_splits, 1, 1024, none_ok=True)
-        small = kv_bytes(batch_size, max_kv_len, self.num_kv_heads, self._configs[0].head_dim) < RING_MIN_BYTES
+        small = (kv_bytes(batch_size, max_kv_len, self.num_kv_heads, self._configs[0].head_dim)
+                 < ring_min_bytes(device_name()))
         cfg = self._configs[-1] if small else self._configs[0]
         if num_splits is None:
             c = choose_cluster(batch_size, self.num_kv_heads, max_kv_len, sm_count()) if self._cluster_merge else 0

@@ -34,8 +34,11 @@ DEFAULT_FP8_STAGES = (2, 3)  # two slots as fast as three at 3 blocks per SM (do
 #: the 16-bit ring's whole strips by TMA tensor copies (DecodeConfig.tma) where it applies: 1.04-1.09x the cp.async
 #: ring with bitwise the same output (H200, docs/tuning.md "decode `tma`")
 DEFAULT_TMA = True
-#: plan() stages strips in registers below this much K/V (latency-bound), the ring above it (docs/tuning.md)
+#: plan() stages strips in registers below this much K/V (latency-bound), the ring above it (docs/tuning.md) ...
 RING_MIN_BYTES = 192 << 20
+#: ... except on these GPU models (a substring of the device name): the H200's ring is ahead at every size from 1 x 512
+#: (bf16 and FP8; docs/tuning.md "RING_MIN_BYTES")
+RING_MIN_BYTES_BY_GPU = (("H200", 0),)
 #: a split count that makes the grid more than one wave needs splits of at least this many tokens (docs/tuning.md)
 WAVE_SPLIT_MIN_TOKENS = 1024
 #: a cluster merge's splits stay at most this many tokens: longer ones stream too long (docs/tuning.md)
@@ -146,6 +149,17 @@ def choose_cluster(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms:
     strips = max(1, math.ceil(max_kv_len / 16))
     c = min(CLUSTERS[-1], num_sms // max(1, batch_size * num_kv_heads), math.ceil(strips / 4))  # >= 64 tokens
     return c if c >= 2 and math.ceil(max_kv_len / c) <= CLUSTER_MAX_TOKENS else 0
+
+
+def ring_min_bytes(device_name: str | None) -> int:
+    """The K/V bytes per step from which ``BatchDecode.plan`` stages strips in the ring, on the GPU named
+    ``device_name`` (:data:`RING_MIN_BYTES_BY_GPU`, else :data:`RING_MIN_BYTES`).
+
+    >>> from cukv.policy.decode import ring_min_bytes
+    >>> [ring_min_bytes(n) >> 20 for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", None)]
+    [0, 192, 192]
+    """
+    return next((b for key, b in RING_MIN_BYTES_BY_GPU if device_name and key in device_name), RING_MIN_BYTES)
 
 
 def at_gpu_occupancy(config: DecodeConfig, device_name: str | None) -> DecodeConfig:
