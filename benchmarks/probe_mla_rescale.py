@@ -100,8 +100,6 @@ def main():
     from cukv.bench import mla_decode as bd
     from cukv.bench import sparse_mla as bs
     from cukv.bench.timing import Timer
-    from cukv.mla_cache import MLAKVCache
-    from cukv.ops.mla_append import append_mla
     from cukv.ops.mla_decode import BatchMLADecode
     from cukv.ops.sparse_mla import SparseMLA
 
@@ -127,15 +125,7 @@ def main():
         if name not in _pick([s[0] for s in bs.SHAPES], args.sparse):
             continue
         tokens = n * s_q
-        kv, q, idx, sink = bs._prefill(tokens, heads, topk, s_kv)
-        target, kvd = kv, None
-        if kind == "decode":  # as bench sparse-mla: every request's 32K rows in its own pages of an FP8 cache
-            pages = s_kv // bs.PAGE
-            target, kvd, sink = MLAKVCache(n * pages, bs.PAGE, "fp8_e4m3"), "fp8_e4m3", None
-            for b in range(n):
-                append_mla(target, kv[:, :512], kv[:, 512:], cp.arange(b * s_kv, (b + 1) * s_kv, dtype=cp.int64),
-                           pow2_scales=True, dtype="bfloat16")
-            idx = idx + (cp.arange(tokens, dtype=cp.int32) // s_q * s_kv)[:, None]
+        target, kvd, q, idx, sink = bs.problem(kind, n, s_q, heads, topk, s_kv)
         fns, outs = {}, {}
         for key, fields, define, sched, _ in _variants(args.define, args.schedule, args.field):
             att = SparseMLA(heads, kv_dtype=kvd, schedule=sched)
@@ -146,7 +136,7 @@ def main():
             fns[key] = (lambda a=att, o=outs[key], mx=mx: a.run(q, target, idx, sink=sink, out=o, max_logits=mx))
             fns[key]()
         ratios[name] = _report(f"{name} ({att.config.schedule})", timer, fns, outs, args.rounds, args.reps)
-        kv = q = idx = target = fns = outs = None
+        q = idx = target = fns = outs = None
         cp.get_default_memory_pool().free_all_blocks()
     if ratios:
         a, b = (v[0] for v in _variants(args.define, args.schedule, args.field, args.plan))

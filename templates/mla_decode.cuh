@@ -18,10 +18,12 @@
 
 // CUKV_MLA_TIMELINE (probe only: benchmarks/probe_mla_timeline.py): per block, the global timer at entry (0), after
 // the barriers' set-up (1), when each consumer warpgroup has finished its item (2, 3), at exit (4), and (slice
-// consumers) when the query block has landed (5) and warpgroup 0's last tile is done (6); the SM in slot 7.
+// consumers) when the query block has landed (5) and warpgroup 0's last tile is done (6); the SM in slot 7. Persistent
+// sparse blocks stamp 2, 3, 5 and 6 (and 7) of each item in the row of its (token, row block), the prefill's item order.
 #ifdef CUKV_MLA_TIMELINE
 extern "C" __device__ unsigned long long cukv_mla_timeline[16384 * 8];
-#define MLA_TIMELINE_AT(k) (cukv_mla_timeline[blockIdx.x * 8 + (k)] = cukv::globaltimer_ns())
+#define MLA_TIMELINE_AT_ROW(row, k) (cukv_mla_timeline[(row) * 8 + (k)] = cukv::globaltimer_ns())
+#define MLA_TIMELINE_AT(k) MLA_TIMELINE_AT_ROW(blockIdx.x, k)
 #define MLA_TIMELINE(k)                                                   \
   do {                                                                    \
     if (threadIdx.x == 0) {                                               \
@@ -32,6 +34,7 @@ extern "C" __device__ unsigned long long cukv_mla_timeline[16384 * 8];
     }                                                                     \
   } while (0)
 #else
+#define MLA_TIMELINE_AT_ROW(row, k) ((void)0)
 #define MLA_TIMELINE_AT(k) ((void)0)
 #define MLA_TIMELINE(k) ((void)0)
 #endif
@@ -99,12 +102,14 @@ __device__ __forceinline__ int mla_row_limit(const MLADecodeParams& a, const MLA
 }
 
 // MLADecodeConfig.persistent: this block's work items blockIdx.x, blockIdx.x + gridDim.x, ... below n_items, each
-// given to f(item, its tiles, ring0: the tiles of the block's earlier items, its index among the block's items).
-template <int BN, typename F>
+// given to f(item, its tiles, ring0: the tiles of the block's earlier items, its index among the block's items);
+// SPARSE: each item cut at its token's valid prefix (mla_sparse_end).
+template <int BN, bool SPARSE = false, typename F>
 __device__ __forceinline__ void mla_for_block_items(const MLADecodeParams& a, int n_items, F&& f) {
 #pragma unroll 1
   for (int idx = blockIdx.x, ring0 = 0, j = 0; idx < n_items; idx += gridDim.x, ++j) {
-    const MLAWorkItem w = mla_load_item(a, idx);
+    MLAWorkItem w = mla_load_item(a, idx);
+    if constexpr (SPARSE) w.end = mla_sparse_end(a, w);
     const int n_tiles = (w.end - w.begin + BN - 1) / BN;
     f(w, n_tiles, ring0, j);
     ring0 += n_tiles;

@@ -365,10 +365,20 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true,
     const int lim1 = mla_row_limit(a, w, len, w.row_block * kMlaBlockM + r0 + 8);
     mbar_wait(pipe.q_full(), Pipe::persistent ? item & 1 : 0);
     if (n_tiles <= g) release_q(g - 2, n_tiles);  // (a warpgroup with no tile of this item reads no query block)
-    if (g == 0 && t == 0) MLA_TIMELINE_AT(5);
+#ifdef CUKV_MLA_TIMELINE
+    const int tl_row = Pipe::persistent && SPARSE ? w.batch * a.row_blocks + w.row_block : (int)blockIdx.x;
+    if (g == 0 && t == 0) {
+      MLA_TIMELINE_AT_ROW(tl_row, 5);
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      cukv_mla_timeline[tl_row * 8 + 7] = sm;
+    }
+#endif
     fence_proxy_async();
     CUKV_MLA_WS(6, if (g == 0) consume0(a, w, n_tiles, lim0, lim1); else consume1(a, w, n_tiles, lim0, lim1));
-    if (g == 0 && t == 0) MLA_TIMELINE_AT(6);
+#ifdef CUKV_MLA_TIMELINE
+    if (g == 0 && t == 0) MLA_TIMELINE_AT_ROW(tl_row, 6);
+#endif
 #ifdef CUKV_MLA_WAIT_STATS
     ws_[7] = 1;
     if (t == 0)

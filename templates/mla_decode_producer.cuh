@@ -125,7 +125,7 @@ struct MLAKVProducerPipeline {
   static_assert(k_bytes % 1024 == 0 && q_bytes % 1024 == 0, "swizzle atoms stay 1 KB aligned");
   static_assert(8 * (2 + kRings * num_kv_stages * kSlices) <= barrier_bytes, "barriers fit");
   static_assert(!SLICES_ || !FP8_, "per-slice barriers: 16-bit tiles (tensor copies, or sparse gathers) only");
-  static_assert(!(SLICES_ && SPARSE_) || CUKV_MLA_PERSISTENT == 0, "sparse gathers: one work item a block");
+  static_assert(!(SPARSE_ && CUKV_MLA_PERSISTENT) || SLICES_, "persistent sparse blocks: per-slice gathers");
   static_assert(smem_bytes <= 227 * 1024, "shared memory");
 
   u32 base;  // shared address of the dynamic shared memory (1 KB aligned)
@@ -569,8 +569,19 @@ struct MLAKVProducerPipeline {
   // gather_pair: warp w < 2 gathers this block's half (rows 32 rank ..) of stream w's slices and publishes both
   // halves' validity, arriving on the slice's full barrier with the other block's half in bytes, and on `landed`;
   // warp w + 2 forwards each landed half into the other block's stage (a 4 KB bulk copy: 32 whole swizzled rows).
-  __device__ void gather_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane) const {
+  // persistent: `ring0` is the ring position of the item's first tile, `item` the block's count of items before it.
+  __device__ void gather_slices(const MLADecodeParams& a, const MLAWorkItem& w, int n_tiles, int warp, int lane,
+                                int ring0 = 0, int item = 0) const {
     static_assert(SLICES_ && SPARSE_ && BN == 64, "sparse gathers into per-slice stages of 64-token tiles");
+    static_assert(!(persistent && gather_pair), "persistent gathers without the cluster pair");
+    if constexpr (persistent) {
+      if (item > 0) {
+        mbar_wait(q_empty(), (item - 1) & 1);  // the last item's query block is read
+        // and both streams have issued its tiles (the parity waits below then see the phase they wait for or the one
+        // before it, as in produce_slices)
+        named_barrier_sync<128>(kProducerBarrier);
+      }
+    }
     load_q(a, w, warp, lane);
     const int stream = warp & 1, g = lane >> 3, k = lane & 7;
     const int rank = gather_pair ? cluster_rank() : 0;
@@ -592,17 +603,17 @@ struct MLAKVProducerPipeline {
       const char* rows[8];  // row 4 i + g of this warp's half
 #pragma unroll
       for (int i = 0; i < 8; ++i) rows[i] = (const char*)__shfl_sync(0xffffffffu, (unsigned long long)mine, 4 * i + g);
-      const int s = it % num_kv_stages, owner = it & 1;
+      const int r = ring_pos(ring0, it), s = r % num_kv_stages, owner = it & 1;  // (the scorer: the item's tile)
       // this lane's chunk k of row 32 half + 4 i + g: the rows' swizzle (row % 8 = (4 i + g) % 8) alternates with i
       const u32 line = stage(s) + (u32)((half * 32 + g) * kAtomRowBytes);
       const u32 sw0 = (u32)((k ^ g) << 4), sw1 = (u32)((k ^ (g + 4)) << 4);
 #pragma unroll 1
       for (int j = 0; j < kSlices; ++j) {
         const int c = slice_order(owner, j);
-        if (it >= num_kv_stages) mbar_wait(empty(s, c), ((it / num_kv_stages) - 1) & 1);
+        if (r >= num_kv_stages) mbar_wait(empty(s, c), ((r / num_kv_stages) - 1) & 1);
         if (j == 0 && lane == 0) {
-          tile_valid_words(it)[half] = bits;
-          if constexpr (gather_pair) tile_valid_words(it)[1 - half] = other_bits;
+          tile_valid_words(r)[half] = bits;
+          if constexpr (gather_pair) tile_valid_words(r)[1 - half] = other_bits;
         }
         const u32 dst = line + (u32)(c * atom_col_bytes);
 #pragma unroll
@@ -625,6 +636,21 @@ struct MLAKVProducerPipeline {
       }
     }
     cp_async_wait<0>();
+  }
+
+  // persistent: gather_slices for this block's work items blockIdx.x, blockIdx.x + gridDim.x, ... (each cut at its
+  // token's valid prefix), the ring running on across them.
+  __device__ void gather_items(const MLADecodeParams& a, int warp, int lane) const {
+    static_assert(persistent, "persistent blocks");
+    int ring0 = 0;
+#pragma unroll 1
+    for (int j = 0; blockIdx.x + j * gridDim.x < (unsigned)*a.num_items; ++j) {
+      MLAWorkItem w = mla_load_item(a, blockIdx.x + j * gridDim.x);
+      w.end = mla_sparse_end(a, w);
+      const int n_tiles = (w.end - w.begin + BN - 1) / BN;
+      gather_slices(a, w, n_tiles, warp, lane, ring0, j);
+      ring0 += n_tiles;
+    }
   }
 
   // gather_pair: warp 2 + stream forwards this block's half of each of the stream's slices, once landed, into the

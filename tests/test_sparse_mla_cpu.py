@@ -1,5 +1,7 @@
 """Sparse MLA without a GPU: the shipped specializations compile for sm_90a without spills, the config domain,
 the reference's properties, the index helper, and named errors."""
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -39,6 +41,27 @@ def test_per_slice_pair_compiles_without_spills():
     assert not SparseMLA(128).config.multicast  # off by default (SPARSE_SLICES_MULTICAST)
     with pytest.raises(ValueError, match="row blocks"):
         SparseMLA(64, schedule="alternate", multicast=True)
+
+
+def _persistent():
+    return SparseMLA(128, persistent=True).config
+
+
+@pytest.mark.compile_ahead(build=_persistent, arch=ARCH)
+def test_persistent_blocks_opt_in():
+    """The opt-in persistent blocks of the per-slice gathers (not shipped: slower, docs/history/sparse-mla.md): the
+    producer's item loop spills 8 bytes in its 56 registers (the consumers spill at 216, so they keep 224)."""
+    cfg = _persistent()
+    assert cfg.persistent and cfg.slice_release and cfg.name.endswith("_alt_slices_ps_lr") and cfg.regs == (56, 224)
+    r = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH).functions[cfg.name]
+    assert r.spill_stores <= 8 and r.stack_frame <= 8, r
+    assert "#define CUKV_MLA_PERSISTENT 1" in cfg.render()
+    assert not SparseMLA(128).config.persistent  # off by default (SPARSE_PERSISTENT)
+    for kw in (dict(num_heads=16), dict(num_heads=128, kv_dtype="fp8_e4m3"), dict(num_heads=128, multicast=True)):
+        with pytest.raises(ValueError, match="persistent=True runs the per-slice gathers"):
+            SparseMLA(**kw, persistent=True)
+    with pytest.raises(ValueError, match=r"SparseMLAConfig\.persistent=True is not valid: .*multicast=False"):
+        dataclasses.replace(SparseMLA(128, multicast=True).config, persistent=True)
 
 
 @pytest.mark.compile_ahead(build=lambda: SparseMLAConfig("bfloat16", 32, 4, "fp8_e4m3"), arch=ARCH)

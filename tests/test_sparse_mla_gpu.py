@@ -74,7 +74,7 @@ def make_indices(rng, t_n, topk, s_kv, num_rows, cut):
 
 
 def check(rng, heads, s_kv, topk, t_n=3, dtype="bfloat16", kind="cache", cut=False, sink=None, uint=False,
-          schedule=None, multicast=None):
+          schedule=None, multicast=None, persistent=None):
     import cupy as cp
 
     from cukv.ops.sparse_mla import SparseMLA, _kv_dtype
@@ -90,8 +90,10 @@ def check(rng, heads, s_kv, topk, t_n=3, dtype="bfloat16", kind="cache", cut=Fal
     elif sink is not None:
         sk = np.full(heads, float(sink), np.float32)
     ind = cp.asarray(idx.view(np.uint32) if uint else idx)
-    att = SparseMLA(heads, qdt, kv_dtype=_kv_dtype(kv), schedule=schedule, multicast=multicast).plan(t_n, topk)
+    att = SparseMLA(heads, qdt, kv_dtype=_kv_dtype(kv), schedule=schedule, multicast=multicast,
+                    persistent=persistent).plan(t_n, topk)
     assert multicast is None or att.config.multicast == multicast
+    assert persistent is None or att.config.persistent == persistent
     out, lse, mx = att.run(qd, kv, ind, topk_lengths=None if lens is None else cp.asarray(lens),
                            sink=None if sk is None else cp.asarray(sk))
     ro, rl, rm = reference.sparse_mla(_to_host(qd, qdt), vals, idx, lens, sk)
@@ -172,6 +174,16 @@ def test_sparse_alternate_pairs(rng, heads, dtype, s_kv, topk, t_n, cut, sink):
     """The per-slice consumers with a token's two row blocks as a cluster pair, each block gathering half of every
     slice and forwarding it into the other's stage."""
     check(rng, heads, s_kv, topk, t_n=t_n, dtype=dtype, cut=cut, sink=sink, schedule="alternate", multicast=True)
+
+
+@pytest.mark.parametrize("heads,dtype", [(64, "bfloat16"), (128, "bfloat16"), (100, "float16")])
+@pytest.mark.parametrize("s_kv,topk,t_n,cut,sink", ALT_LISTS + [(1521, 512, 300, True, "finite"),
+                                                                (592, 128, 700, False, None)])
+def test_sparse_alternate_persistent(rng, heads, dtype, s_kv, topk, t_n, cut, sink):
+    """The per-slice consumers in persistent blocks: a block takes every grid-th token's row block, the ring running
+    on across them (cut lists: items of odd and even tile counts, and of none)."""
+    check(rng, heads, s_kv, topk, t_n=t_n, dtype=dtype, cut=cut, sink=sink, schedule="alternate", multicast=False,
+          persistent=True)
 
 
 def test_sparse_uint32_indices(rng):

@@ -55,11 +55,30 @@ def _prefill(tokens, heads, topk, s_kv, seed=0):
     return kv, q, idx, sink
 
 
-def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict:
+def problem(kind: str, n: int, s_q: int, heads: int, topk: int, s_kv: int):
+    """One shape's inputs, ``(target, kv_dtype, q, indices, sink)``: prefill over ``s_kv`` contiguous 16-bit rows
+    with a sink; decode with each of the ``n`` requests' own ``s_kv``-token context in its own pages of one FP8 cache
+    (the same rows in every request's pages: timing data), no sink."""
     import cupy as cp
 
     from ..mla_cache import MLAKVCache
     from ..ops.mla_append import append_mla
+
+    tokens = n * s_q
+    kv, q, idx, sink = _prefill(tokens, heads, topk, s_kv)
+    if kind == "prefill":
+        return kv, None, q, idx, sink
+    pages = s_kv // PAGE
+    cache = MLAKVCache(n * pages, PAGE, "fp8_e4m3")
+    for b in range(n):
+        append_mla(cache, kv[:, :512], kv[:, 512:], cp.arange(b * s_kv, (b + 1) * s_kv, dtype=cp.int64),
+                   pow2_scales=True, dtype="bfloat16")
+    return cache, "fp8_e4m3", q, idx + (cp.arange(tokens, dtype=cp.int32) // s_q * s_kv)[:, None], None
+
+
+def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict:
+    import cupy as cp
+
     from ..ops.sparse_mla import SparseMLA
 
     timer = Timer()
@@ -70,22 +89,8 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
         if quick and name not in QUICK:
             continue
         tokens = n * s_q
-        if kind == "prefill":
-            kv, q, idx, sink = _prefill(tokens, heads, topk, s_kv)
-            att = SparseMLA(heads).plan(tokens, topk)
-            target = kv
-        else:  # each request: its own 32K-token context in its own pages of one FP8 cache
-            pages = s_kv // PAGE
-            kv16, q, idx, sink = _prefill(tokens, heads, topk, s_kv)
-            cache = MLAKVCache(n * pages, PAGE, "fp8_e4m3")
-            for b in range(n):  # the same rows in every request's pages (timing data)
-                append_mla(cache, kv16[:, :512], kv16[:, 512:], cp.arange(b * s_kv, (b + 1) * s_kv, dtype=cp.int64),
-                           pow2_scales=True, dtype="bfloat16")
-            base = (cp.arange(tokens, dtype=cp.int32) // s_q * s_kv)[:, None]
-            idx = idx + base
-            att = SparseMLA(heads, kv_dtype="fp8_e4m3").plan(tokens, topk)
-            target = cache
-            sink = None
+        target, kvd, q, idx, sink = problem(kind, n, s_q, heads, topk, s_kv)
+        att = SparseMLA(heads, kv_dtype=kvd).plan(tokens, topk)
         out = cp.empty((tokens, heads, 512), cp.uint16)
         lse = cp.empty((tokens, heads), cp.float32)
         mx = cp.empty((tokens, heads), cp.float32)
@@ -109,7 +114,7 @@ def run(out_dir: str | None = None, quick: bool = False, reps: int = 20) -> dict
             r["flashmla_over_cukv"] = r["flashmla_ms"] / r["cukv_ms"]
         rows.append(r)
         print(_fmt(r), flush=True)
-        fns = kv = q = idx = out = lse = mx = target = att = None
+        fns = q = idx = out = lse = mx = target = att = None
         cp.get_default_memory_pool().free_all_blocks()
     result = {"device": device_name(), "date": time.strftime("%Y-%m-%d"),
               "flashmla": why or "imported", "rows": rows}

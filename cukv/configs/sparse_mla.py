@@ -6,7 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from .checks import SHORT, check_rule
-from .mla_decode import SMEM_LIMIT, MLADecodeConfig
+from .mla_decode import CONSUMER_REGS, PRODUCER_REGS, SMEM_LIMIT, MLADecodeConfig
+
+#: persistent gathers (``persistent``): the per-slice consumers spill at 216 registers (28 bytes), so they keep 224
+#: and the producer's item loop spills instead (20 bytes at 56)
+PERSISTENT_REGS = (PRODUCER_REGS, CONSUMER_REGS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +35,17 @@ class SparseMLAConfig(MLADecodeConfig):
             self.schedule == "alternate" and self.slice_release),
                    "sparse MLA runs the 'split' or the 'narrow' consumers, or the alternating ones over per-slice "
                    "barriers (slice_release=True)")
-        check_rule(c, "slice_release", self.slice_release, not self.slice_release or (
-            self.block_n == 64 and not self.persistent),
-                   "sparse gathers into per-slice stages take block_n=64 and one work item a block (persistent=False)")
+        check_rule(c, "slice_release", self.slice_release, not self.slice_release or self.block_n == 64,
+                   "sparse gathers into per-slice stages take block_n=64")
+        check_rule(c, "persistent", self.persistent, not (self.persistent and self.multicast),
+                   "persistent blocks gather without the cluster pair: use multicast=False, or persistent=False")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
                    f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
                    f"at most {SMEM_LIMIT} (227 KB) fit")
+
+    @property
+    def regs(self) -> tuple:
+        return PERSISTENT_REGS if self.persistent else super().regs
 
     @property
     def valid_bytes(self) -> int:
@@ -57,5 +66,6 @@ class SparseMLAConfig(MLADecodeConfig):
         nr = f"_nr{self.block_rows}" if self.schedule == "narrow" else ""
         mc = "_mc" if self.multicast else ""
         sl = "_alt_slices" if self.slice_release else ""
+        sl += "_ps" if self.persistent else ""
         return (f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{nr}{pf}{rows}{sl}"
                 f"{mc}{lr}")

@@ -104,6 +104,10 @@ class SparseMLA:
         every tile into both (docs/mla.md, "Cluster pairs"); with 'alternate', each gathering half of every slice and
         forwarding it into the other. None takes the policy's (:data:`cukv.policy.mla_decode.SPARSE_MULTICAST`,
         :data:`~cukv.policy.mla_decode.SPARSE_SLICES_MULTICAST`: both off, measured slower or level).
+    persistent : bool, optional
+        With 'alternate' (and no cluster pair): one block per SM, each taking every grid-th work item, the next
+        item's query block and first slices gathered while the last one ends. None takes
+        :data:`cukv.policy.mla_decode.SPARSE_PERSISTENT`.
 
     Examples
     --------
@@ -124,7 +128,8 @@ class SparseMLA:
     """
 
     def __init__(self, num_heads: int, dtype="bfloat16", *, kv_dtype=None, block_n: int | None = None,
-                 num_kv_stages: int | None = None, schedule: str | None = None, multicast: bool | None = None):
+                 num_kv_stages: int | None = None, schedule: str | None = None, multicast: bool | None = None,
+                 persistent: bool | None = None):
         self.num_heads = check_int("num_heads", num_heads, 1, MAX_HEADS)
         block_n = check_choice("block_n", block_n, (None,) + BLOCK_NS)
         num_kv_stages = check_int("num_kv_stages", num_kv_stages, 2, 8, none_ok=True, note="the default")
@@ -138,7 +143,13 @@ class SparseMLA:
                              f"block_n={block_n!r} (use kv_dtype=None and block_n None or 64, or schedule 'split' or "
                              "None)")
         multicast = check_bool("multicast", multicast) if multicast is not None else None
-        self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages, self.num_heads, schedule, multicast)
+        persistent = check_bool("persistent", persistent) if persistent is not None else None
+        self.config = sparse_mla_config(dt, kvd, block_n, num_kv_stages, self.num_heads, schedule, multicast,
+                                        persistent)
+        if persistent and not self.config.persistent:
+            raise ValueError(f"persistent=True runs the per-slice gathers (schedule='alternate': 16-bit rows, 64-token "
+                             f"tiles) without the cluster pair; this SparseMLA compiles {self.config.name} (pass "
+                             "schedule='alternate' and multicast=False, or persistent=None)")
         check_row_block_pairs(self.config, -(-self.num_heads // BLOCK_M), f"num_heads={self.num_heads} makes")
         self.dtype = dt
         self._planned = False
@@ -167,6 +178,8 @@ class SparseMLA:
         self._part_max = cp.empty((n_parts, BLOCK_M), cp.float32) if n_parts else None
         self.num_tokens, self.topk, self.row_blocks = t_n, topk, nrb
         self.num_items, self.num_parts, self.combine_row_blocks = len(host), n_parts, len(comb)
+        # persistent blocks: one per SM, each taking every grid-th item
+        self._grid = min(self.num_items, sm_count()) if self.config.persistent else self.num_items
         mod = self.config.compiled
         self._fn = mod.function(self.config.name, self.config.smem_bytes)
         self._combine = mod.function(self.config.name + "_combine")
@@ -239,7 +252,7 @@ class SparseMLA:
         rec["topk_lengths"], rec["lengths_div"] = ptr(topk_lengths), _lengths_div
         arg = as_kernel_arg(rec)
         with (stream or cp.cuda.get_current_stream()):
-            self._fn((self.num_items,), (self.config.num_threads,), (arg,), shared_mem=self.config.smem_bytes)
+            self._fn((self._grid,), (self.config.num_threads,), (arg,), shared_mem=self.config.smem_bytes)
             launch_combine(self._combine, arg, self.combine_row_blocks, h)  # (the plan is the shapes': fixed)
         return out, lse, max_logits
 

@@ -63,6 +63,8 @@ SPARSE_SLICES_MIN_HEADS = 64
 #: with them, a token's two row blocks (128 heads) as a cluster pair, each gathering half of every slice and forwarding
 #: it into the other (``SparseMLA(multicast=)``)
 SPARSE_SLICES_MULTICAST = False
+#: with them, persistent blocks (``SparseMLA(persistent=)``): one per SM walking every grid-th token's row block
+SPARSE_PERSISTENT = False
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
 #: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
 #: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
@@ -200,12 +202,14 @@ def mla_decode_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
 
 def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, block_n: int | None = None,
                       num_kv_stages: int | None = None, num_heads: int | None = None,
-                      schedule: str | None = None, multicast: bool | None = None) -> SparseMLAConfig:
+                      schedule: str | None = None, multicast: bool | None = None,
+                      persistent: bool | None = None) -> SparseMLAConfig:
     """The config ``SparseMLA`` compiles: the decode's tile and a schedule ("narrow" up to :data:`NARROW_MAX_ROWS`
     heads; with 16-bit rows and 64-token tiles, "alternate" over per-slice barriers from
     :data:`SPARSE_SLICES_MIN_HEADS`, its cluster pair per :data:`SPARSE_SLICES_MULTICAST`; else "split", FP8 rows
     paired per :data:`SPARSE_MULTICAST`), and for FP8 rows its producer defaults (L2 prefetch, rows in flight); sparse
-    rows always come by cp.async (each row its own gather)."""
+    rows always come by cp.async (each row its own gather); persistent blocks (:data:`SPARSE_PERSISTENT`) where the
+    per-slice consumers run without the pair."""
     if schedule is None:
         slices_apply = (kv_dtype is None and block_n in (None, 64) and num_heads is not None
                         and num_heads >= SPARSE_SLICES_MIN_HEADS)
@@ -221,7 +225,9 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                            slice_release=slices,
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
                            block_rows=d.block_rows, fp8_rope_first=_rope_first(d.kv_dtype, d.block_n, "sparse"),
-                           multicast=bool(pair) if slices else d.multicast)
+                           multicast=bool(pair) if slices else d.multicast,
+                           persistent=(SPARSE_PERSISTENT if persistent is None else persistent) and slices
+                           and not pair)
 
 
 def shipped() -> list[MLADecodeConfig]:
