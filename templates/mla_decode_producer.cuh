@@ -35,6 +35,9 @@
 #ifndef CUKV_MLA_PERSISTENT  // set by the rendered source (MLADecodeConfig.persistent)
 #define CUKV_MLA_PERSISTENT 0
 #endif
+#ifndef CUKV_MLA_NEXT_Q  // set by the rendered source (SparseMLAConfig.next_q)
+#define CUKV_MLA_NEXT_Q 0
+#endif
 
 namespace cukv {
 
@@ -205,6 +208,25 @@ struct MLAKVProducerPipeline {
       }
     }
     mbar_arrive_cp_async(q_full());
+  }
+
+  // SparseMLAConfig.next_q: the query block of work item blockIdx.x + the SM count into L2, the block that starts
+  // about when this one ends (on whichever SM frees first; one block an SM): warps 0 and 1 a row a lane.
+  __device__ void prefetch_next_q(const MLADecodeParams& a, int warp, int lane) const {
+    unsigned sms;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
+    const int idx = (int)(blockIdx.x + sms);
+    if (warp >= 2 || idx >= *a.num_items) return;
+    const MLAWorkItem w = mla_load_item(a, idx);
+    const int r = warp * 32 + lane, R = w.row_block * kMlaBlockM + r;
+    if (r >= QROWS_ || R >= a.rows) return;
+    const int i = R / a.heads, h = R - i * a.heads;
+    const T* nrow = reinterpret_cast<const T*>(a.q_nope) + w.batch * a.q_nope_stride[0] + i * a.q_nope_stride[1] +
+                    h * a.q_nope_stride[2];
+    const T* prow = reinterpret_cast<const T*>(a.q_pe) + w.batch * a.q_pe_stride[0] + i * a.q_pe_stride[1] +
+                    h * a.q_pe_stride[2];
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(nrow), "n"(kMlaNope * (int)sizeof(T)) : "memory");
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(prow), "n"(kMlaRope * (int)sizeof(T)) : "memory");
   }
 
   // Address of token t's row, or null where it must read as zeros.
@@ -635,6 +657,7 @@ struct MLAKVProducerPipeline {
         }
       }
     }
+    if constexpr (CUKV_MLA_NEXT_Q && !persistent) prefetch_next_q(a, warp, lane);  // (this item's tiles all issued)
     cp_async_wait<0>();
   }
 

@@ -426,7 +426,7 @@ def test_narrow_rules():
     assert SparseMLA(16).config.schedule == "narrow" and SparseMLA(48).config.schedule == "split"
     # from SPARSE_SLICES_MIN_HEADS on, 16-bit rows: the alternating consumers over per-slice gathers
     alt = SparseMLA(64).config
-    assert alt.schedule == "alternate" and alt.slice_release and alt.name.endswith("_alt_slices_lr")
+    assert alt.schedule == "alternate" and alt.slice_release and alt.name.endswith("_alt_slices_nq_lr") and alt.next_q
     assert SparseMLA(128, block_n=32).config.schedule == "split"
     assert SparseMLA(128, kv_dtype="fp8_e4m3").config.schedule == "split"
     with pytest.raises(ValueError, match=r"schedule='alternate' gathers 16-bit rows .* got kv_dtype='fp8_e4m3'"):
@@ -438,6 +438,12 @@ def test_narrow_rules():
         SparseMLAConfig("bfloat16", 64, 2, "fp8_e4m3", "alternate", slice_release=True)
     with pytest.raises(ValueError, match=r"SparseMLAConfig\.slice_release=True is not valid"):
         SparseMLAConfig("bfloat16", 32, 4, None, "alternate", slice_release=True)
+    # the next wave's query block prefetch: the per-slice gathers of one item a block only
+    assert not SparseMLA(128, persistent=True).config.next_q and not SparseMLA(16).config.next_q
+    with pytest.raises(ValueError, match=r"SparseMLAConfig\.next_q=True is not valid: .*slice_release=True"):
+        SparseMLAConfig("bfloat16", 64, 2, None, "split", next_q=True)
+    with pytest.raises(ValueError, match=r"SparseMLAConfig\.next_q=1 is not valid; accepted: True, False"):
+        SparseMLAConfig("bfloat16", 64, 2, None, "alternate", slice_release=True, next_q=1)
     assert SparseMLA(16, kv_dtype="fp8_e4m3").config.fp8_rope_first
     assert SparseMLA(32, schedule="split").config.block_rows == 64
     with pytest.raises(ValueError, match="schedule='narrow' serves at most 32 heads"):
@@ -458,7 +464,7 @@ def test_sparse_multicast_field():
     assert "__cluster_dims__(2, 1, 1)" in src and "produce_fp8_pair" in src
     with pytest.raises(ValueError, match=r"multicast=True is not valid"):
         SparseMLA(128, schedule="split", multicast=True)  # 16-bit rows pair only under the per-slice consumers
-    assert SparseMLA(128, multicast=True).config.name.endswith("_alt_slices_mc_lr")
+    assert SparseMLA(128, multicast=True).config.name.endswith("_alt_slices_nq_mc_lr")
     with pytest.raises(ValueError, match=r"num_heads=64 makes 1 row blocks of 64; it needs an even count"):
         SparseMLA(64, kv_dtype="fp8_e4m3", multicast=True)
     with pytest.raises(TypeError, match="multicast"):

@@ -34,7 +34,7 @@ def _pair():
 def test_per_slice_pair_compiles_without_spills():
     """The opt-in cluster pair of the per-slice consumers (each block gathers half of every slice)."""
     cfg = _pair()
-    assert cfg.multicast and cfg.slice_release and cfg.name.endswith("_alt_slices_mc_lr")
+    assert cfg.multicast and cfg.slice_release and cfg.name.endswith("_alt_slices_nq_mc_lr")
     r = compiler.compile_source(cfg.name, cfg.render(), arch=ARCH).functions[cfg.name]
     assert r.spill_stores == 0 and r.stack_frame == 0
     assert "__cluster_dims__(2, 1, 1)" in cfg.render()

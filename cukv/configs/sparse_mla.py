@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .checks import SHORT, check_rule
+from .checks import SHORT, check_bool, check_rule
 from .mla_decode import CONSUMER_REGS, PRODUCER_REGS, SMEM_LIMIT, MLADecodeConfig
 
 #: persistent gathers (``persistent``): the per-slice consumers spill at 216 registers (28 bytes), so they keep 224
@@ -27,6 +27,9 @@ class SparseMLAConfig(MLADecodeConfig):
 
     template = "sparse_mla.cu.j2"
     gathers = True
+    #: the per-slice gathers (``slice_release``, one work item a block) prefetch into L2 the query block of the item
+    #: one wave ahead (``blockIdx.x`` + the SM count) once their last tile is issued (``prefetch_next_q``)
+    next_q: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -39,6 +42,10 @@ class SparseMLAConfig(MLADecodeConfig):
                    "sparse gathers into per-slice stages take block_n=64")
         check_rule(c, "persistent", self.persistent, not (self.persistent and self.multicast),
                    "persistent blocks gather without the cluster pair: use multicast=False, or persistent=False")
+        check_bool(c, "next_q", self.next_q)
+        check_rule(c, "next_q", self.next_q, not self.next_q or (self.slice_release and not self.persistent),
+                   "the next wave's query block is prefetched by the per-slice gathers of one item a block: use "
+                   "slice_release=True and persistent=False, or next_q=False")
         check_rule(c, "num_kv_stages", self.num_kv_stages, self.smem_bytes <= SMEM_LIMIT,
                    f"the ring needs {self.smem_bytes} bytes of shared memory with block_n={self.block_n}; "
                    f"at most {SMEM_LIMIT} (227 KB) fit")
@@ -46,6 +53,9 @@ class SparseMLAConfig(MLADecodeConfig):
     @property
     def regs(self) -> tuple:
         return PERSISTENT_REGS if self.persistent else super().regs
+
+    def render_params(self) -> dict:
+        return {**super().render_params(), "next_q": self.next_q}
 
     @property
     def valid_bytes(self) -> int:
@@ -67,5 +77,6 @@ class SparseMLAConfig(MLADecodeConfig):
         mc = "_mc" if self.multicast else ""
         sl = "_alt_slices" if self.slice_release else ""
         sl += "_ps" if self.persistent else ""
+        sl += "_nq" if self.next_q else ""
         return (f"cukv_sparse_mla_{SHORT[self.dtype]}{kv}_n{self.block_n}_s{self.num_kv_stages}{nr}{pf}{rows}{sl}"
                 f"{mc}{lr}")

@@ -65,6 +65,9 @@ SPARSE_SLICES_MIN_HEADS = 64
 SPARSE_SLICES_MULTICAST = False
 #: with them, persistent blocks (``SparseMLA(persistent=)``): one per SM walking every grid-th token's row block
 SPARSE_PERSISTENT = False
+#: with them (one item a block), the next wave's query block into L2 once an item's tiles are issued
+#: (``SparseMLAConfig.next_q``): 0.975-0.997x the time at h128 and h64 (H200, docs/tuning.md "Sparse MLA")
+SPARSE_NEXT_Q = True
 #: the consumers' lazy O rescale (``MLADecodeConfig.lazy_rescale``): a thread's 128 O values are rescaled only when a
 #: row's max grows by 2^8: 1.04-1.06x at h128, 1.03-1.05x sparse prefill, 1.01-1.02x FP8 sparse decode, level where
 #: memory binds (H100, benchmarks/probe_mla_rescale.py; docs/tuning.md "MLA decode")
@@ -209,16 +212,18 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
     :data:`SPARSE_SLICES_MIN_HEADS`, its cluster pair per :data:`SPARSE_SLICES_MULTICAST`; else "split", FP8 rows
     paired per :data:`SPARSE_MULTICAST`), and for FP8 rows its producer defaults (L2 prefetch, rows in flight); sparse
     rows always come by cp.async (each row its own gather); persistent blocks (:data:`SPARSE_PERSISTENT`) where the
-    per-slice consumers run without the pair."""
+    per-slice consumers run without the pair, else their next wave's query block prefetch (:data:`SPARSE_NEXT_Q`)."""
     if schedule is None:
         slices_apply = (kv_dtype is None and block_n in (None, 64) and num_heads is not None
                         and num_heads >= SPARSE_SLICES_MIN_HEADS)
         schedule = "narrow" if _narrow(num_heads, block_n) else "alternate" if slices_apply else "split"
     slices = schedule == "alternate"  # the alternating consumers over per-slice barriers, each slice gathered
+    pair = False
     if slices:  # a token's two row blocks share each slice's gathers (an even count of row blocks)
         pair = SPARSE_SLICES_MULTICAST and _even_row_blocks(num_heads) if multicast is None else multicast
     elif multicast is None and not SPARSE_MULTICAST:
         multicast = False  # else the decode's rule: FP8 rows, "split", an even count of row blocks
+    ps = bool((SPARSE_PERSISTENT if persistent is None else persistent) and slices and not pair)
     d = mla_decode_config(dtype, kv_dtype, block_n, num_kv_stages, schedule, tma=False, rows=num_heads,
                           multicast=False if slices else multicast, slice_release=False)
     return SparseMLAConfig(d.dtype, d.block_n, d.num_kv_stages, d.kv_dtype, d.schedule, tma=False,
@@ -226,8 +231,7 @@ def sparse_mla_config(dtype: str = "bfloat16", kv_dtype: str | None = None, bloc
                            prefetch_tiles=d.prefetch_tiles, fp8_rows=d.fp8_rows, lazy_rescale=d.lazy_rescale,
                            block_rows=d.block_rows, fp8_rope_first=_rope_first(d.kv_dtype, d.block_n, "sparse"),
                            multicast=bool(pair) if slices else d.multicast,
-                           persistent=(SPARSE_PERSISTENT if persistent is None else persistent) and slices
-                           and not pair)
+                           persistent=ps, next_q=SPARSE_NEXT_Q and slices and not ps)
 
 
 def shipped() -> list[MLADecodeConfig]:
