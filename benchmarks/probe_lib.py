@@ -1,6 +1,6 @@
 """Helpers the probes in this folder share (not part of the wheel): the FP8 probes' cases, a one-line interleaved
-timing report, the tile probes' ``--unchecked`` switch and convert-once grid variants, and an MLA decode op built
-with probe defines.
+timing report, the tile probes' ``--unchecked`` switch and convert-once grid variants, a config compiled with probe
+defines or replaced fields, and an MLA decode op built that way.
 
 Probes run as scripts from the repository root (``python benchmarks/probe_x.py``), so this folder is on their path.
 """
@@ -58,21 +58,35 @@ def once_variant(strategy: str):
             int(strategy.split(":g")[1]) if ":g" in strategy else None)
 
 
-def mla_op_with_defines(heads: int, lens, s_q: int, defines: str):
-    """A ``BatchMLADecode`` planned for ``lens`` and ``s_q`` on the policy's config compiled with ``defines`` (the
-    ``CUKV_DEFINES`` form), and that build's module (its probe globals: ``module.get_global(name)``)."""
+def field_value(text: str):
+    """A config field's value from the command line: ``true``/``false``, an integer, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def compiled_with(cfg, defines: str = "", **fields):
+    """A fresh copy of ``cfg`` with ``fields`` replaced, compiled now under ``defines`` (the ``CUKV_DEFINES`` form; a
+    config object keeps the module it compiled), and that build's module (its probe globals:
+    ``module.get_global(name)``)."""
     import dataclasses
     import os
 
-    from cukv.ops.mla_decode import BatchMLADecode
-
-    dec = BatchMLADecode(heads).plan(lens, s_q)
-    cfg = dataclasses.replace(dec.config)  # a fresh copy: a config object keeps the module it compiled
+    cfg = dataclasses.replace(cfg, **fields)
     os.environ["CUKV_DEFINES"] = defines
     try:
         mod = cfg.compiled.module()
     finally:
         os.environ["CUKV_DEFINES"] = ""
-    dec.config = cfg  # set by hand: plan keeps it
+    return cfg, mod
+
+
+def mla_op_with_defines(heads: int, lens, s_q: int, defines: str):
+    """A ``BatchMLADecode`` planned for ``lens`` and ``s_q`` on the policy's config compiled with ``defines`` (the
+    ``CUKV_DEFINES`` form), and that build's module (:func:`compiled_with`)."""
+    from cukv.ops.mla_decode import BatchMLADecode
+
+    dec = BatchMLADecode(heads).plan(lens, s_q)
+    dec.config, mod = compiled_with(dec.config, defines)  # set by hand: plan keeps it
     dec.plan(lens, s_q)
     return dec, mod

@@ -19,19 +19,13 @@ chunks of that many tiles instead of the plan's choice) and by default ("default
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import numpy as np
+from probe_lib import compiled_with, field_value
 
 
 def _pick(names, text):
     return [n for n in names if any(w in n for w in text.split(","))] if text else []
-
-
-def _value(text):
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def _variants(define, schedule=None, field="", plan=""):
@@ -39,7 +33,7 @@ def _variants(define, schedule=None, field="", plan=""):
     variants, the reference first."""
     if plan:
         name, value = plan.split("=", 1)
-        return (("plan", {}, "", None, {name: _value(value)}), ("default", {}, "", None, {}))
+        return (("plan", {}, "", None, {name: field_value(value)}), ("default", {}, "", None, {}))
     return tuple(v + ({},) for v in _variants_op(define, schedule, field))
 
 
@@ -50,23 +44,9 @@ def _variants_op(define, schedule=None, field=""):
         return (("define", {}, define, None), ("default", {}, "", None))
     if field:
         fields = dict(f.split("=", 1) for f in field.split(","))  # NAME=VALUE[,NAME=VALUE...]
-        return (("field", {k: _value(v) for k, v in fields.items()}, "", None),
+        return (("field", {k: field_value(v) for k, v in fields.items()}, "", None),
                 ("default", {}, "", None))
     return (("eager", {"lazy_rescale": False}, "", None), ("lazy", {"lazy_rescale": True}, "", None))
-
-
-def _config(cfg, fields, define):
-    """A fresh copy of ``cfg`` with ``fields`` replaced, compiled now under ``define``: a config object keeps the
-    module it compiled."""
-    import os
-
-    cfg = dataclasses.replace(cfg, **fields)
-    os.environ["CUKV_DEFINES"] = define
-    try:
-        cfg.compiled
-    finally:
-        os.environ["CUKV_DEFINES"] = ""
-    return cfg
 
 
 def _report(name, timer, fns, outs, rounds, reps):
@@ -113,7 +93,7 @@ def main():
         fns, outs = {}, {}
         for key, fields, define, sched, plan_kw in _variants(args.define, args.schedule, args.field, args.plan):
             dec = BatchMLADecode(heads, schedule=sched).plan(lens, s_q)  # the policy's config for s_q
-            dec.config = _config(dec.config, fields, define)                  # a copy set by hand: plan keeps it
+            dec.config = compiled_with(dec.config, define, **fields)[0]       # a copy set by hand: plan keeps it
             dec.plan(lens, s_q, **plan_kw)
             outs[key] = cp.empty((batch, s_q, heads, 512), cp.uint16)
             fns[key] = (lambda d=dec, o=outs[key]: d.run(q, cache, table, out=o))
@@ -129,7 +109,7 @@ def main():
         fns, outs = {}, {}
         for key, fields, define, sched, _ in _variants(args.define, args.schedule, args.field):
             att = SparseMLA(heads, kv_dtype=kvd, schedule=sched)
-            att.config = _config(att.config, fields, define)
+            att.config = compiled_with(att.config, define, **fields)[0]
             att.plan(tokens, topk)
             outs[key] = cp.empty((tokens, heads, 512), cp.uint16)
             mx = cp.empty((tokens, heads), cp.float32)

@@ -16,7 +16,7 @@ import sys
 
 import cupy as cp
 import numpy as np
-from probe_lib import mla_op_with_defines
+from probe_lib import compiled_with, field_value, mla_op_with_defines
 
 from cukv.bench import mla_decode as bd
 from cukv.bench import sparse_mla as bs
@@ -38,9 +38,6 @@ def stamps(mod, n, run):
 
 def sparse_runs(words, define, fields):
     """(name, op, module, run, tiles per item) for the ``bench sparse-mla`` shapes named by ``words``."""
-    import dataclasses
-    import os
-
     from cukv.ops.sparse_mla import SparseMLA
 
     for name, kind, n, s_q, heads, topk, s_kv in bs.SHAPES:
@@ -49,15 +46,7 @@ def sparse_runs(words, define, fields):
         tokens = n * s_q
         target, kvd, q, idx, sink = bs.problem(kind, n, s_q, heads, topk, s_kv)
         att = SparseMLA(heads, kv_dtype=kvd)
-        # a fresh copy: a config object keeps the module it compiled
-        cfg = dataclasses.replace(att.config, **{k: v.lower() == "true" if v.lower() in ("true", "false") else int(v)
-                                                 for k, v in fields.items()})
-        os.environ["CUKV_DEFINES"] = define
-        try:
-            mod = cfg.compiled.module()
-        finally:
-            os.environ["CUKV_DEFINES"] = ""
-        att.config = cfg
+        att.config, mod = compiled_with(att.config, define, **fields)
         att.plan(tokens, topk)
         out = cp.empty((tokens, heads, 512), cp.uint16)
         items = att._items.get()[:att.num_items]
@@ -79,7 +68,7 @@ def dense_runs(words, define):
 
 words = sys.argv[1].split(",")
 define = f"CUKV_MLA_TIMELINE {sys.argv[2] if len(sys.argv) > 2 else ''}".strip()
-fields = dict(f.split("=", 1) for f in sys.argv[3].split(",")) if len(sys.argv) > 3 else {}
+fields = {k: field_value(v) for k, v in (f.split("=", 1) for f in sys.argv[3].split(","))} if len(sys.argv) > 3 else {}
 for name, op, mod, run, tiles in itertools.chain(dense_runs(words, define), sparse_runs(words, define, fields)):
     if getattr(op.config, "persistent", False) and hasattr(op, "_grid") and op.config.gathers:
         # persistent sparse blocks: rows per (token, row block) = item; stamps 2, 5, 6 per item

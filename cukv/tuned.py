@@ -40,8 +40,6 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip() != "0"
 
 
-
-
 def record_key(device: str, dtype: str, head_dim: int, page_size: int) -> str:
     return f"{device}|{dtype}|{int(head_dim)}|{int(page_size)}"
 

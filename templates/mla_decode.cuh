@@ -22,17 +22,21 @@
 // sparse blocks stamp 2, 3, 5 and 6 (and 7) of each item in the row of its (token, row block), the prefill's item order.
 #ifdef CUKV_MLA_TIMELINE
 extern "C" __device__ unsigned long long cukv_mla_timeline[16384 * 8];
-#define MLA_TIMELINE_AT_ROW(row, k) (cukv_mla_timeline[(row) * 8 + (k)] = cukv::globaltimer_ns())
+// stamp k of row `row`, with the SM it ran on
+#define MLA_TIMELINE_AT_ROW(row, k)                                       \
+  do {                                                                    \
+    cukv_mla_timeline[(row) * 8 + (k)] = cukv::globaltimer_ns();          \
+    unsigned sm_;                                                         \
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));                      \
+    cukv_mla_timeline[(row) * 8 + 7] = sm_;                               \
+  } while (0)
 #define MLA_TIMELINE_AT(k) MLA_TIMELINE_AT_ROW(blockIdx.x, k)
 #define MLA_TIMELINE(k)                                                   \
   do {                                                                    \
-    if (threadIdx.x == 0) {                                               \
-      MLA_TIMELINE_AT(k);                                                 \
-      unsigned sm;                                                        \
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));                      \
-      cukv_mla_timeline[blockIdx.x * 8 + 7] = sm;                         \
-    }                                                                     \
+    if (threadIdx.x == 0) MLA_TIMELINE_AT(k);                             \
   } while (0)
+// the row of work item w in a persistent sparse block (its (token, row block): the prefill's item order)
+#define MLA_TIMELINE_ITEM_ROW(a, w) ((w).batch * (a).row_blocks + (w).row_block)
 #else
 #define MLA_TIMELINE_AT_ROW(row, k) ((void)0)
 #define MLA_TIMELINE_AT(k) ((void)0)

@@ -366,13 +366,8 @@ struct MLADecodeSliceConsumer : MLADecodeAltConsumer<T, BN, STAGES, false, true,
     mbar_wait(pipe.q_full(), Pipe::persistent ? item & 1 : 0);
     if (n_tiles <= g) release_q(g - 2, n_tiles);  // (a warpgroup with no tile of this item reads no query block)
 #ifdef CUKV_MLA_TIMELINE
-    const int tl_row = Pipe::persistent && SPARSE ? w.batch * a.row_blocks + w.row_block : (int)blockIdx.x;
-    if (g == 0 && t == 0) {
-      MLA_TIMELINE_AT_ROW(tl_row, 5);
-      unsigned sm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      cukv_mla_timeline[tl_row * 8 + 7] = sm;
-    }
+    const int tl_row = Pipe::persistent && SPARSE ? MLA_TIMELINE_ITEM_ROW(a, w) : (int)blockIdx.x;
+    if (g == 0 && t == 0) MLA_TIMELINE_AT_ROW(tl_row, 5);
 #endif
     fence_proxy_async();
     CUKV_MLA_WS(6, if (g == 0) consume0(a, w, n_tiles, lim0, lim1); else consume1(a, w, n_tiles, lim0, lim1));

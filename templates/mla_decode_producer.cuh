@@ -210,8 +210,9 @@ struct MLAKVProducerPipeline {
     mbar_arrive_cp_async(q_full());
   }
 
-  // SparseMLAConfig.next_q: the query block of work item blockIdx.x + the SM count into L2, the block that starts
-  // about when this one ends (on whichever SM frees first; one block an SM): warps 0 and 1 a row a lane.
+  // SparseMLAConfig.next_q: the query block of work item blockIdx.x + %nsmid into L2, the block that starts about
+  // when this one ends (on whichever SM frees first; one block an SM): warps 0 and 1 a row a lane, each row's address
+  // as load_q forms it.
   __device__ void prefetch_next_q(const MLADecodeParams& a, int warp, int lane) const {
     unsigned sms;
     asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
@@ -662,7 +663,8 @@ struct MLAKVProducerPipeline {
   }
 
   // persistent: gather_slices for this block's work items blockIdx.x, blockIdx.x + gridDim.x, ... (each cut at its
-  // token's valid prefix), the ring running on across them.
+  // token's valid prefix), the ring running on across them. The consumers' mla_for_block_items walk, written out:
+  // through its lambda the producer spills 20 bytes in its 56 registers, as a member loop 8.
   __device__ void gather_items(const MLADecodeParams& a, int warp, int lane) const {
     static_assert(persistent, "persistent blocks");
     int ring0 = 0;

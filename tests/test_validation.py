@@ -206,7 +206,7 @@ SCALARS = {
                                  "block_n": [(True, ValueError), (48, ValueError), ("64", ValueError)],
                                  "num_kv_stages": OPTIONAL_POSITIVE_INT + [(1, ValueError), (9, ValueError)],
                                  "schedule": [("alt", ValueError), (1, ValueError), (True, ValueError)],
-                                 "multicast": OPTIONAL_BOOL}),
+                                 "multicast": OPTIONAL_BOOL, "persistent": OPTIONAL_BOOL}),
     "SparseMLA.plan": (_sparse_plan, {"num_tokens": POSITIVE_INT, "topk": POSITIVE_INT,
                                       "chunk_tiles": OPTIONAL_POSITIVE_INT}),
     "SparseMLA.run": (lambda **kw: _sparse_ctor().run(None, None, None, **kw),

@@ -215,8 +215,6 @@ def _peer_fns(torch, cache, table, q, out, batch, ctx, hq, d, row) -> dict:
     return fns
 
 
-
-
 def warm_load_ms() -> float:
     """Milliseconds for a fresh process to get decode ready from the disk cache (CUKV_NO_COMPILE=1)."""
     code = ("import time,cupy;cupy.cuda.runtime.getDeviceCount();cupy.zeros(1);import cukv;t=time.perf_counter();"

@@ -332,8 +332,6 @@ def failed(result) -> list[str]:
     return [f"{shape_label(r)} {e}: {r[f'{e}_error']}" for r in result["rows"] for e in ENGINES if f"{e}_error" in r]
 
 
-
-
 def _num(x, fmt) -> str:
     return "n/a" if x is None else format(x, fmt)
 

@@ -9,7 +9,7 @@ from .checks import SHORT, check_bool, check_rule
 from .mla_decode import CONSUMER_REGS, PRODUCER_REGS, SMEM_LIMIT, MLADecodeConfig
 
 #: persistent gathers (``persistent``): the per-slice consumers spill at 216 registers (28 bytes), so they keep 224
-#: and the producer's item loop spills instead (20 bytes at 56)
+#: and the producer's item loop spills instead (8 bytes at 56)
 PERSISTENT_REGS = (PRODUCER_REGS, CONSUMER_REGS)
 
 
@@ -28,7 +28,8 @@ class SparseMLAConfig(MLADecodeConfig):
     template = "sparse_mla.cu.j2"
     gathers = True
     #: the per-slice gathers (``slice_release``, one work item a block) prefetch into L2 the query block of the item
-    #: one wave ahead (``blockIdx.x`` + the SM count) once their last tile is issued (``prefetch_next_q``)
+    #: one wave ahead (``blockIdx.x`` + ``%nsmid``, one block an SM) once their last tile is issued
+    #: (``MLAKVProducerPipeline::prefetch_next_q``)
     next_q: bool = False
 
     def __post_init__(self):

@@ -151,6 +151,11 @@ def choose_cluster(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms:
     return c if c >= 2 and math.ceil(max_kv_len / c) <= CLUSTER_MAX_TOKENS else 0
 
 
+def _for_gpu(table, device_name: str | None, default):
+    """The value of the first ``(substring, value)`` of ``table`` found in ``device_name``, else ``default``."""
+    return next((v for key, v in table if device_name and key in device_name), default)
+
+
 def ring_min_bytes(device_name: str | None) -> int:
     """The K/V bytes per step from which ``BatchDecode.plan`` stages strips in the ring, on the GPU named
     ``device_name`` (:data:`RING_MIN_BYTES_BY_GPU`, else :data:`RING_MIN_BYTES`).
@@ -159,7 +164,7 @@ def ring_min_bytes(device_name: str | None) -> int:
     >>> [ring_min_bytes(n) >> 20 for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", None)]
     [0, 192, 192]
     """
-    return next((b for key, b in RING_MIN_BYTES_BY_GPU if device_name and key in device_name), RING_MIN_BYTES)
+    return _for_gpu(RING_MIN_BYTES_BY_GPU, device_name, RING_MIN_BYTES)
 
 
 def at_gpu_occupancy(config: DecodeConfig, device_name: str | None) -> DecodeConfig:
@@ -172,7 +177,7 @@ def at_gpu_occupancy(config: DecodeConfig, device_name: str | None) -> DecodeCon
     >>> [at_gpu_occupancy(ring, n).min_blocks for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", None)]
     [3, 1, 1]
     """
-    mb = next((m for key, m in FP8_RING_MIN_BLOCKS if device_name and key in device_name), 1)
+    mb = _for_gpu(FP8_RING_MIN_BLOCKS, device_name, 1)
     if not (config.quantized and config.stages) or mb == config.min_blocks:
         return config
     try:
